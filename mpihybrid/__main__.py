@@ -1,0 +1,3 @@
+from mpihybrid.cli import main
+
+main()
