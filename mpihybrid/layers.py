@@ -1,0 +1,221 @@
+"""numpy layers as forward/backward pairs, plus the softmax cross-entropy loss.
+
+`forward(x)` returns `(y, cache)`; the cache holds exactly what the backward pass needs.
+The backward pass comes in two halves so that zero-bubble schedules can run them at
+different times: `backward_input` (dx, needed at once by the previous stage) and
+`backward_weight` (weight gradients, which can wait). `backward` is both in a row.
+Weight gradients are accumulated (`+=`) into the bound gradient views, so micro-batches
+sum without extra buffers; whoever owns the buffers zeroes them once per step.
+
+Parameters live elsewhere (one flat buffer per stage, see model.py): a layer only gets
+views of them through `bind`. Everything is computed in the input's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# B = rows (all leading dimensions flattened), C = features, K = classes
+
+
+class Layer:
+    """A layer without parameters unless a subclass declares some in `param_shapes`."""
+
+    params: dict[str, np.ndarray]
+    grads: dict[str, np.ndarray]
+
+    def __init__(self) -> None:
+        self.params = {}
+        self.grads = {}
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def init_params(self, params: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+        """Fill `params` (arrays shaped as `param_shapes`) in place."""
+
+    def bind(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+        """Use these arrays (views into a stage's flat buffers) as parameters and gradients."""
+        self.params = params
+        self.grads = grads
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        raise NotImplementedError
+
+    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+        raise NotImplementedError
+
+    def backward_weight(self, wcache: object) -> None:
+        """Accumulate weight gradients; nothing to do without parameters."""
+
+    def backward(self, dy: np.ndarray, cache: object) -> np.ndarray:
+        dx, wcache = self.backward_input(dy, cache)
+        self.backward_weight(wcache)
+        return dx
+
+    def flops(self, batch: int) -> int:
+        """Forward FLOPs for `batch` rows; elementwise layers count 0 next to the matmuls."""
+        return 0
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """(..., C) -> (B, C) without copying."""
+    return a.reshape(-1, a.shape[-1])
+
+
+class Linear(Layer):
+    """y = x @ W + b with W of shape (in, out)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = bias
+
+    def __repr__(self) -> str:
+        return f"Linear({self.in_features}, {self.out_features}, bias={self.bias})"
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {"weight": (self.in_features, self.out_features)}
+        if self.bias:
+            shapes["bias"] = (self.out_features,)
+        return shapes
+
+    def init_params(self, params: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+        # He init keeps the activation scale roughly constant through ReLU stacks
+        std = math.sqrt(2.0 / self.in_features)
+        params["weight"][...] = rng.standard_normal(params["weight"].shape) * std
+        if self.bias:
+            params["bias"][...] = 0.0
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        w = self.params["weight"].astype(x.dtype, copy=False)
+        y = x @ w
+        if self.bias:
+            y += self.params["bias"].astype(x.dtype, copy=False)
+        return y, x
+
+    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+        x = cache
+        dx = dy @ self.params["weight"].astype(dy.dtype, copy=False).T
+        return dx, (x, dy)
+
+    def backward_weight(self, wcache: object) -> None:
+        x, dy = wcache
+        dy2 = _rows(dy)
+        self.grads["weight"] += _rows(x).T @ dy2
+        if self.bias:
+            self.grads["bias"] += dy2.sum(axis=0)
+
+    def flops(self, batch: int) -> int:
+        return 2 * batch * self.in_features * self.out_features
+
+
+class ReLU(Layer):
+    def __repr__(self) -> str:
+        return "ReLU()"
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        # a boolean mask is all backward needs, at 1 byte per element
+        mask = x > 0
+        return x * mask, mask
+
+    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+        return dy * cache, None
+
+
+_GELU_K = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+
+
+class GELU(Layer):
+    """GELU, tanh approximation: 0.5 x (1 + tanh(k (x + a x^3)))."""
+
+    def __repr__(self) -> str:
+        return "GELU()"
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        t = np.tanh(_GELU_K * (x + _GELU_A * x**3))
+        y = 0.5 * x * (1.0 + t)
+        return y, (x, t)
+
+    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+        x, t = cache
+        dinner = _GELU_K * (1.0 + 3.0 * _GELU_A * x * x)
+        dydx = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
+        return dy * dydx, None
+
+
+class LayerNorm(Layer):
+    """Normalise over the last dimension, then scale and shift: y = xhat * weight + bias."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+
+    def __repr__(self) -> str:
+        return f"LayerNorm({self.dim}, eps={self.eps})"
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": (self.dim,), "bias": (self.dim,)}
+
+    def init_params(self, params: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+        params["weight"][...] = 1.0
+        params["bias"][...] = 0.0
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        mean = x.mean(axis=-1, keepdims=True)
+        xc = x - mean
+        var = np.mean(xc * xc, axis=-1, keepdims=True)
+        rstd = 1.0 / np.sqrt(var + x.dtype.type(self.eps))
+        xhat = np.multiply(xc, rstd, out=xc)
+        y = xhat * self.params["weight"].astype(x.dtype, copy=False)
+        y += self.params["bias"].astype(x.dtype, copy=False)
+        return y, (xhat, rstd)
+
+    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+        xhat, rstd = cache
+        dxhat = dy * self.params["weight"].astype(dy.dtype, copy=False)
+        # d/dx of (x - mean) * rstd, with both mean and rstd depending on x
+        dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
+        dx -= xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True)
+        dx *= rstd
+        return dx, (xhat, dy)
+
+    def backward_weight(self, wcache: object) -> None:
+        xhat, dy = wcache
+        dy2 = _rows(dy)
+        self.grads["weight"] += np.einsum("bc,bc->c", dy2, _rows(xhat))
+        self.grads["bias"] += dy2.sum(axis=0)
+
+
+class SoftmaxCrossEntropy:
+    """Mean cross-entropy of softmax(logits (..., K)) against integer targets (...)."""
+
+    def forward(self, logits: np.ndarray, targets: np.ndarray) -> tuple[float, object]:
+        z = _rows(logits)
+        t = np.asarray(targets).reshape(-1)
+        rows = np.arange(z.shape[0])
+        # subtracting the row max keeps exp() from overflowing; softmax is unchanged by it
+        probs = z - z.max(axis=1, keepdims=True)
+        target_logit = probs[rows, t]
+        np.exp(probs, out=probs)
+        total = probs.sum(axis=1, keepdims=True)
+        loss = float(np.mean(np.log(total[:, 0]) - target_logit))
+        probs /= total
+        return loss, (probs, t, logits.shape)
+
+    def backward(self, cache: object, scale: float = 1.0) -> np.ndarray:
+        """Gradient of `scale * loss` with respect to the logits."""
+        probs, t, shape = cache
+        dlogits = probs.copy()
+        dlogits[np.arange(t.shape[0]), t] -= 1.0
+        dlogits *= probs.dtype.type(scale / t.shape[0])
+        return dlogits.reshape(shape)
+
+    def correct(self, cache: object) -> int:
+        probs, t, _ = cache
+        return int(np.count_nonzero(probs.argmax(axis=1) == t))

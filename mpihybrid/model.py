@@ -1,0 +1,214 @@
+"""Models as lists of blocks, partitioned into contiguous stages with flat buffers.
+
+A block is the unit of partitioning (one hidden Linear with its norm and activation, or
+the head). `partition` splits the blocks into chunks of balanced parameter count; a
+`Stage` owns one chunk and keeps all its parameters in ONE flat buffer (and its
+gradients in another with the same layout), so the all-reduce, the optimizer and
+checkpoints each see a single contiguous array.
+
+Block g is initialised from `np.random.default_rng([seed, g])` whatever stage it lands
+in, so any split of the model holds exactly the parameters of the unsplit model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mpihybrid.layers import GELU, Layer, LayerNorm, Linear, ReLU
+
+# B = rows of a micro-batch, C = features, K = classes
+
+Block = list[Layer]
+
+_ACTIVATIONS = {"relu": ReLU, "gelu": GELU}
+
+
+def build_blocks(cfg, in_features: int, num_classes: int) -> list[Block]:
+    """Blocks of an MLP: `depth - 1` hidden blocks [Linear, (LayerNorm), act], then the head.
+
+    `cfg` needs: kind ("mlp"), hidden, depth (number of Linear layers), activation, norm.
+    """
+    if cfg.kind != "mlp":
+        raise ValueError(f"model.kind = {cfg.kind!r}: build_blocks knows only 'mlp'")
+    if cfg.depth < 1:
+        raise ValueError(f"model.depth = {cfg.depth}: need at least 1 Linear layer")
+    if cfg.activation not in _ACTIVATIONS:
+        raise ValueError(
+            f"model.activation = {cfg.activation!r}: choose one of {sorted(_ACTIVATIONS)}"
+        )
+    blocks: list[Block] = []
+    width = in_features
+    for _ in range(cfg.depth - 1):
+        block: Block = [Linear(width, cfg.hidden)]
+        if cfg.norm:
+            block.append(LayerNorm(cfg.hidden))
+        block.append(_ACTIVATIONS[cfg.activation]())
+        blocks.append(block)
+        width = cfg.hidden
+    blocks.append([Linear(width, num_classes)])
+    return blocks
+
+
+def block_num_params(block: Block) -> int:
+    return sum(math.prod(s) for layer in block for s in layer.param_shapes().values())
+
+
+def partition(param_counts: list[int], num_chunks: int) -> list[range]:
+    """Split blocks into `num_chunks` contiguous non-empty ranges, minimising the largest sum.
+
+    Exact. Among the splits with the smallest maximum, the one with the smallest sum of
+    squares wins (the other chunks are balanced too); a remaining tie goes to the split
+    whose chunk boundaries come first.
+    """
+    n = len(param_counts)
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks = {num_chunks}: need at least 1")
+    if n < num_chunks:
+        raise ValueError(
+            f"cannot split {n} blocks into {num_chunks} non-empty chunks: "
+            f"use fewer stages (pp * virtual stages) or a deeper model"
+        )
+    prefix = [0]
+    for c in param_counts:
+        prefix.append(prefix[-1] + c)
+
+    # pass 1: smallest achievable maximum; best_max[j][i] = first i blocks in j chunks
+    inf = float("inf")
+    best_max = [[inf] * (n + 1) for _ in range(num_chunks + 1)]
+    best_max[0][0] = 0
+    for j in range(1, num_chunks + 1):
+        for i in range(j, n - (num_chunks - j) + 1):
+            best_max[j][i] = min(
+                max(best_max[j - 1][s], prefix[i] - prefix[s]) for s in range(j - 1, i)
+            )
+    limit = best_max[num_chunks][n]
+
+    # pass 2: among splits whose chunks all fit in `limit`, the smallest sum of squares
+    best_sq = [[inf] * (n + 1) for _ in range(num_chunks + 1)]
+    start = [[0] * (n + 1) for _ in range(num_chunks + 1)]
+    best_sq[0][0] = 0
+    for j in range(1, num_chunks + 1):
+        for i in range(j, n - (num_chunks - j) + 1):
+            for s in range(j - 1, i):
+                size = prefix[i] - prefix[s]
+                if size > limit or best_sq[j - 1][s] == inf:
+                    continue
+                cost = best_sq[j - 1][s] + size * size
+                if cost < best_sq[j][i]:  # strict: the earliest boundary keeps a tie
+                    best_sq[j][i] = cost
+                    start[j][i] = s
+
+    ranges: list[range] = []
+    i = n
+    for j in range(num_chunks, 0, -1):
+        s = start[j][i]
+        ranges.append(range(s, i))
+        i = s
+    return ranges[::-1]
+
+
+class Stage:
+    """A contiguous slice of blocks that one rank owns (one model chunk)."""
+
+    def __init__(
+        self, blocks: list[Block], first_block: int, seed: int, dtype: np.dtype = np.float32
+    ) -> None:
+        self.blocks = blocks
+        self.block_range = range(first_block, first_block + len(blocks))
+        self.layers: list[Layer] = [layer for block in blocks for layer in block]
+        self.num_params = sum(block_num_params(b) for b in blocks)
+        self.flat_params = np.zeros(self.num_params, dtype=dtype)
+        self.flat_grads = np.zeros(self.num_params, dtype=dtype)
+
+        offset = 0
+        for g, block in zip(self.block_range, blocks, strict=True):
+            rng = np.random.default_rng([seed, g])
+            for layer in block:
+                params, grads = {}, {}
+                for name, shape in layer.param_shapes().items():
+                    size = math.prod(shape)
+                    params[name] = self.flat_params[offset : offset + size].reshape(shape)
+                    grads[name] = self.flat_grads[offset : offset + size].reshape(shape)
+                    offset += size
+                layer.bind(params, grads)
+                layer.init_params(params, rng)
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        # the caches keep references to their inputs (x included): a caller must not
+        # overwrite x in place until the matching backward has run
+        caches = []
+        for layer in self.layers:
+            x, cache = layer.forward(x)
+            caches.append(cache)
+        return x, caches
+
+    def backward(self, dy: np.ndarray, cache: object) -> np.ndarray:
+        for layer, c in zip(reversed(self.layers), reversed(cache), strict=True):
+            dy = layer.backward(dy, c)
+        return dy
+
+    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+        wcaches = []
+        for layer, c in zip(reversed(self.layers), reversed(cache), strict=True):
+            dy, wcache = layer.backward_input(dy, c)
+            wcaches.append(wcache)
+        return dy, wcaches[::-1]
+
+    def backward_weight(self, wcache: object) -> None:
+        for layer, wc in zip(self.layers, wcache, strict=True):
+            layer.backward_weight(wc)
+
+    def zero_grad(self) -> None:
+        self.flat_grads.fill(0)
+
+    def flops(self, batch: int) -> int:
+        """Forward FLOPs for `batch` rows (a full backward costs about twice as much)."""
+        return sum(layer.flops(batch) for layer in self.layers)
+
+    def activation_nbytes(self, cache: object) -> int:
+        """Bytes of the arrays a forward (or weight) cache keeps alive, each counted once."""
+        # keyed by (address, size): the same memory reached through two views counts once,
+        # while a slice of a big array (a micro-batch of the data set) counts only itself
+        seen: set[tuple[int, int]] = set()
+        stack = [cache]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, np.ndarray):
+                seen.add((item.__array_interface__["data"][0], item.nbytes))
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+        return sum(nbytes for _, nbytes in seen)
+
+
+def stage_ranges(cfg, in_features: int, num_classes: int, num_chunks: int) -> list[range]:
+    """Which blocks each of `num_chunks` model chunks holds."""
+    blocks = build_blocks(cfg, in_features, num_classes)
+    return partition([block_num_params(b) for b in blocks], num_chunks)
+
+
+def build_stage(
+    cfg,
+    in_features: int,
+    num_classes: int,
+    chunk: int,
+    num_chunks: int,
+    seed: int,
+    dtype: np.dtype = np.float32,
+) -> Stage:
+    """Model chunk `chunk` of `num_chunks`; `build_stage(cfg, ..., 0, 1, seed)` is all of it."""
+    if not 0 <= chunk < num_chunks:
+        raise ValueError(f"chunk = {chunk}: must be in [0, {num_chunks})")
+    blocks = build_blocks(cfg, in_features, num_classes)
+    r = partition([block_num_params(b) for b in blocks], num_chunks)[chunk]
+    return Stage(blocks[r.start : r.stop], r.start, seed, dtype)
+
+
+def boundary_shapes(
+    cfg, in_features: int, num_classes: int, num_chunks: int, batch: int
+) -> list[tuple[int, ...]]:
+    """Input shape of each chunk for `batch` rows: what crosses each pipeline boundary."""
+    blocks = build_blocks(cfg, in_features, num_classes)
+    ranges = partition([block_num_params(b) for b in blocks], num_chunks)
+    return [(batch, blocks[r.start][0].in_features) for r in ranges]
