@@ -1,0 +1,282 @@
+"""A job: TOML file -> one frozen dataclass per section, `--set` overrides, validation.
+
+Command line beats file beats defaults:
+
+    mpiexec -n 12 mpihybrid train jobs/seed_k3_d4.toml --set train.steps=20 --set comm.codec=fp32
+
+Validation needs only the job and the world size, so every rank reaches the same verdict before
+any message is sent; errors show the whole formula (`pp(4) * dp(3) = 12 != world size 8`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+CODECS = ("fp32", "fp16", "bf16", "int8")
+OPTIMIZERS = ("sgd", "adamw")
+ORDERS = ("pipeline-inner", "data-inner")
+
+
+class ConfigError(ValueError):
+    """A job that cannot run; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class GridConfig:
+    pp: int = 1  # pipeline stages per pipeline
+    dp: int = -1  # data-parallel replicas per stage; -1 = world size // pp
+    order: str = "pipeline-inner"  # pipeline-inner: rank = dp_rank*pp + pp_rank; data-inner: swapped
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "mlp"
+    hidden: int = 64  # width of every hidden layer
+    depth: int = 6  # number of Linear layers (the last one is the classifier head)
+    activation: str = "relu"  # relu | gelu
+    norm: bool = False  # LayerNorm after each hidden Linear
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    kind: str = "teacher"  # X ~ N(0, 1), y = [X . w_true > 0]
+    features: int = 120
+    train_samples: int = 16384
+    test_samples: int = 2048
+    seed: int = 1234  # draws the teacher and the samples
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 96  # samples per step over all replicas; split into dp shards of M micro-batches
+    microbatches: int = 4  # M, per replica per step
+    schedule: str = "1f1b"
+    virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b)
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9  # sgd
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    seed: int = 0  # parameter initialisation
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    codec: str = "fp32"  # gradient all-reduce: fp32 | fp16 | bf16 | int8
+    block: int = 256  # int8: elements per absmax scale
+    error_feedback: bool = True  # lossy codecs carry their quantisation error into the next step
+    sync_sends: bool = False  # pipeline sends with Issend (proves no reliance on eager buffering)
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    path: str = ""  # HDF5 trace written by rank 0 at the end; "" = none
+    overwrite: bool = False  # replace an existing trace file
+
+
+@dataclass(frozen=True)
+class Job:
+    grid: GridConfig = field(default_factory=GridConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+
+
+SECTIONS = {f.name: f.type for f in fields(Job)}
+_SECTION_TYPES = {f.name: f.default_factory for f in fields(Job)}
+
+
+def default_job_table(world_size: int) -> dict:
+    """The embedded job: runs on any world size (pp=2 when it is even, else pp=1)."""
+    pp = 2 if world_size % 2 == 0 else 1
+    dp = world_size // pp
+    return {
+        "grid": {"pp": pp, "dp": dp},
+        "train": {"steps": 30, "microbatches": 4, "global_batch": 32 * dp},
+    }
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """'train.steps=20' -> ('train', 'steps', 20); a value that is not TOML is a bare string."""
+    key, sep, raw = text.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not section or not name:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. train.steps=20")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, name, value
+
+
+def load_table(path: str | Path | None) -> dict:
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"job file {str(p)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"job file {str(p)!r} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"job file {str(p)!r} is not a text file") from None
+
+
+def _check_type(where: str, value: Any, default: Any) -> Any:
+    want = type(default)
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) != (want is bool) or not isinstance(value, want):
+        raise ConfigError(
+            f"{where} = {value!r}: expected {want.__name__}, got {type(value).__name__}"
+        )
+    return value
+
+
+def build_job(table: dict, overrides: list[str] = ()) -> Job:
+    """Merge a parsed TOML table and `--set` overrides into a Job (types checked, not validated)."""
+    merged: dict[str, dict] = {}
+    for section, values in table.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}]; known: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table of key = value")
+        merged[section] = dict(values)
+    for text in overrides:
+        section, name, value = parse_override(text)
+        if section not in SECTIONS:
+            raise ConfigError(f"--set {text!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
+        merged.setdefault(section, {})[name] = value
+    parts = {}
+    for section, factory in _SECTION_TYPES.items():
+        defaults = factory()
+        known = {f.name: getattr(defaults, f.name) for f in fields(defaults)}
+        values = merged.get(section, {})
+        for name, value in values.items():
+            if name not in known:
+                raise ConfigError(
+                    f"unknown key {section}.{name}; [{section}] has: {', '.join(known)}"
+                )
+            values[name] = _check_type(f"{section}.{name}", value, known[name])
+        parts[section] = dataclasses.replace(defaults, **values)
+    return Job(**parts)
+
+
+def resolve(job: Job, world_size: int) -> Job:
+    """Fill dp = -1 from the world size, then validate everything against it."""
+    g = job.grid
+    if g.pp < 1:
+        raise ConfigError(f"grid.pp = {g.pp}: must be >= 1")
+    dp = g.dp
+    if dp == -1:
+        if world_size % g.pp:
+            raise ConfigError(
+                f"grid.dp = -1 needs world size {world_size} divisible by pp({g.pp})"
+            )
+        dp = world_size // g.pp
+    if dp < 1:
+        raise ConfigError(f"grid.dp = {dp}: must be >= 1 (or -1 for world size // pp)")
+    if g.pp * dp != world_size:
+        raise ConfigError(f"pp({g.pp}) * dp({dp}) = {g.pp * dp} != world size {world_size}")
+    job = dataclasses.replace(job, grid=dataclasses.replace(g, dp=dp))
+    validate(job)
+    return job
+
+
+def _one_of(where: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{where} = {value!r}: unknown; choose one of {', '.join(allowed)}")
+
+
+def validate(job: Job) -> None:
+    """Every rule that needs only the job; raises ConfigError with the rule and its numbers."""
+    g, m, d, t, c = job.grid, job.model, job.data, job.train, job.comm
+    _one_of("grid.order", g.order, ORDERS)
+    _one_of("model.kind", m.kind, ("mlp",))
+    _one_of("model.activation", m.activation, ("relu", "gelu"))
+    _one_of("data.kind", d.kind, ("teacher",))
+    _one_of("train.schedule", t.schedule, SCHEDULES)
+    _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+    _one_of("comm.codec", c.codec, CODECS)
+    for where, value, low in [
+        ("model.hidden", m.hidden, 1),
+        ("model.depth", m.depth, 1),
+        ("data.features", d.features, 1),
+        ("data.train_samples", d.train_samples, 1),
+        ("data.test_samples", d.test_samples, 1),
+        ("train.steps", t.steps, 0),
+        ("train.global_batch", t.global_batch, 1),
+        ("train.microbatches", t.microbatches, 1),
+        ("train.virtual_stages", t.virtual_stages, 1),
+        ("comm.block", c.block, 1),
+    ]:
+        if value < low:
+            raise ConfigError(f"{where} = {value}: must be >= {low}")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr = {t.lr}: must be > 0")
+    per_step = g.dp * t.microbatches
+    if t.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch({t.global_batch}) is not divisible by "
+            f"dp({g.dp}) * microbatches({t.microbatches}) = {per_step}"
+        )
+    if t.global_batch > d.train_samples:
+        raise ConfigError(
+            f"train.global_batch({t.global_batch}) > data.train_samples({d.train_samples})"
+        )
+    from mpihybrid.schedules import ScheduleError, check_config
+
+    try:
+        check_config(t.schedule, g.pp, t.microbatches, t.virtual_stages)
+    except ScheduleError as exc:
+        raise ConfigError(str(exc)) from None
+    chunks = g.pp * t.virtual_stages
+    if m.depth < chunks:
+        raise ConfigError(
+            f"model.depth({m.depth}) < pp({g.pp}) * virtual_stages({t.virtual_stages}) = {chunks}:"
+            " every stage needs at least one layer"
+        )
+    if len(t.betas) != 2 or not all(isinstance(b, (int, float)) for b in t.betas):
+        raise ConfigError(f"train.betas = {t.betas!r}: expected two numbers")
+
+
+def to_toml(job: Job) -> str:
+    """The resolved job as TOML text (stored in traces; loads back with build_job)."""
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        part = getattr(job, section)
+        for f in fields(part):
+            lines.append(f"{f.name} = {_toml_value(getattr(part, f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def load_job(path: str | Path | None, overrides: list[str], world_size: int) -> Job:
+    """Job file (or the embedded default) + overrides, resolved for `world_size`."""
+    table = load_table(path) if path is not None else default_job_table(world_size)
+    return resolve(build_job(table, overrides), world_size)
