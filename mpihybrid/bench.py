@@ -1,0 +1,170 @@
+"""All-reduce benchmark: the hand-written ring (each codec) against MPI's own Allreduce.
+
+    mpiexec -n 4 python -m mpihybrid.bench
+    mpiexec -n 4 python -m mpihybrid.bench --sizes 1M,16M --codecs fp32,int8 --repeats 10
+
+Both sum the same float32 buffer in the same process. Definitions follow nccl-tests:
+    time   median over repeats of the slowest rank's time for one call
+    algbw  size / time
+    busbw  algbw * 2 (n - 1) / n: the bandwidth each link would need for a ring to take `time`
+    wire   bytes one rank puts on the wire per call (largest over ranks; unknown for MPI's own)
+    ratio  ring time / MPI time at the same size
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from mpihybrid.allreduce import RingAllreduce
+from mpihybrid.codecs import CODECS, get_codec
+
+DEFAULT_SIZES = [4096 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB
+
+
+def _time_call(comm: MPI.Comm, call: Callable[[], None], reset: Callable[[], None]) -> float:
+    """One synchronised call; the slowest rank's time, known to every rank."""
+    reset()
+    comm.Barrier()
+    start = time.perf_counter()
+    call()
+    elapsed = time.perf_counter() - start
+    return comm.allreduce(elapsed, op=MPI.MAX)
+
+
+def _median_time(
+    comm: MPI.Comm, call: Callable[[], None], reset: Callable[[], None], repeats: int, warmup: int
+) -> float:
+    for _ in range(warmup):
+        _time_call(comm, call, reset)
+    return statistics.median(_time_call(comm, call, reset) for _ in range(repeats))
+
+
+def _row(size: int, codec: str, impl: str, seconds: float, n: int, wire: int | None) -> dict:
+    algbw = size / seconds if seconds > 0 else 0.0
+    return {
+        "size": size,
+        "codec": codec,
+        "impl": impl,
+        "time": seconds,
+        "algbw": algbw,
+        "busbw": algbw * 2 * (n - 1) / n,
+        "wire_bytes": wire,
+        "ratio": 1.0,
+    }
+
+
+def bench_allreduce(
+    comm: MPI.Comm, sizes_bytes: list[int], codecs: list[str], repeats: int = 5, warmup: int = 2
+) -> list[dict]:
+    """One row per (size, implementation): MPI's Allreduce first, then the ring for each codec.
+
+    Both compute a sum (op="sum"), the ring with error feedback as training uses it. Every rank
+    returns the same rows.
+    """
+    for name in codecs:
+        get_codec(name)  # reject unknown names before any timing
+    n = comm.Get_size()
+    rng = np.random.default_rng([7, comm.Get_rank()])
+    rows = []
+    for size in sizes_bytes:
+        count = size // 4
+        src = rng.standard_normal(count, dtype=np.float32)
+        flat = np.empty_like(src)
+
+        def reset(flat=flat, src=src) -> None:
+            np.copyto(flat, src)  # a sum grows: restart from the same input every call
+
+        def native(flat=flat) -> None:
+            comm.Allreduce(MPI.IN_PLACE, [flat, MPI.FLOAT], op=MPI.SUM)
+
+        native_time = _median_time(comm, native, reset, repeats, warmup)
+        rows.append(_row(count * 4, "fp32", "mpi", native_time, n, None))
+        for name in codecs:
+            ring = RingAllreduce(comm, count, get_codec(name))
+            sent = []
+
+            def call(ring=ring, flat=flat, sent=sent) -> None:
+                sent.append(ring(flat, op="sum"))
+
+            ring_time = _median_time(comm, call, reset, repeats, warmup)
+            row = _row(count * 4, name, "ring", ring_time, n, comm.allreduce(max(sent), op=MPI.MAX))
+            row["ratio"] = ring_time / native_time if native_time > 0 else float("nan")
+            rows.append(row)
+    return rows
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _human_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.3f} s"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as an aligned text table (bandwidths in GB/s = 1e9 bytes per second)."""
+    header = ("size", "impl", "codec", "time", "algbw GB/s", "busbw GB/s", "wire/rank", "ring/mpi")
+    table = [header]
+    for r in rows:
+        table.append(
+            (
+                _human_bytes(r["size"]),
+                r["impl"],
+                r["codec"],
+                _human_time(r["time"]),
+                f"{r['algbw'] / 1e9:.3f}",
+                f"{r['busbw'] / 1e9:.3f}",
+                "-" if r["wire_bytes"] is None else _human_bytes(r["wire_bytes"]),
+                f"{r['ratio']:.2f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def parse_size(text: str) -> int:
+    """'4096', '4K', '16M', '1G' (binary units) -> bytes."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        return int(float(number) * scale)
+    except ValueError:
+        raise ValueError(f"bad size {text!r}: use bytes or a K/M/G suffix, e.g. 64K") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m mpihybrid.bench", description="ring all-reduce vs MPI Allreduce"
+    )
+    parser.add_argument("--sizes", default=None, help="comma list, e.g. 4K,1M,64M")
+    parser.add_argument("--codecs", default=",".join(CODECS), help="comma list of codecs")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
+    comm = MPI.COMM_WORLD
+    rows = bench_allreduce(comm, sizes, args.codecs.split(","), args.repeats, args.warmup)
+    if comm.Get_rank() == 0:
+        print(f"all-reduce over {comm.Get_size()} ranks, median of {args.repeats}")
+        print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
