@@ -1,0 +1,381 @@
+"""Pipeline schedules as data: which rank runs which forward and backward, in which order.
+
+A schedule is `{pp_rank: [Action, ...]}`; the runtime executes each list in order and decides
+nothing itself. All of it is pure Python (no MPI): schedules are built, validated, dry-run for
+deadlocks, simulated and drawn without starting a process:
+
+    mpihybrid schedule show --schedule 1f1b --pp 4 --microbatches 8
+
+p = pp (pipeline ranks), v = virtual stages (model chunks) per rank, m = num_microbatches,
+s = global stage 0 .. p*v-1 (Megatron placement: stage s lives on pp rank s % p), mb = micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+COMPUTE_KINDS = ("F", "B", "W")
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+class ScheduleError(ValueError):
+    """An illegal schedule configuration, an invalid action list or a deadlock."""
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int  # global stage = model chunk index, 0 .. p*v-1
+    kind: str  # compute: F, B, W; communication: SEND_F, RECV_F, SEND_B, RECV_B
+    microbatch: int
+    peer: int = -1  # pp rank on the other side (communication actions only)
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+def stage_rank(stage: int, pp: int, v: int = 1) -> int:
+    """The pp rank that owns `stage`: chunk c of rank r is stage c*pp + r."""
+    return stage % pp
+
+
+def message_key(action: Action) -> tuple[str, int, int]:
+    """("F" or "B", sending stage, microbatch): identical for a SEND and its matching RECV."""
+    direction = action.kind[-1]
+    if action.kind.startswith("SEND"):
+        return direction, action.stage, action.microbatch
+    return direction, action.stage + (-1 if direction == "F" else 1), action.microbatch
+
+
+# ---------------------------------------------------------------- generators (one rank each)
+
+
+def _naive(pp: int, m: int, rank: int) -> list[Action]:
+    # one micro-batch crosses the whole pipe forward and back before the next one starts
+    return [Action(rank, k, mb) for mb in range(m) for k in ("F", "B")]
+
+
+def _gpipe(pp: int, m: int, rank: int) -> list[Action]:
+    # all forwards, then all backwards: every activation stays alive until the flush
+    return [Action(rank, "F", mb) for mb in range(m)] + [Action(rank, "B", mb) for mb in range(m)]
+
+
+def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
+    num_warmup = min(pp - rank - 1, m)
+    num_steady = m - num_warmup
+    # warmup: forwards only
+    actions = [Action(rank, "F", mb) for mb in range(num_warmup)]
+    # steady state: one F, one B
+    for i in range(num_steady):
+        actions += [Action(rank, "F", num_warmup + i), Action(rank, "B", i)]
+    # cooldown: drain backwards
+    actions += [Action(rank, "B", mb) for mb in range(num_steady, m)]
+    return actions
+
+
+def _zb_h1(pp: int, m: int, rank: int) -> list[Action]:
+    # 1F1B with the backward split into B (input grad, on the critical path) and W (weight grad).
+    # Rank r keeps r Ws back; they fill the cooldown, where 1F1B waits for gradients. Peak memory
+    # stays at p in-flight micro-batches, the peak of 1F1B's first rank.
+    num_warmup = min(pp - rank - 1, m)
+    num_deferred = min(rank, m - num_warmup)
+    num_steady = m - num_warmup - num_deferred
+    f, b, w = num_warmup, 0, 0  # next micro-batch for F, B, W
+    # warmup: forwards only
+    actions = [Action(rank, "F", mb) for mb in range(num_warmup)]
+    # ramp: one F, one B; the W waits
+    for _ in range(num_deferred):
+        actions += [Action(rank, "F", f), Action(rank, "B", b)]
+        f, b = f + 1, b + 1
+    # steady state: one F, one B, the oldest W
+    for _ in range(num_steady):
+        actions += [Action(rank, "F", f), Action(rank, "B", b), Action(rank, "W", w)]
+        f, b, w = f + 1, b + 1, w + 1
+    # cooldown: drain backwards, each with a W, then the Ws kept back
+    for _ in range(b, m):
+        actions += [Action(rank, "B", b), Action(rank, "W", w)]
+        b, w = b + 1, w + 1
+    return actions + [Action(rank, "W", mb) for mb in range(w, m)]
+
+
+def _interleaved(pp: int, m: int, v: int, rank: int) -> list[Action]:
+    # Megatron-LM / torch pipelining: rank r walks "virtual micro-batches" k = 0 .. m*v-1 in rounds
+    # of p micro-batches per chunk; forwards go chunk 0 -> v-1, backwards chunk v-1 -> 0.
+    total = m * v
+    num_warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+
+    def action(k: int, kind: str) -> Action:
+        chunk = (k % (pp * v)) // pp
+        if kind == "B":
+            chunk = v - 1 - chunk
+        microbatch = (k // (pp * v)) * pp + k % pp
+        return Action(chunk * pp + rank, kind, microbatch)
+
+    # warmup: forwards only
+    actions = [action(k, "F") for k in range(num_warmup)]
+    # steady state: one F, one B
+    for k in range(total - num_warmup):
+        actions += [action(num_warmup + k, "F"), action(k, "B")]
+    # cooldown: drain backwards
+    actions += [action(k, "B") for k in range(total - num_warmup, total)]
+    return actions
+
+
+def check_config(name: str, pp: int, num_microbatches: int, virtual_stages: int) -> None:
+    """Raise ScheduleError naming the broken rule and its values; return None when legal."""
+    m, v = num_microbatches, virtual_stages
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    if pp < 1:
+        raise ScheduleError(f"{name}: pp must be >= 1, got pp={pp}")
+    if m < 1:
+        raise ScheduleError(f"{name}: num_microbatches must be >= 1, got {m}")
+    if name == "interleaved-1f1b":
+        if v < 2:
+            raise ScheduleError(
+                f"interleaved-1f1b needs virtual_stages >= 2 model chunks per rank, got {v}"
+            )
+        if m % pp:
+            raise ScheduleError(
+                f"interleaved-1f1b needs num_microbatches % pp == 0: {m} % {pp} = {m % pp}"
+            )
+    elif v != 1:
+        raise ScheduleError(
+            f"{name} runs one model chunk per rank: virtual_stages must be 1, got {v} "
+            f"(interleaved-1f1b runs several)"
+        )
+
+
+def build_schedule(
+    name: str, pp: int, num_microbatches: int, virtual_stages: int = 1
+) -> dict[int, list[Action]]:
+    """The compute actions (F, B, W) of every pp rank, checked by validate()."""
+    check_config(name, pp, num_microbatches, virtual_stages)
+    m = num_microbatches
+    if name == "interleaved-1f1b":
+        actions = {r: _interleaved(pp, m, virtual_stages, r) for r in range(pp)}
+    else:
+        make = {"naive": _naive, "gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}[name]
+        actions = {r: make(pp, m, r) for r in range(pp)}
+    validate(actions, pp, m, virtual_stages)
+    return actions
+
+
+def lower(
+    compute: dict[int, list[Action]], pp: int, virtual_stages: int = 1
+) -> dict[int, list[Action]]:
+    """Add the messages: SEND right after the F/B that produced a tensor, RECV right before the
+    F/B that consumes it. Stages on the same rank hand tensors over locally (no message)."""
+    last = pp * virtual_stages - 1
+    lowered: dict[int, list[Action]] = {}
+    for rank, actions in compute.items():
+        out = lowered[rank] = []
+        for a in actions:
+            if a.kind not in COMPUTE_KINDS:
+                raise ScheduleError(f"lower() takes compute actions only, got {a} on rank {rank}")
+            s, mb = a.stage, a.microbatch
+            prev = stage_rank(s - 1, pp) if s > 0 else rank
+            nxt = stage_rank(s + 1, pp) if s < last else rank
+            if a.kind == "F" and prev != rank:
+                out.append(Action(s, "RECV_F", mb, prev))
+            if a.kind == "B" and nxt != rank:
+                out.append(Action(s, "RECV_B", mb, nxt))
+            out.append(a)
+            if a.kind == "F" and nxt != rank:
+                out.append(Action(s, "SEND_F", mb, nxt))
+            if a.kind == "B" and prev != rank:
+                out.append(Action(s, "SEND_B", mb, prev))
+    return lowered
+
+
+# ---------------------------------------------------------------- validation and dry run
+
+
+def format_lists(actions: dict[int, list[Action]], mark: tuple[int, int] | None = None) -> str:
+    """Step x rank grid of the lists themselves (step = position in a rank's list), like
+    torch.distributed.pipelining; `mark=(rank, step)` brackets that cell and flags its row."""
+    ranks = sorted(actions)
+    rows = max([len(a) for a in actions.values()] + [mark[1] + 1 if mark else 0])
+    cells = [
+        [str(actions[r][i]) if i < len(actions[r]) else "" for r in ranks] for i in range(rows)
+    ]
+    if mark is not None:
+        col = ranks.index(mark[0])
+        cells[mark[1]][col] = f"[{cells[mark[1]][col] or 'end'}]"
+    width = max([len(f"rank {r}") for r in ranks] + [len(c) for row in cells for c in row])
+    digits = len(str(max(rows - 1, 0)))
+    lines = [" " * (digits + 7) + "  ".join(f"rank {r}".ljust(width) for r in ranks).rstrip()]
+    for i, row in enumerate(cells):
+        line = f"step {i:0{digits}d}: " + "  ".join(c.ljust(width) for c in row)
+        if mark is not None and i == mark[1]:
+            line += f"  <-- ERROR HERE (rank {mark[0]})"
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def _fail(actions: dict[int, list[Action]], at: tuple[int, int], why: str) -> ScheduleError:
+    return ScheduleError(f"rank {at[0]} step {at[1]}: {why}\n{format_lists(actions, at)}")
+
+
+def _run(
+    actions: dict[int, list[Action]], num_stages: int, *, per_rank: bool, synchronous: bool
+) -> dict[int, tuple[int, str]]:
+    """Execute every rank's list in order with blocking RECVs; {rank: (step, why)} for the ranks
+    that cannot finish. per_rank=False lets every rank see every tensor (compute lists)."""
+    pp, last = len(actions), num_stages - 1
+    pc = dict.fromkeys(actions, 0)
+    shared: set = set()
+    # tensors a rank holds: ("F", s, mb) = output of F on stage s, ("B", s, mb) = input grad
+    have = {r: set() if per_rank else shared for r in actions}
+    posted: set = set()  # buffered messages (message_key, destination) not yet received
+
+    def current(r: int) -> Action | None:
+        return actions[r][pc[r]] if pc[r] < len(actions[r]) else None
+
+    def needs(r: int, a: Action) -> tuple[str, int, int] | None:
+        """The tensor `a` cannot run without, if rank r lacks it."""
+        s, mb = a.stage, a.microbatch
+        if a.kind == "F":
+            wanted = [("F", s - 1, mb)] if s > 0 else []
+        elif a.kind == "B":
+            wanted = [("F", s, mb)] + ([("B", s + 1, mb)] if s < last else [])
+        elif a.kind == "W":
+            wanted = [("B", s, mb)]
+        elif a.kind.startswith("SEND"):
+            wanted = [message_key(a)]
+        else:
+            wanted = []
+        return next((t for t in wanted if t not in have[r]), None)
+
+    def advance(r: int) -> bool:
+        a = current(r)
+        missing = needs(r, a)
+        if missing is not None:
+            what = "output of F" if missing[0] == "F" else "input gradient from B"
+            stuck[r] = f"{a} waits for the {what} of stage {missing[1]} micro-batch {missing[2]}"
+            return False
+        if a.kind in COMPUTE_KINDS:
+            if a.kind != "W":
+                have[r].add((a.kind, a.stage, a.microbatch))
+        elif a.kind.startswith("SEND") and not synchronous:
+            posted.add((message_key(a), a.peer))
+        elif a.kind.startswith("RECV") and not synchronous:
+            if (message_key(a), r) not in posted:
+                stuck[r] = f"{a} waits for the matching SEND on rank {a.peer}"
+                return False
+            posted.discard((message_key(a), r))
+            have[r].add(message_key(a))
+        else:  # rendezvous: a send and its receive complete together
+            sender, receiver = (r, a.peer) if a.kind.startswith("SEND") else (a.peer, r)
+            other = current(a.peer) if 0 <= a.peer < pp else None
+            match = (
+                other is not None
+                and other.kind[:4] != a.kind[:4]
+                and other.peer == r
+                and message_key(other) == message_key(a)
+                and needs(sender, actions[sender][pc[sender]]) is None
+            )
+            if not match:
+                stuck[r] = f"{a} waits for rank {a.peer} to reach the matching " + (
+                    "RECV" if a.kind.startswith("SEND") else "SEND"
+                )
+                return False
+            have[receiver].add(message_key(a))
+            pc[a.peer] += 1
+        pc[r] += 1
+        return True
+
+    stuck: dict[int, str] = {}
+    progress = True
+    while progress:
+        progress = False
+        for r in actions:
+            while current(r) is not None and advance(r):
+                progress = True
+    return {r: (pc[r], stuck[r]) for r in actions if current(r) is not None}
+
+
+def validate(
+    actions: dict[int, list[Action]], pp: int, num_microbatches: int, virtual_stages: int = 1
+) -> None:
+    """Raise ScheduleError (with the grid, offending cell marked) unless every (stage, mb) gets
+    exactly one F and one B on its own rank, F before B, at most one W after its B, messages pair
+    up, and the cross-stage dependencies can be met in list order. Compute or lowered lists."""
+    m, num_stages = num_microbatches, pp * virtual_stages
+    if sorted(actions) != list(range(pp)):
+        raise ScheduleError(f"expected one list per pp rank 0..{pp - 1}, got {sorted(actions)}")
+    seen: dict[tuple[str, int, int], tuple[int, int]] = {}  # (kind, stage, mb) -> (rank, step)
+    messages: dict[str, dict[tuple, tuple[int, int]]] = {"SEND": {}, "RECV": {}}
+    for rank, acts in actions.items():
+        for step, a in enumerate(acts):
+            at, s, mb = (rank, step), a.stage, a.microbatch
+            if a.kind not in COMPUTE_KINDS + COMM_KINDS:
+                raise _fail(actions, at, f"unknown action kind {a.kind!r}")
+            if not (0 <= s < num_stages and 0 <= mb < m):
+                why = f"{a} is outside stages 0..{num_stages - 1} x micro-batches 0..{m - 1}"
+                raise _fail(actions, at, why)
+            if stage_rank(s, pp) != rank:
+                raise _fail(actions, at, f"stage {s} lives on rank {stage_rank(s, pp)}")
+            if a.kind in COMM_KINDS:
+                other = s + 1 if a.kind in ("SEND_F", "RECV_B") else s - 1
+                if not 0 <= other < num_stages or a.peer != stage_rank(other, pp):
+                    why = f"{a.kind} of stage {s} needs peer = rank of stage {other}, got {a.peer}"
+                    raise _fail(actions, at, why)
+                side = messages[a.kind[:4]]
+                if message_key(a) in side:
+                    raise _fail(actions, at, f"second {a.kind} for the same message")
+                side[message_key(a)] = at
+                continue
+            if (a.kind, s, mb) in seen:
+                raise _fail(actions, at, f"second {a.kind} for stage {s} micro-batch {mb}")
+            before = {"B": "F", "W": "B"}.get(a.kind)
+            if before and (before, s, mb) not in seen:
+                raise _fail(actions, at, f"{a} runs before its {before}")
+            seen[(a.kind, s, mb)] = at
+    for s in range(num_stages):
+        rank = stage_rank(s, pp)
+        for mb in range(m):
+            if ("F", s, mb) not in seen:
+                raise _fail(actions, (rank, len(actions[rank])), f"no F for stage {s} mb {mb}")
+            if ("B", s, mb) not in seen:
+                raise _fail(actions, seen[("F", s, mb)], f"F of stage {s} mb {mb} has no B")
+    for side, other in (("SEND", "RECV"), ("RECV", "SEND")):
+        for key, at in messages[side].items():
+            if key not in messages[other]:
+                raise _fail(actions, at, f"this {side} has no matching {other}")
+    stuck = _run(actions, num_stages, per_rank=False, synchronous=False)
+    if stuck:
+        raise _stuck(actions, stuck, "dependencies cannot be met in list order")
+
+
+def _stuck(
+    actions: dict[int, list[Action]], stuck: dict[int, tuple[int, str]], what: str
+) -> ScheduleError:
+    rank = min(stuck)
+    why = "; ".join(f"rank {r}: {w}" for r, (_, w) in stuck.items())
+    return _fail(actions, (rank, stuck[rank][0]), f"{what}: {why}")
+
+
+def dry_run(lowered: dict[int, list[Action]], pp: int, synchronous: bool = True) -> None:
+    """Execute the lowered lists in order with blocking receives and either rendezvous sends
+    (synchronous: a send completes when its receiver reaches the RECV) or buffered sends; raise
+    ScheduleError with the grid if the ranks deadlock or an action runs before its input."""
+    top = max((a.stage for acts in lowered.values() for a in acts), default=0)
+    num_stages = -(-(top + 1) // pp) * pp  # whole chunks per rank
+    stuck = _run(lowered, num_stages, per_rank=True, synchronous=synchronous)
+    if stuck:
+        mode = "rendezvous" if synchronous else "buffered"
+        raise _stuck(lowered, stuck, f"deadlock with {mode} sends")
+
+
+_SIMULATE_NAMES = {"Costs", "SimResult", "simulate", "bubble_formula", "peak_inflight"}
+_SIMULATE_NAMES |= {"render_grid", "describe", "compare"}
+
+
+def __getattr__(name: str):
+    # the timing model lives in simulate.py, which imports this module; one import path for callers
+    if name in _SIMULATE_NAMES:
+        from mpihybrid import simulate
+
+        return getattr(simulate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,228 @@
+"""Timing model of a schedule: when each action runs, the bubble, activations in flight, the grid.
+
+    mpihybrid schedule show --all --pp 4 --microbatches 8
+
+Each rank runs its compute actions in list order; an action starts once its rank is free and its
+inputs exist (+ `send` seconds when they come from another rank). Closed forms, F = B = W:
+naive (p-1)/p, GPipe and 1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)/(3m+p-1)
+when m >= p (bubble_formula has m < p).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mpihybrid.schedules import (
+    SCHEDULES,
+    Action,
+    ScheduleError,
+    build_schedule,
+    check_config,
+    stage_rank,
+)
+
+BUBBLE_FORMULAS = {
+    "naive": "(p-1)/p",
+    "gpipe": "(p-1)/(m+p-1)",
+    "1f1b": "(p-1)/(m+p-1)",
+    "interleaved-1f1b": "(p-1)/(v*m+p-1)",
+    "zb-h1": "(p-1+d)/(3m+p-1+d), d=max(0,p-m)",
+}
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per action: one number for every stage, or one per stage."""
+
+    forward: float | Sequence[float] = 1.0
+    backward: float | Sequence[float] = 1.0  # input gradient; a B without W also pays `weight`
+    weight: float | Sequence[float] = 0.0
+    send: float = 0.0  # latency of one point-to-point message
+
+    def of(self, a: Action, split: bool) -> float:
+        def at(value: float | Sequence[float]) -> float:
+            return value if isinstance(value, (int, float)) else value[a.stage]
+
+        if a.kind == "F":
+            return at(self.forward)
+        if a.kind == "W":
+            return at(self.weight)
+        return at(self.backward) + (0.0 if split else at(self.weight))
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    busy: list[float]  # per rank
+    idle: list[float]  # per rank: makespan - busy
+    bubble_fraction: float  # sum(idle) / (pp * makespan)
+    peak_inflight: list[int]  # per stage
+    start: dict[Action, float]
+    end: dict[Action, float]
+
+
+def _num_stages(actions: dict[int, list[Action]], virtual_stages: int | None) -> int:
+    pp = len(actions)
+    if virtual_stages is not None:
+        return pp * virtual_stages
+    top = max((a.stage for acts in actions.values() for a in acts), default=0)
+    return -(-(top + 1) // pp) * pp
+
+
+def peak_inflight(actions: dict[int, list[Action]], num_stages: int) -> list[int]:
+    """Most micro-batches alive at once per stage: from F to its last backward action (B, or W)."""
+    split = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
+    alive, peak = [0] * num_stages, [0] * num_stages
+    for acts in actions.values():
+        for a in acts:
+            if a.kind == "F":
+                alive[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], alive[a.stage])
+            elif a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split):
+                alive[a.stage] -= 1
+    return peak
+
+
+def simulate(
+    actions: dict[int, list[Action]], costs: Costs | None = None, virtual_stages: int | None = None
+) -> SimResult:
+    """Run the compute actions of a (valid) schedule against `costs`; messages are not actions
+    here, they add `costs.send` to every dependency that crosses ranks."""
+    costs = costs or Costs()
+    pp = len(actions)
+    last = _num_stages(actions, virtual_stages) - 1
+    compute = {r: [a for a in acts if a.kind in ("F", "B", "W")] for r, acts in actions.items()}
+    split = {(a.stage, a.microbatch) for acts in compute.values() for a in acts if a.kind == "W"}
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
+    start: dict[Action, float] = {}
+    end: dict[Action, float] = {}
+    clock = dict.fromkeys(compute, 0.0)  # when each rank is free again
+    busy = dict.fromkeys(compute, 0.0)
+    pc = dict.fromkeys(compute, 0)  # next action of each rank
+
+    def inputs(a: Action) -> list[tuple[str, int, int]]:
+        s, mb = a.stage, a.microbatch
+        if a.kind == "F":
+            return [("F", s - 1, mb)] if s > 0 else []
+        if a.kind == "B":
+            return [("F", s, mb)] + ([("B", s + 1, mb)] if s < last else [])
+        return [("B", s, mb)]
+
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in compute.items():
+            while pc[r] < len(acts):
+                a = acts[pc[r]]
+                needed = inputs(a)
+                if any(k not in done for k in needed):
+                    break
+                ready = [
+                    done[k] + (costs.send if stage_rank(k[1], pp) != r else 0.0) for k in needed
+                ]
+                start[a] = max([clock[r], *ready])
+                duration = costs.of(a, (a.stage, a.microbatch) in split)
+                end[a] = clock[r] = start[a] + duration
+                busy[r] += duration
+                done[(a.kind, a.stage, a.microbatch)] = end[a]
+                pc[r] += 1
+                progress = True
+    if any(pc[r] < len(acts) for r, acts in compute.items()):
+        stuck = ", ".join(
+            f"rank {r} at {acts[pc[r]]}" for r, acts in compute.items() if pc[r] < len(acts)
+        )
+        raise ScheduleError(f"simulate: dependencies cannot be met ({stuck}); run validate()")
+    makespan = max(end.values(), default=0.0)
+    idle = [makespan - busy[r] for r in compute]
+    return SimResult(
+        makespan=makespan,
+        busy=[busy[r] for r in compute],
+        idle=idle,
+        bubble_fraction=sum(idle) / (pp * makespan) if makespan else 0.0,
+        peak_inflight=peak_inflight(compute, last + 1),
+        start=start,
+        end=end,
+    )
+
+
+def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
+    """Closed-form idle fraction with equal costs (F = B, and = W for zb-h1)."""
+    p = pp
+    # zb-h1 with m < p: the first gradient reaches rank 0 after 2p-1 steps and rank 0 still has
+    # 2m steps of B and W to run, so the makespan is 2m+2p-1 rather than 3m+p-1
+    zb_extra = max(0, p - m)
+    return {
+        "naive": (p - 1) / p,
+        "gpipe": (p - 1) / (m + p - 1),
+        "1f1b": (p - 1) / (m + p - 1),
+        "interleaved-1f1b": (p - 1) / (v * m + p - 1),
+        "zb-h1": (p - 1 + zb_extra) / (3 * m + p - 1 + zb_extra),
+    }[name]
+
+
+def _unit_costs(actions: dict[int, list[Action]]) -> Costs:
+    # one step per action: W costs a step only where backwards are split
+    has_w = any(a.kind == "W" for acts in actions.values() for a in acts)
+    return Costs(forward=1.0, backward=1.0, weight=1.0 if has_w else 0.0)
+
+
+def render_grid(actions: dict[int, list[Action]], virtual_stages: int | None = None) -> str:
+    """ASCII step x rank grid of a unit-cost run: `F0`, `B3`, `W1`, `-` idle; `1F0` when v > 1."""
+    result = simulate(actions, _unit_costs(actions), virtual_stages)
+    ranks = sorted(actions)
+    chunks = _num_stages(actions, virtual_stages) > len(actions)
+    running = {}
+    for a, t0 in result.start.items():
+        for t in range(math.floor(t0), math.ceil(result.end[a])):
+            running[(stage_rank(a.stage, len(actions)), t)] = (
+                str(a) if chunks else str(a)[len(str(a.stage)) :]
+            )
+    steps = math.ceil(result.makespan)
+    digits = len(str(max(steps - 1, 0)))
+    width = max([len(f"rank {r}") for r in ranks] + [len(c) for c in running.values()])
+    lines = [" " * (digits + 7) + "  ".join(f"rank {r}".ljust(width) for r in ranks).rstrip()]
+    for t in range(steps):
+        row = "  ".join(running.get((r, t), "-").ljust(width) for r in ranks)
+        lines.append(f"step {t:0{digits}d}: {row}".rstrip())
+    return "\n".join(lines)
+
+
+def describe(name: str, pp: int, m: int, v: int = 1) -> str:
+    """Grid + predicted and simulated bubble + peak activations per stage, for one schedule."""
+    actions = build_schedule(name, pp, m, v)
+    result = simulate(actions, _unit_costs(actions), v)
+    peaks = " ".join(f"s{s}:{n}" for s, n in enumerate(result.peak_inflight))
+    return "\n".join(
+        [
+            f"{name}: pp={pp} num_microbatches={m} virtual_stages={v} (one step per action)",
+            render_grid(actions, v),
+            f"bubble: predicted {BUBBLE_FORMULAS[name]} = {bubble_formula(name, pp, m, v):.3f}, "
+            f"simulated {result.bubble_fraction:.3f}",
+            f"peak activations in flight per stage: {peaks}",
+        ]
+    )
+
+
+def compare(pp: int, m: int, v: int = 2) -> str:
+    """One row per schedule: closed form, simulated bubble (F = B = W = 1), peak activations."""
+    lines = [
+        f"pp={pp} num_microbatches={m}; F = B = W = 1 (an unsplit backward costs B + W);",
+        "peak = most micro-batches alive on one stage (an interleaved stage is 1/v of a rank)",
+        f"{'schedule':<17} {'v':>2}  {'formula':<34} {'predicted':>9} {'simulated':>9}  peak",
+    ]
+    for name in SCHEDULES:
+        nv = v if name == "interleaved-1f1b" else 1
+        try:
+            check_config(name, pp, m, nv)
+        except ScheduleError as exc:
+            lines.append(f"{name:<17} {nv:>2}  not legal: {exc}")
+            continue
+        result = simulate(build_schedule(name, pp, m, nv), Costs(1.0, 1.0, 1.0), nv)
+        predicted = bubble_formula(name, pp, m, nv)
+        lines.append(
+            f"{name:<17} {nv:>2}  {BUBBLE_FORMULAS[name]:<34} {predicted:>9.3f}"
+            f" {result.bubble_fraction:>9.3f}  {max(result.peak_inflight)}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,259 @@
+"""Schedules as data: generators, validation, lowering, dry run, simulator vs closed forms."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mpihybrid.schedules import (
+    SCHEDULES,
+    Action,
+    ScheduleError,
+    build_schedule,
+    check_config,
+    dry_run,
+    lower,
+    stage_rank,
+    validate,
+)
+from mpihybrid.simulate import Costs, bubble_formula, compare, describe, render_grid, simulate
+from tests.mpirun import ROOT
+
+EQUAL = Costs(forward=1.0, backward=1.0, weight=1.0)  # F = B = W; an unsplit B costs 2
+
+
+def legal_configs(name: str, pp: int):
+    """(m, v) pairs over m = 1..16 (v = 2..3 for interleaved) that check_config accepts."""
+    for m in range(1, 17):
+        for v in (2, 3) if name == "interleaved-1f1b" else (1,):
+            if name != "interleaved-1f1b" or m % pp == 0:
+                yield m, v
+
+
+def test_action_prints_like_torch_pipelining():
+    assert str(Action(1, "F", 0)) == "1F0"
+    assert str(Action(0, "B", 3)) == "0B3"
+    assert str(Action(2, "W", 1)) == "2W1"
+    assert str(Action(1, "SEND_F", 0, peer=2)) == "1SEND_F0"
+    assert str(Action(2, "RECV_B", 3, peer=3)) == "2RECV_B3"
+
+
+def test_stage_rank_is_megatron_placement():
+    assert [stage_rank(s, 4, 2) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [stage_rank(s, 3, 1) for s in range(3)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("pp", range(1, 9))
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_validates_and_dry_runs(name, pp):
+    for m, v in legal_configs(name, pp):
+        compute = build_schedule(name, pp, m, v)
+        per_mb = 3 if name == "zb-h1" else 2  # F, B (, W)
+        assert sum(len(a) for a in compute.values()) == pp * v * m * per_mb
+        lowered = lower(compute, pp, v)
+        sends = sum(a.kind.startswith("SEND") for acts in lowered.values() for a in acts)
+        assert sends == (2 * (pp * v - 1) * m if pp > 1 else 0)
+        validate(lowered, pp, m, v)
+        dry_run(lowered, pp, synchronous=False)
+
+
+def test_lowering_places_send_after_producer_and_recv_before_consumer():
+    lowered = lower(build_schedule("1f1b", 2, 2), 2)
+    assert [str(a) for a in lowered[0]] == [
+        "0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1",
+    ]  # fmt: skip
+    assert [str(a) for a in lowered[1]] == [
+        "1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1",
+    ]  # fmt: skip
+    assert {a.peer for a in lowered[0] if a.kind in ("SEND_F", "RECV_B")} == {1}
+    assert {a.peer for a in lowered[1] if a.kind in ("RECV_F", "SEND_B")} == {0}
+
+
+def test_stages_on_one_rank_hand_over_locally():
+    compute = build_schedule("interleaved-1f1b", 1, 3, 3)
+    assert lower(compute, 1, 3) == compute
+
+
+def test_rendezvous_sends():
+    # naive and GPipe never block on a send whose receiver is busy sending back
+    for pp in range(1, 6):
+        for m in (1, 2, 5):
+            for name in ("naive", "gpipe"):
+                dry_run(lower(build_schedule(name, pp, m), pp), pp, synchronous=True)
+    # 1F1B's warmup sends meet a neighbour that is itself sending: the runtime must post its
+    # receives before it sends (buffered semantics), which is what the buffered dry run checks
+    lowered = lower(build_schedule("1f1b", 4, 8), 4)
+    dry_run(lowered, 4, synchronous=False)
+    with pytest.raises(ScheduleError, match="deadlock with rendezvous sends"):
+        dry_run(lowered, 4, synchronous=True)
+
+
+# ---------------------------------------------------------------- mutated lists are rejected
+
+
+def _mutated(name: str, pp: int, m: int, rank: int, edit) -> dict[int, list[Action]]:
+    actions = build_schedule(name, pp, m)
+    actions[rank] = edit(list(actions[rank]))
+    return actions
+
+
+def _swap(i: int, j: int):
+    def edit(acts):
+        acts[i], acts[j] = acts[j], acts[i]
+        return acts
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "name, rank, edit, cell, rule",
+    [
+        ("1f1b", 1, lambda a: [x for x in a if str(x) != "1B2"], "[1F2]", "has no B"),
+        ("1f1b", 2, lambda a: [x for x in a if str(x) != "2F3"], "[2B3]", "runs before its F"),
+        ("gpipe", 0, _swap(0, 4), "[0B0]", "runs before its F"),
+        ("gpipe", 0, _swap(1, 4), "[0B0]", "dependencies cannot be met"),  # needs 1B0 <- 0F1
+        ("zb-h1", 0, _swap(3, 4), "[0W0]", "runs before its B"),
+        ("naive", 1, lambda a: a + [a[0]], "[1F0]", "second F"),
+        ("naive", 1, lambda a: a + [Action(0, "F", 0)], "[0F0]", "stage 0 lives on rank 0"),
+        ("naive", 1, lambda a: a + [Action(1, "F", 9)], "[1F9]", "outside stages"),
+    ],
+)
+def test_mutated_lists_are_rejected_with_the_cell_marked(name, rank, edit, cell, rule):
+    actions = _mutated(name, 3, 4, rank, edit)
+    with pytest.raises(ScheduleError) as err:
+        validate(actions, 3, 4)
+    text = str(err.value)
+    assert rule in text
+    marked = next(line for line in text.splitlines() if "<-- ERROR HERE" in line)
+    assert cell in marked, text
+
+
+def test_mutated_messages_are_rejected():
+    lowered = lower(build_schedule("1f1b", 3, 4), 3)
+    no_recv = {**lowered, 1: [a for a in lowered[1] if str(a) != "1RECV_F2"]}
+    with pytest.raises(ScheduleError, match="has no matching RECV"):
+        validate(no_recv, 3, 4)
+    with pytest.raises(ScheduleError, match="ERROR HERE") as err:
+        dry_run(no_recv, 3, synchronous=False)
+    assert "1F2 waits for the output of F of stage 0 micro-batch 2" in str(err.value)
+    wrong_peer = {**lowered, 0: lowered[0][:1] + [Action(0, "SEND_F", 0, 2)] + lowered[0][2:]}
+    with pytest.raises(ScheduleError, match="needs peer = rank of stage 1, got 2"):
+        validate(wrong_peer, 3, 4)
+
+
+# ---------------------------------------------------------------- simulator
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_simulator_matches_closed_forms_on_equal_costs(name):
+    for pp in range(1, 9):
+        for m, v in legal_configs(name, pp):
+            actions = build_schedule(name, pp, m, v)
+            expected = bubble_formula(name, pp, m, v)
+            for costs in (EQUAL, Costs(1.0, 1.0, 0.0)) if name != "zb-h1" else (EQUAL,):
+                got = simulate(actions, costs, v).bubble_fraction
+                assert got == pytest.approx(expected, abs=1e-12), (pp, m, v, costs)
+
+
+def test_zb_h1_idles_a_third_of_1f1b():
+    for pp in range(2, 9):
+        for m in range(pp, 17):
+            zb = simulate(build_schedule("zb-h1", pp, m), EQUAL)
+            one_f_one_b = simulate(build_schedule("1f1b", pp, m), EQUAL)
+            assert sum(zb.idle) == pytest.approx(sum(one_f_one_b.idle) / 3)
+
+
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_bubble_ordering(pp):
+    for m in (pp, 2 * pp):
+        bubble = {
+            name: simulate(
+                build_schedule(name, pp, m, 2 if "inter" in name else 1), EQUAL
+            ).bubble_fraction
+            for name in SCHEDULES
+        }
+        assert bubble["naive"] > bubble["gpipe"] > bubble["interleaved-1f1b"] > bubble["zb-h1"]
+        assert bubble["gpipe"] == pytest.approx(bubble["1f1b"])
+
+
+def test_peak_activations_in_flight():
+    for pp in range(1, 9):
+        for m in range(1, 17):
+            one_f_one_b = simulate(build_schedule("1f1b", pp, m)).peak_inflight
+            assert one_f_one_b == [min(pp - s, m) for s in range(pp)]
+            assert simulate(build_schedule("gpipe", pp, m)).peak_inflight[0] == m
+            assert simulate(build_schedule("naive", pp, m)).peak_inflight == [1] * pp
+            zb = simulate(build_schedule("zb-h1", pp, m)).peak_inflight
+            assert max(zb) <= max(one_f_one_b)
+
+
+def test_simulator_timings_with_per_stage_costs_and_latency():
+    costs = Costs(forward=[1.0, 2.0], backward=[3.0, 4.0], weight=0.5, send=0.5)
+    result = simulate(build_schedule("gpipe", 2, 1), costs)
+    # 0F0 [0,1] -> 1F0 [1.5,3.5] -> 1B0 [3.5,8] -> 0B0 [8.5,12]; an unsplit B also pays W
+    assert result.start[Action(1, "F", 0)] == 1.5
+    assert result.start[Action(0, "B", 0)] == 8.5
+    assert result.makespan == 12.0
+    assert result.busy == [4.5, 6.5]
+    assert result.idle == [7.5, 5.5]
+    assert result.bubble_fraction == pytest.approx(13 / 24)
+    split = simulate(build_schedule("zb-h1", 1, 1), Costs(1.0, 2.0, 3.0))
+    assert (split.start[Action(0, "W", 0)], split.makespan) == (3.0, 6.0)
+
+
+# ---------------------------------------------------------------- configs, grids, reports
+
+
+@pytest.mark.parametrize(
+    "name, pp, m, v, rule",
+    [
+        ("interleaved-1f1b", 4, 6, 2, "num_microbatches % pp == 0: 6 % 4 = 2"),
+        ("interleaved-1f1b", 2, 4, 1, "virtual_stages >= 2 model chunks per rank, got 1"),
+        ("1f1b", 2, 4, 2, "virtual_stages must be 1, got 2"),
+        ("zb-h1", 2, 4, 3, "virtual_stages must be 1, got 3"),
+        ("pipedream", 2, 4, 1, "unknown schedule 'pipedream'"),
+        ("gpipe", 0, 4, 1, "pp must be >= 1, got pp=0"),
+        ("naive", 2, 0, 1, "num_microbatches must be >= 1, got 0"),
+    ],
+)
+def test_illegal_configs_name_the_rule(name, pp, m, v, rule):
+    with pytest.raises(ScheduleError, match=re.escape(rule)):
+        check_config(name, pp, m, v)
+    with pytest.raises(ScheduleError, match=re.escape(rule)):
+        build_schedule(name, pp, m, v)
+
+
+def test_render_grid_of_a_unit_cost_run():
+    assert render_grid(build_schedule("gpipe", 2, 2)) == "\n".join(
+        [
+            "        rank 0  rank 1",
+            "step 0: F0      -",
+            "step 1: F1      F0",
+            "step 2: -       F1",
+            "step 3: -       B0",
+            "step 4: B0      B1",
+            "step 5: B1      -",
+        ]
+    )
+    interleaved = render_grid(build_schedule("interleaved-1f1b", 2, 2, 2), 2)
+    assert "3F0" in interleaved and "0B1" in interleaved
+
+
+def test_describe_and_compare():
+    text = describe("zb-h1", 4, 8)
+    assert "W7" in text and "(p-1+d)/(3m+p-1+d)" in text
+    assert "peak activations in flight per stage: s0:4 s1:4 s2:4 s3:4" in text
+    table = compare(4, 6, 2).splitlines()
+    rows = {line.split()[0]: line for line in table[3:]}
+    assert list(rows) == list(SCHEDULES)
+    assert "not legal" in rows["interleaved-1f1b"]
+    assert rows["1f1b"].split()[-1] == "4" and rows["gpipe"].split()[-1] == "6"
+
+
+def test_simulator_names_import_from_schedules_in_either_order():
+    for first in ("mpihybrid.simulate", "mpihybrid.schedules"):
+        code = f"import {first}; from mpihybrid.schedules import describe, render_grid, Costs"
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=30)
