@@ -1,7 +1,7 @@
 """mpihybrid: hybrid pipeline + data-parallel training over MPI.
 
-    mpiexec -n 4 mpihybrid train                     # embedded default job
-    mpiexec -n 12 mpihybrid train jobs/seed_k3_d4.toml --trace runs/seed.h5
+mpiexec -n 4 mpihybrid train                     # embedded default job
+mpiexec -n 12 mpihybrid train jobs/seed_k3_d4.toml --trace runs/seed.h5
 """
 
 __version__ = "0.1.0"

@@ -35,7 +35,9 @@ class ConfigError(ValueError):
 class GridConfig:
     pp: int = 1  # pipeline stages per pipeline
     dp: int = -1  # data-parallel replicas per stage; -1 = world size // pp
-    order: str = "pipeline-inner"  # pipeline-inner: rank = dp_rank*pp + pp_rank; data-inner: swapped
+    order: str = (
+        "pipeline-inner"  # pipeline-inner: rank = dp_rank*pp + pp_rank; data-inner: swapped
+    )
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 100
-    global_batch: int = 96  # samples per step over all replicas; split into dp shards of M micro-batches
+    global_batch: int = (
+        96  # samples per step over all replicas; split into dp shards of M micro-batches
+    )
     microbatches: int = 4  # M, per replica per step
     schedule: str = "1f1b"
     virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b)
@@ -159,7 +163,9 @@ def build_job(table: dict, overrides: list[str] = ()) -> Job:
     for text in overrides:
         section, name, value = parse_override(text)
         if section not in SECTIONS:
-            raise ConfigError(f"--set {text!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
+            raise ConfigError(
+                f"--set {text!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}"
+            )
         merged.setdefault(section, {})[name] = value
     parts = {}
     for section, factory in _SECTION_TYPES.items():
@@ -184,9 +190,7 @@ def resolve(job: Job, world_size: int) -> Job:
     dp = g.dp
     if dp == -1:
         if world_size % g.pp:
-            raise ConfigError(
-                f"grid.dp = -1 needs world size {world_size} divisible by pp({g.pp})"
-            )
+            raise ConfigError(f"grid.dp = -1 needs world size {world_size} divisible by pp({g.pp})")
         dp = world_size // g.pp
     if dp < 1:
         raise ConfigError(f"grid.dp = {dp}: must be >= 1 (or -1 for world size // pp)")

@@ -1,6 +1,6 @@
 """ProcessGrid: world = pp x dp ranks as a 2-D Cartesian grid, with a communicator per axis.
 
-pipeline-inner (default): rank = dp_rank * pp + pp_rank  -- a pipeline's stages are consecutive ranks
+pipeline-inner (default): rank = dp_rank * pp + pp_rank  -- a pipeline's stages are neighbours
 data-inner:               rank = pp_rank * dp + dp_rank  -- a stage's replicas are consecutive ranks
                           (what a cluster with fast intra-node links wants for the all-reduce)
 """

@@ -1,4 +1,4 @@
-"""Optimizers over one flat fp32 parameter buffer per stage (updates in place, no per-layer loop)."""
+"""Optimizers over one flat fp32 parameter buffer per stage: in place, no per-layer loop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import numpy as np
 class SGD:
     """SGD with momentum (PyTorch convention: buf = mu*buf + g; p -= lr*buf) and L2 weight decay."""
 
-    def __init__(self, params: np.ndarray, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
+    def __init__(
+        self, params: np.ndarray, lr: float, momentum: float = 0.0, weight_decay: float = 0.0
+    ):
         self.params, self.lr, self.momentum, self.weight_decay = params, lr, momentum, weight_decay
         self.buf = np.zeros_like(params) if momentum else None
         self.step_count = 0

@@ -1,0 +1,178 @@
+"""The `mpihybrid` command: parse, call, print.
+
+mpiexec -n 4 mpihybrid train                                  # embedded default job
+mpiexec -n 12 mpihybrid train jobs/seed_k3_d4.toml --trace runs/seed.h5
+mpihybrid schedule show --schedule 1f1b --pp 4 --microbatches 8
+mpiexec -n 4 mpihybrid bench allreduce
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+
+import click
+
+EXIT_USAGE = 2
+
+
+def _fail(message: str) -> None:
+    click.echo(f"mpihybrid: error: {message}", err=True)
+    sys.exit(EXIT_USAGE)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mpihybrid")
+def main() -> None:
+    """Hybrid pipeline + data-parallel training over MPI, traced to HDF5."""
+
+
+@main.command()
+@click.argument("job_file", required=False)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override one job setting (repeatable), e.g. --set train.steps=20.",
+)
+@click.option("--trace", "trace_path", metavar="PATH", help="Write the run's HDF5 trace here.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing trace file.")
+@click.option("--quiet", is_flag=True, help="No per-step progress lines.")
+def train(job_file, overrides, trace_path, overwrite, quiet) -> None:
+    """Train JOB_FILE (TOML; the embedded default job when omitted) on every rank of mpiexec."""
+    from mpi4py import MPI
+
+    from mpihybrid.config import ConfigError, load_job
+
+    world = MPI.COMM_WORLD
+    overrides = list(overrides)
+    if trace_path is not None:
+        overrides.append(f"trace.path={_quote(trace_path)}")
+    if overwrite:
+        overrides.append("trace.overwrite=true")
+    # Every rank validates the same inputs; rank 0 also checks the file system. All ranks then
+    # agree on the first error, so they exit together before any message of training is sent.
+    error, job = None, None
+    try:
+        job = load_job(job_file, overrides, world.Get_size())
+        if world.rank == 0 and job.trace.path:
+            from mpihybrid.trace import check_writable
+
+            check_writable(job.trace.path, job.trace.overwrite)
+    except ConfigError as exc:
+        error = str(exc)
+    except FileExistsError as exc:
+        error = f"{exc} (--overwrite replaces it)"
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        error = str(exc)
+    errors = world.allgather(error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        if world.rank == 0:
+            click.echo(f"mpihybrid: error: {first}", err=True)
+        sys.exit(EXIT_USAGE)
+
+    _setup_logging(world.rank, quiet)
+    from mpihybrid.report import format_report
+    from mpihybrid.train import train as run_training
+
+    try:
+        summary = run_training(job, world, quiet=quiet)
+    except Exception:
+        # One rank failing must end the whole job, never leave the others waiting.
+        sys.stderr.write(f"[rank {world.rank}] training failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        world.Abort(1)
+    if summary is not None:
+        click.echo(format_report(job, summary))
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _setup_logging(rank: int, quiet: bool) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"[r{rank}] %(message)s"))
+    logger = logging.getLogger("mpihybrid")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO if rank == 0 and not quiet else logging.WARNING)
+    logger.propagate = False
+
+
+@main.group()
+def schedule() -> None:
+    """Pipeline schedules as data: grids, predicted bubbles, peak activations."""
+
+
+@schedule.command("show")
+@click.option(
+    "--schedule",
+    "name",
+    default="1f1b",
+    show_default=True,
+    help="naive | gpipe | 1f1b | interleaved-1f1b | zb-h1",
+)
+@click.option("--pp", type=int, default=4, show_default=True, help="Pipeline stages.")
+@click.option("--microbatches", "-m", type=int, default=8, show_default=True)
+@click.option(
+    "--virtual",
+    "-v",
+    type=int,
+    default=None,
+    help="Model chunks per rank (interleaved-1f1b; default 2).",
+)
+@click.option("--all", "show_all", is_flag=True, help="Compare every schedule in one table.")
+def schedule_show(name, pp, microbatches, virtual, show_all) -> None:
+    """Print a schedule's step x rank grid, predicted bubble and peak activations."""
+    from mpihybrid.schedules import ScheduleError, compare, describe
+
+    try:
+        if show_all:
+            click.echo(compare(pp, microbatches, virtual or 2))
+        else:
+            v = virtual if virtual is not None else (2 if name == "interleaved-1f1b" else 1)
+            click.echo(describe(name, pp, microbatches, v))
+    except ScheduleError as exc:
+        _fail(str(exc).splitlines()[0])
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print figures (run them under mpiexec)."""
+
+
+@bench.command("allreduce")
+@click.option(
+    "--sizes",
+    default="4K,16K,64K,256K,1M,4M,16M,64M",
+    show_default=True,
+    help="Message sizes in bytes (K/M suffixes).",
+)
+@click.option("--codecs", default="fp32,fp16,bf16,int8", show_default=True)
+@click.option("--repeats", type=int, default=5, show_default=True)
+def bench_allreduce(sizes, codecs, repeats) -> None:
+    """Hand-written ring vs MPI's own Allreduce: time, algbw, busbw, bytes on the wire."""
+    from mpi4py import MPI
+
+    from mpihybrid.bench import bench_allreduce as run
+    from mpihybrid.bench import format_table, parse_size
+    from mpihybrid.codecs import CODECS
+
+    try:
+        size_list = [parse_size(s) for s in sizes.split(",") if s]
+    except ValueError as exc:
+        _fail(str(exc))
+    codec_list = [c for c in codecs.split(",") if c]
+    unknown = [c for c in codec_list if c not in CODECS]
+    if unknown:
+        _fail(f"unknown codec {unknown[0]!r}; choose from {', '.join(CODECS)}")
+    rows = run(MPI.COMM_WORLD, size_list, codec_list, repeats=repeats)
+    if MPI.COMM_WORLD.rank == 0:
+        click.echo(format_table(rows))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

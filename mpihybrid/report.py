@@ -1,0 +1,43 @@
+"""The end-of-run report rank 0 prints after `mpihybrid train`."""
+
+from __future__ import annotations
+
+from mpihybrid.config import Job
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"  # pragma: no cover
+
+
+def format_report(job: Job, summary) -> str:
+    g, t, c = job.grid, job.train, job.comm
+    v = f", v={t.virtual_stages}" if t.virtual_stages > 1 else ""
+    lines = [
+        "",
+        f"== mpihybrid run: pp={g.pp} x dp={g.dp} ({g.order}), {t.schedule}{v}, "
+        f"M={t.microbatches}, codec={c.codec}",
+        f"runtime            {summary.runtime_s:.2f} s for {summary.steps} steps "
+        f"({summary.samples_per_s:,.0f} samples/s)",
+    ]
+    if summary.losses:
+        lines.append(
+            f"final loss         {summary.losses[-1]:.4f} (first {summary.losses[0]:.4f}), "
+            f"train acc {summary.accuracies[-1]:.3f}"
+        )
+    lines.append(f"held-out accuracy  {summary.test_accuracy:.4f}")
+    sent = ", ".join(f"{k} {human_bytes(n)}" for k, n in sorted(summary.bytes_sent.items()))
+    lines.append(f"bytes sent         {sent}")
+    checks = ", ".join(f"stage {s}: {d:.3g}" for s, d in sorted(summary.replica_max_diff.items()))
+    same = all(d == 0.0 for d in summary.replica_max_diff.values())
+    verdict = "bit-identical" if same else "REPLICAS DIFFER"
+    lines.append(f"replica check      max |w - w0| {checks}  -> {verdict}")
+    peaks = ", ".join(f"stage {s}: {n}" for s, n in summary.peak_inflight.items())
+    lines.append(f"peak activations   {peaks}")
+    if summary.trace_path:
+        lines.append(f"trace              {summary.trace_path}")
+    lines += ["", f"as run (step {summary.steps}, replica 0):", summary.grid_as_run]
+    return "\n".join(lines)

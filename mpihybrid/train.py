@@ -1,0 +1,263 @@
+"""The training loop: grid, stages, schedule, then per step: pipeline, ring all-reduce, optimizer.
+
+    mpiexec -n 12 mpihybrid train jobs/seed_k3_d4.toml --trace runs/seed.h5
+
+Every rank runs this function; rank 0 gathers metrics, the trace and the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import socket
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from mpihybrid import __version__
+from mpihybrid.allreduce import RingAllreduce
+from mpihybrid.codecs import get_codec
+from mpihybrid.config import Job, to_toml
+from mpihybrid.data import build_task, microbatches
+from mpihybrid.grid import ProcessGrid
+from mpihybrid.model import boundary_shapes, build_stage
+from mpihybrid.optim import build_optimizer
+from mpihybrid.runtime import PipelineRuntime, forward_only
+from mpihybrid.schedules import Action, build_schedule, lower, stage_rank
+from mpihybrid.trace import KIND, Recorder, clock_offset, gather_events, write_trace
+
+log = logging.getLogger("mpihybrid")
+
+
+@dataclass
+class Summary:
+    """What rank 0 reports at the end (other ranks get None from train())."""
+
+    steps: int
+    runtime_s: float
+    samples_per_s: float
+    losses: list[float]
+    accuracies: list[float]
+    test_accuracy: float
+    bytes_sent: dict[str, int]
+    replica_max_diff: dict[int, float]  # stage -> max |w - w_replica0| over replicas
+    peak_inflight: dict[int, int]
+    grid_as_run: str
+    trace_path: str = ""
+    params: list[np.ndarray] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def train(
+    job: Job, world: MPI.Comm, quiet: bool = False, collect_params: bool = False
+) -> Summary | None:
+    """Run the job on every rank of `world`; rank 0 gets the Summary, the others None.
+
+    collect_params: also bring replica 0's final parameters of every stage to rank 0
+    (Summary.params, in stage order) -- what the equivalence tests compare.
+    """
+    g, t, c = job.grid, job.train, job.comm
+    grid = ProcessGrid.build(world, g.pp, g.dp, g.order)
+    task = build_task(job.data)
+    M, v = t.microbatches, t.virtual_stages
+    num_stages = g.pp * v
+    mb_size = t.global_batch // (g.dp * M)
+
+    actions = lower(build_schedule(t.schedule, g.pp, M, v), g.pp, v)[grid.pp_rank]
+    stages = {
+        s: build_stage(job.model, task.in_features, task.num_classes, s, num_stages, t.seed)
+        for s in range(num_stages)
+        if stage_rank(s, g.pp, v) == grid.pp_rank
+    }
+    shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, mb_size)
+    recorder = Recorder(world.rank, grid.dp_rank, capacity=(len(actions) + 8) * max(t.steps, 1))
+    runtime = PipelineRuntime(
+        grid.pp_comm, stages, actions, num_stages, M, shapes, recorder, grid.dp_rank, c.sync_sends
+    )
+    codec = get_codec(c.codec, c.block)
+    rings = {
+        s: RingAllreduce(grid.dp_comm, st.num_params, codec, c.error_feedback)
+        for s, st in stages.items()
+    }
+    optimizers = {s: build_optimizer(t, st.flat_params) for s, st in stages.items()}
+    ring_peer = grid.world_rank_of(grid.pp_rank, (grid.dp_rank + 1) % grid.dp_size, g.order)
+
+    offset = clock_offset(world)
+    world.Barrier()
+    t_start = Recorder.clock()
+    # Rank 0's clock at the start, for traces relative to the run's start.
+    t_origin = world.bcast(t_start + offset if world.rank == 0 else None, root=0)
+    totals = np.zeros((max(t.steps, 1), 3), np.float64)  # rank 0: loss_sum, correct, samples
+    peak_inflight = {s: 0 for s in stages}
+    for step in range(t.steps):
+        t_step = Recorder.clock()
+        for st in stages.values():
+            st.zero_grad()
+        x, y = task.global_batch(step, t.global_batch)
+        result = runtime.run_step(step, microbatches(x, y, grid.dp_rank, grid.dp_size, M))
+        for s, st in stages.items():
+            t0 = Recorder.clock()
+            nbytes = rings[s](st.flat_grads)
+            recorder.record(KIND["allreduce"], step, s, -1, t0, Recorder.clock(), nbytes, ring_peer)
+        for s, st in stages.items():
+            t0 = Recorder.clock()
+            optimizers[s].step(st.flat_grads)
+            recorder.record(KIND["optimizer"], step, s, -1, t0, Recorder.clock())
+        recorder.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
+        for s, n in result.peak_inflight.items():
+            peak_inflight[s] = max(peak_inflight[s], n)
+        # loss_sum, correct, samples of the step, summed over every rank onto rank 0
+        world.Reduce(
+            np.array([result.loss_sum, result.correct, result.samples]), totals[step], root=0
+        )
+        if not quiet and world.rank == 0:
+            loss, correct, samples = totals[step]
+            log.info(
+                "step %d/%d  loss %.4f  train acc %.3f  %.1f ms",
+                step + 1,
+                t.steps,
+                loss / (g.dp * M),
+                correct / max(samples, 1),
+                1e3 * (Recorder.clock() - t_step),
+            )
+    runtime_s = Recorder.clock() - t_start
+
+    test_accuracy = _evaluate(world, grid, stages, num_stages, task, job.model)
+    replica_diff = _replica_check(world, grid, stages)
+    bytes_sent = _bytes_sent(world, runtime, rings)
+    peaks = world.gather(peak_inflight, root=0)
+    events = gather_events(world, recorder, offset - t_origin)
+    hostnames = world.gather(socket.gethostname(), root=0)
+    params = gather_parameters(world, grid, stages, num_stages) if collect_params else None
+    if world.rank != 0:
+        return None
+
+    losses = [float(v) for v in totals[: t.steps, 0] / (g.dp * M)]
+    accuracies = [float(v) for v in totals[: t.steps, 1] / np.maximum(totals[: t.steps, 2], 1)]
+    peak_by_stage = {s: n for d in peaks for s, n in d.items()}
+    summary = Summary(
+        steps=t.steps,
+        runtime_s=runtime_s,
+        samples_per_s=t.steps * t.global_batch / runtime_s if runtime_s > 0 else 0.0,
+        losses=losses,
+        accuracies=accuracies,
+        test_accuracy=test_accuracy,
+        bytes_sent=bytes_sent,
+        replica_max_diff=replica_diff,
+        peak_inflight=dict(sorted(peak_by_stage.items())),
+        grid_as_run=grid_as_run(events, g.pp, v, t.steps - 1),
+        params=params,
+    )
+    if job.trace.path:
+        write_trace(
+            job.trace.path,
+            events=events,
+            steps={"loss": np.array(losses), "accuracy": np.array(accuracies)},
+            config=to_toml(job),
+            attrs=_run_attrs(world, job, summary, hostnames),
+            overwrite=job.trace.overwrite,
+        )
+        summary.trace_path = job.trace.path
+    return summary
+
+
+def _evaluate(world, grid, stages, num_stages, task, model_cfg) -> float:
+    """Held-out accuracy, computed by replica 0's pipeline; returned on world rank 0."""
+    accuracy = -1.0
+    if grid.dp_rank == 0:
+        shapes = boundary_shapes(
+            model_cfg, task.in_features, task.num_classes, num_stages, len(task.test_x)
+        )
+        logits = forward_only(grid.pp_comm, stages, num_stages, task.test_x, shapes)
+        if logits is not None:
+            accuracy = float(np.mean(np.argmax(logits, axis=1) == task.test_y))
+    return float(world.allreduce(accuracy, op=MPI.MAX))
+
+
+def _replica_check(world, grid, stages) -> dict[int, float]:
+    """max |w - w_replica0| for every stage (0.0 means the replicas are bit-identical)."""
+    local = {}
+    for s, st in stages.items():
+        reference = st.flat_params.copy()
+        grid.dp_comm.Bcast([reference, MPI.FLOAT], root=0)
+        diff = float(np.max(np.abs(st.flat_params - reference))) if st.num_params else 0.0
+        local[s] = grid.dp_comm.allreduce(diff, op=MPI.MAX)
+    gathered = world.gather(local if grid.dp_rank == 0 else {}, root=0)
+    return {s: d for part in gathered or [] for s, d in part.items()}
+
+
+def gather_parameters(world, grid, stages, num_stages) -> list[np.ndarray] | None:
+    """Replica 0's flat parameters of every stage, on world rank 0, in stage order."""
+    mine = {s: st.num_params for s, st in stages.items()} if grid.dp_rank == 0 else {}
+    sizes = world.gather(mine, root=0)
+    if grid.dp_rank == 0 and world.rank != 0:
+        for s in sorted(stages):
+            world.Send([stages[s].flat_params, MPI.FLOAT], dest=0, tag=s)
+    if world.rank != 0:
+        return None
+    owners = {s: (r, n) for r, part in enumerate(sizes) for s, n in part.items()}
+    params = []
+    for s in range(num_stages):
+        owner, n = owners[s]
+        if owner == 0:
+            params.append(stages[s].flat_params.copy())
+        else:
+            buf = np.empty(n, np.float32)
+            world.Recv([buf, MPI.FLOAT], source=owner, tag=s)
+            params.append(buf)
+    return params
+
+
+def _bytes_sent(world, runtime, rings) -> dict[str, int]:
+    mine = dict(runtime.bytes_sent)
+    for ring in rings.values():
+        for kind, n in ring.bytes_sent.items():
+            mine[kind] = mine.get(kind, 0) + n
+    gathered = world.gather(mine, root=0)
+    if gathered is None:
+        return {}
+    total: dict[str, int] = {}
+    for part in gathered:
+        for kind, n in part.items():
+            total[kind] = total.get(kind, 0) + int(n)
+    return total
+
+
+def grid_as_run(events: np.ndarray, pp: int, v: int, step: int) -> str:
+    """The step x rank grid of what actually ran in `step` (replica 0), ordered by start time."""
+    from mpihybrid.schedules import render_grid
+
+    names = {KIND["forward"]: "F", KIND["backward"]: "B", KIND["weight"]: "W"}
+    rows = events[(events["step"] == step) & (events["replica"] == 0)]
+    rows = rows[np.isin(rows["kind"], list(names))]
+    rows = rows[np.argsort(rows["start"], kind="stable")]
+    per_rank: dict[int, list[Action]] = {r: [] for r in range(pp)}
+    for e in rows:
+        stage = int(e["stage"])
+        per_rank[stage_rank(stage, pp, v)].append(
+            Action(stage, names[int(e["kind"])], int(e["microbatch"]))
+        )
+    return render_grid(per_rank)
+
+
+def _run_attrs(world, job: Job, summary: Summary, hostnames: list[str]) -> dict:
+    return {
+        "mpihybrid_version": __version__,
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi4py_version": __import__("mpi4py").__version__,
+        "numpy_version": np.__version__,
+        "python_version": platform.python_version(),
+        "world_size": world.Get_size(),
+        "pp": job.grid.pp,
+        "dp": job.grid.dp,
+        "schedule": job.train.schedule,
+        "microbatches": job.train.microbatches,
+        "virtual_stages": job.train.virtual_stages,
+        "codec": job.comm.codec,
+        "hostnames": ",".join(sorted(set(hostnames))),
+        "runtime_s": summary.runtime_s,
+        "test_accuracy": summary.test_accuracy,
+        "command": " ".join(sys.argv),
+    }

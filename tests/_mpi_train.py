@@ -1,0 +1,54 @@
+"""Run `train()` under mpiexec for one or more schedules; rank 0 prints one JSON line per run.
+
+    mpiexec -n 4 python tests/_mpi_train.py --schedules gpipe,1f1b --set grid.pp=2 ...
+
+With --serial, rank 0 also trains the serial reference and reports the largest difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from mpihybrid.config import load_job  # noqa: E402
+from mpihybrid.train import train  # noqa: E402
+from tests.serial_reference import train_serial  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--job", default=None)
+parser.add_argument("--schedules", default="1f1b")
+parser.add_argument("--set", dest="overrides", action="append", default=[])
+parser.add_argument("--serial", action="store_true")
+args = parser.parse_args()
+
+world = MPI.COMM_WORLD
+for name in args.schedules.split(","):
+    overrides = [*args.overrides, f"train.schedule={name}"]
+    if name == "interleaved-1f1b":
+        overrides.append("train.virtual_stages=2")
+    job = load_job(args.job, overrides, world.Get_size())
+    summary = train(job, world, quiet=True, collect_params=args.serial)
+    if world.rank != 0:
+        continue
+    out = {
+        "schedule": name,
+        "losses": summary.losses,
+        "test_accuracy": summary.test_accuracy,
+        "replica_max_diff": max(summary.replica_max_diff.values()),
+        "bytes_sent": summary.bytes_sent,
+        "peak_inflight": summary.peak_inflight,
+    }
+    if args.serial:
+        hybrid = np.concatenate(summary.params)
+        serial, serial_losses = train_serial(job)
+        out["max_abs_diff"] = float(np.max(np.abs(hybrid - serial)))
+        out["allclose"] = bool(np.allclose(hybrid, serial, rtol=1e-5, atol=1e-6))
+        out["serial_losses"] = serial_losses
+    print("RESULT " + json.dumps(out), flush=True)

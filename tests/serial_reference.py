@@ -1,0 +1,32 @@
+"""The oracle of the equivalence tests: one process, the whole model, the whole global batch.
+
+It shares the layers, the data and the optimizer with mpihybrid but none of the pipeline:
+no schedule, no messages, no micro-batches, no all-reduce.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpihybrid.data import build_task
+from mpihybrid.layers import SoftmaxCrossEntropy
+from mpihybrid.model import build_stage
+from mpihybrid.optim import build_optimizer
+
+
+def train_serial(job) -> tuple[np.ndarray, list[float]]:
+    """Final flat parameters and per-step losses of the job trained serially."""
+    task = build_task(job.data)
+    model = build_stage(job.model, task.in_features, task.num_classes, 0, 1, job.train.seed)
+    optimizer = build_optimizer(job.train, model.flat_params)
+    loss_fn = SoftmaxCrossEntropy()
+    losses = []
+    for step in range(job.train.steps):
+        model.zero_grad()
+        x, y = task.global_batch(step, job.train.global_batch)
+        logits, cache = model.forward(x)
+        loss, loss_cache = loss_fn.forward(logits, y)
+        model.backward(loss_fn.backward(loss_cache), cache)
+        optimizer.step(model.flat_grads)
+        losses.append(loss)
+    return model.flat_params, losses

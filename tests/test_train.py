@@ -1,0 +1,168 @@
+"""End-to-end training under real mpiexec: hybrid == serial, the seed job, the trace."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.mpirun import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+ALL_SCHEDULES = "naive,gpipe,1f1b,interleaved-1f1b,zb-h1"
+
+
+def results(proc) -> list[dict]:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+@pytest.mark.parametrize(
+    "pp, dp, schedules",
+    [
+        (1, 1, "gpipe,1f1b"),
+        (2, 1, ALL_SCHEDULES),
+        (1, 2, "gpipe,1f1b"),
+        (2, 2, ALL_SCHEDULES),
+        (4, 1, ALL_SCHEDULES),
+        (3, 4, "gpipe,1f1b,zb-h1"),
+    ],
+)
+def test_hybrid_equals_serial(pp, dp, schedules):
+    m = 2 * pp if pp > 1 else 3  # interleaved needs M % pp == 0
+    proc = run_mpi(
+        pp * dp,
+        "tests/_mpi_train.py",
+        "--serial",
+        "--schedules",
+        schedules,
+        "--set",
+        f"grid.pp={pp}",
+        "--set",
+        f"grid.dp={dp}",
+        "--set",
+        "train.steps=5",
+        "--set",
+        f"train.microbatches={m}",
+        "--set",
+        f"train.global_batch={dp * m * 4}",
+        "--set",
+        "model.depth=8",
+        "--set",
+        "model.hidden=32",
+        "--set",
+        "comm.codec=fp32",
+        timeout=240,
+    )
+    runs = results(proc)
+    assert [r["schedule"] for r in runs] == schedules.split(",")
+    for r in runs:
+        print(r["schedule"], "max |hybrid - serial| =", r["max_abs_diff"])
+        assert r["allclose"], r
+        assert np.allclose(r["losses"], r["serial_losses"], rtol=1e-5), r
+        assert r["replica_max_diff"] == 0.0
+
+
+def test_sync_sends_never_rely_on_eager_buffering():
+    """Every schedule completes when each pipeline send is synchronous (Issend)."""
+    proc = run_mpi(
+        4,
+        "tests/_mpi_train.py",
+        "--schedules",
+        ALL_SCHEDULES,
+        "--set",
+        "grid.pp=4",
+        "--set",
+        "grid.dp=1",
+        "--set",
+        "comm.sync_sends=true",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.microbatches=8",
+        "--set",
+        "train.global_batch=64",
+        "--set",
+        "model.depth=8",
+        timeout=180,
+    )
+    assert len(results(proc)) == 5
+
+
+def test_seed_job_learns_and_int8_tracks_fp32():
+    """The K=3 x D=4 seed job: >= 95% held-out, bit-identical replicas, int8 within 2% of fp32."""
+    runs = {}
+    for codec in ("int8", "fp32"):
+        proc = run_mpi(
+            12,
+            "tests/_mpi_train.py",
+            "--job",
+            "jobs/seed_k3_d4.toml",
+            "--set",
+            f"comm.codec={codec}",
+            timeout=300,
+        )
+        (runs[codec],) = results(proc)
+    int8, fp32 = runs["int8"], runs["fp32"]
+    print(f"held-out accuracy int8 {int8['test_accuracy']:.4f} fp32 {fp32['test_accuracy']:.4f}")
+    print("final loss int8 {:.5f} fp32 {:.5f}".format(int8["losses"][-1], fp32["losses"][-1]))
+    assert int8["test_accuracy"] >= 0.95
+    assert int8["replica_max_diff"] == 0.0
+    final_int8 = np.mean(int8["losses"][-10:])
+    final_fp32 = np.mean(fp32["losses"][-10:])
+    assert abs(final_int8 - final_fp32) <= 0.02 * final_fp32 + 1e-3
+    # int8 puts about a quarter of fp32's bytes on the wire (one fp32 scale per 256 values)
+    ratio = (int8["bytes_sent"]["reduce_scatter"] + int8["bytes_sent"]["all_gather"]) / (
+        fp32["bytes_sent"]["reduce_scatter"] + fp32["bytes_sent"]["all_gather"]
+    )
+    assert 0.24 < ratio < 0.27, ratio
+
+
+def test_trace_holds_every_event_the_schedule_implies(tmp_path):
+    from mpihybrid.trace import KIND, load
+
+    path = tmp_path / "run.h5"
+    steps, m, pp, dp = 3, 4, 2, 2
+    proc = run_mpi(
+        pp * dp,
+        "-m",
+        "mpihybrid",
+        "train",
+        "--quiet",
+        "--trace",
+        str(path),
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        f"train.microbatches={m}",
+        "--set",
+        "train.global_batch=32",
+        "--set",
+        "train.schedule=zb-h1",
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(path, "r") as f:
+        assert "events" in f
+    trace = load(path)
+    ev = trace.events
+    per_kind = steps * m * pp * dp
+    for kind in ("forward", "backward", "weight"):
+        assert np.sum(ev["kind"] == KIND[kind]) == per_kind, kind
+    compute = ev[np.isin(ev["kind"], [KIND["forward"], KIND["backward"]])]
+    # every (step, stage, replica, micro-batch) appears exactly once per kind
+    keys = {
+        (int(e["kind"]), int(e["step"]), int(e["stage"]), int(e["replica"]), int(e["microbatch"]))
+        for e in compute
+    }
+    assert len(keys) == len(compute)
+    sends = ev[(ev["kind"] == KIND["send"]) & (ev["microbatch"] >= 0)]
+    assert len(sends) == 2 * steps * m * (pp - 1) * dp  # an activation and a gradient per boundary
+    assert np.sum(ev["kind"] == KIND["allreduce"]) == steps * pp * dp
+    assert np.all(ev["end"] >= ev["start"])
+    assert len(trace.steps["loss"]) == steps
+    assert trace.attrs["world_size"] == pp * dp
+    assert "as run" in proc.stdout and "bit-identical" in proc.stdout
