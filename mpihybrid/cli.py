@@ -8,6 +8,7 @@ mpiexec -n 4 mpihybrid bench allreduce
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import traceback
@@ -22,7 +23,28 @@ def _fail(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """Commands living in other modules load on first use (keeps `--help` and `train` fast)."""
+
+    lazy = {
+        "analyze": "mpihybrid.cli_trace:analyze",
+        "timeline": "mpihybrid.cli_trace:timeline",
+        "export": "mpihybrid.cli_trace:export",
+        "compare": "mpihybrid.cli_trace:compare",
+        "sweep": "mpihybrid.sweep:sweep",
+    }
+
+    def list_commands(self, ctx):
+        return sorted([*super().list_commands(ctx), *self.lazy])
+
+    def get_command(self, ctx, name):
+        if name in self.lazy:
+            module, attr = self.lazy[name].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mpihybrid")
 def main() -> None:
     """Hybrid pipeline + data-parallel training over MPI, traced to HDF5."""

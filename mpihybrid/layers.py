@@ -44,14 +44,16 @@ class Layer:
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
         raise NotImplementedError
 
-    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+    def backward_input(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True
+    ) -> tuple[np.ndarray | None, object]:
         raise NotImplementedError
 
     def backward_weight(self, wcache: object) -> None:
         """Accumulate weight gradients; nothing to do without parameters."""
 
-    def backward(self, dy: np.ndarray, cache: object) -> np.ndarray:
-        dx, wcache = self.backward_input(dy, cache)
+    def backward(self, dy: np.ndarray, cache: object, need_dx: bool = True) -> np.ndarray | None:
+        dx, wcache = self.backward_input(dy, cache, need_dx)
         self.backward_weight(wcache)
         return dx
 
@@ -97,9 +99,12 @@ class Linear(Layer):
             y += self.params["bias"].astype(x.dtype, copy=False)
         return y, x
 
-    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+    def backward_input(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True
+    ) -> tuple[np.ndarray | None, object]:
         x = cache
-        dx = dy @ self.params["weight"].astype(dy.dtype, copy=False).T
+        # the model's first layer needs no input gradient: skip a matmul as big as its forward
+        dx = dy @ self.params["weight"].astype(dy.dtype, copy=False).T if need_dx else None
         return dx, (x, dy)
 
     def backward_weight(self, wcache: object) -> None:
@@ -122,7 +127,9 @@ class ReLU(Layer):
         mask = x > 0
         return x * mask, mask
 
-    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+    def backward_input(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True
+    ) -> tuple[np.ndarray | None, object]:
         return dy * cache, None
 
 
@@ -141,7 +148,9 @@ class GELU(Layer):
         y = 0.5 * x * (1.0 + t)
         return y, (x, t)
 
-    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+    def backward_input(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True
+    ) -> tuple[np.ndarray | None, object]:
         x, t = cache
         dinner = _GELU_K * (1.0 + 3.0 * _GELU_A * x * x)
         dydx = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
@@ -176,7 +185,9 @@ class LayerNorm(Layer):
         y += self.params["bias"].astype(x.dtype, copy=False)
         return y, (xhat, rstd)
 
-    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+    def backward_input(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True
+    ) -> tuple[np.ndarray | None, object]:
         xhat, rstd = cache
         dxhat = dy * self.params["weight"].astype(dy.dtype, copy=False)
         # d/dx of (x - mean) * rstd, with both mean and rstd depending on x

@@ -144,15 +144,20 @@ class Stage:
             caches.append(cache)
         return x, caches
 
-    def backward(self, dy: np.ndarray, cache: object) -> np.ndarray:
-        for layer, c in zip(reversed(self.layers), reversed(cache), strict=True):
-            dy = layer.backward(dy, c)
+    def backward(self, dy: np.ndarray, cache: object, need_dx: bool = True) -> np.ndarray | None:
+        """need_dx=False (the model's first stage): the first layer skips its input gradient."""
+        last = len(self.layers) - 1
+        for i, (layer, c) in enumerate(zip(reversed(self.layers), reversed(cache), strict=True)):
+            dy = layer.backward(dy, c, need_dx or i < last)
         return dy
 
-    def backward_input(self, dy: np.ndarray, cache: object) -> tuple[np.ndarray, object]:
+    def backward_input(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True
+    ) -> tuple[np.ndarray | None, object]:
         wcaches = []
-        for layer, c in zip(reversed(self.layers), reversed(cache), strict=True):
-            dy, wcache = layer.backward_input(dy, c)
+        last = len(self.layers) - 1
+        for i, (layer, c) in enumerate(zip(reversed(self.layers), reversed(cache), strict=True)):
+            dy, wcache = layer.backward_input(dy, c, need_dx or i < last)
             wcaches.append(wcache)
         return dy, wcaches[::-1]
 

@@ -131,10 +131,11 @@ class PipelineRuntime:
             elif kind == "B":
                 dy = inbox.pop(("B", s, mb))
                 cache = caches.pop((s, mb))
+                need_dx = s > 0
                 if (s, mb) in self.split_backward:
-                    dx, wcaches[(s, mb)] = self.stages[s].backward_input(dy, cache)
+                    dx, wcaches[(s, mb)] = self.stages[s].backward_input(dy, cache, need_dx)
                 else:
-                    dx = self.stages[s].backward(dy, cache)
+                    dx = self.stages[s].backward(dy, cache, need_dx)
                     inflight[s] -= 1
                     live_bytes -= activation_bytes.pop((s, mb))
                 if s > 0:

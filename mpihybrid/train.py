@@ -47,6 +47,7 @@ class Summary:
     grid_as_run: str
     trace_path: str = ""
     params: list[np.ndarray] | None = None
+    events: np.ndarray | None = None  # every rank's trace events, rank 0's clock, run start = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -149,6 +150,7 @@ def train(
         peak_inflight=dict(sorted(peak_by_stage.items())),
         grid_as_run=grid_as_run(events, g.pp, v, t.steps - 1),
         params=params,
+        events=events,
     )
     if job.trace.path:
         write_trace(

@@ -205,3 +205,22 @@ def test_activation_nbytes_counts_what_the_cache_holds():
 def test_build_stage_rejects_bad_chunk():
     with pytest.raises(ValueError, match="chunk"):
         build_stage(mlp(), C_IN, K, 2, 2, seed=0)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_first_stage_skips_its_input_gradient_only(split):
+    stage = build_stage(mlp(depth=3), 5, 3, 0, 1, seed=2, dtype=np.float64)
+    x = np.random.default_rng(0).standard_normal((4, 5))
+    y, cache = stage.forward(x)
+    dy = np.ones_like(y)
+    grads = []
+    for need_dx in (True, False):
+        stage.zero_grad()
+        if split:
+            dx, wcache = stage.backward_input(dy, cache, need_dx)
+            stage.backward_weight(wcache)
+        else:
+            dx = stage.backward(dy, cache, need_dx)
+        assert (dx is None) == (not need_dx)
+        grads.append(stage.flat_grads.copy())
+    np.testing.assert_array_equal(grads[0], grads[1])
