@@ -124,6 +124,8 @@ def train(
                 1e3 * (Recorder.clock() - t_step),
             )
     runtime_s = Recorder.clock() - t_start
+    step_rows = recorder.events[recorder.events["kind"] == KIND["step"]]
+    step_times = step_rows["end"] - step_rows["start"]  # rank 0's own step durations
 
     test_accuracy = _evaluate(world, grid, stages, num_stages, task, job.model)
     replica_diff = _replica_check(world, grid, stages)
@@ -156,7 +158,11 @@ def train(
         write_trace(
             job.trace.path,
             events=events,
-            steps={"loss": np.array(losses), "accuracy": np.array(accuracies)},
+            steps={
+                "loss": np.array(losses),
+                "accuracy": np.array(accuracies),
+                "step_time": step_times,
+            },
             config=to_toml(job),
             attrs=_run_attrs(world, job, summary, hostnames),
             overwrite=job.trace.overwrite,
