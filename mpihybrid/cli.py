@@ -16,6 +16,7 @@ import traceback
 import click
 
 EXIT_USAGE = 2
+EXIT_PREEMPTED = 3  # a signal asked the job to stop; a checkpoint was written (requeue me)
 
 
 def _fail(message: str) -> None:
@@ -62,10 +63,17 @@ def main() -> None:
 @click.option("--trace", "trace_path", metavar="PATH", help="Write the run's HDF5 trace here.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing trace file.")
 @click.option("--quiet", is_flag=True, help="No per-step progress lines.")
-def train(job_file, overrides, trace_path, overwrite, quiet) -> None:
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Require a checkpoint in checkpoint.dir to continue from (a run resumes from "
+    "the newest complete one there anyway).",
+)
+def train(job_file, overrides, trace_path, overwrite, quiet, resume) -> None:
     """Train JOB_FILE (TOML; the embedded default job when omitted) on every rank of mpiexec."""
     from mpi4py import MPI
 
+    from mpihybrid.checkpoint import CheckpointError
     from mpihybrid.config import ConfigError, load_job
 
     world = MPI.COMM_WORLD
@@ -76,14 +84,16 @@ def train(job_file, overrides, trace_path, overwrite, quiet) -> None:
         overrides.append("trace.overwrite=true")
     # Every rank validates the same inputs; rank 0 also checks the file system. All ranks then
     # agree on the first error, so they exit together before any message of training is sent.
-    error, job = None, None
+    error, job, resume_from = None, None, None
     try:
         job = load_job(job_file, overrides, world.Get_size())
         if world.rank == 0 and job.trace.path:
             from mpihybrid.trace import check_writable
 
             check_writable(job.trace.path, job.trace.overwrite)
-    except ConfigError as exc:
+        if world.rank == 0:
+            resume_from = _find_checkpoint(job, resume)
+    except (ConfigError, CheckpointError) as exc:
         error = str(exc)
     except FileExistsError as exc:
         error = f"{exc} (--overwrite replaces it)"
@@ -98,10 +108,20 @@ def train(job_file, overrides, trace_path, overwrite, quiet) -> None:
 
     _setup_logging(world.rank, quiet)
     from mpihybrid.report import format_report
+    from mpihybrid.train import Preempted
     from mpihybrid.train import train as run_training
 
+    resume_from = world.bcast(resume_from, root=0)
     try:
-        summary = run_training(job, world, quiet=quiet)
+        summary = run_training(job, world, quiet=quiet, resume_from=resume_from)
+    except Preempted as exc:
+        if world.rank == 0:
+            click.echo(str(exc))
+        sys.exit(EXIT_PREEMPTED)
+    except CheckpointError as exc:  # raised on every rank alike, before any training
+        if world.rank == 0:
+            click.echo(f"mpihybrid: error: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
     except Exception:
         # One rank failing must end the whole job, never leave the others waiting.
         sys.stderr.write(f"[rank {world.rank}] training failed:\n{traceback.format_exc()}")
@@ -109,6 +129,24 @@ def train(job_file, overrides, trace_path, overwrite, quiet) -> None:
         world.Abort(1)
     if summary is not None:
         click.echo(format_report(job, summary))
+
+
+def _find_checkpoint(job, required: bool) -> str | None:
+    """The newest complete checkpoint to resume from, checked against the job (rank 0)."""
+    from pathlib import Path
+
+    from mpihybrid import checkpoint
+
+    root = job.checkpoint.dir
+    path = checkpoint.latest(root) if root else None
+    if path is None:
+        if required:
+            raise checkpoint.CheckpointError(
+                f"--resume: no complete checkpoint in checkpoint.dir = {root!r}"
+            )
+        return None
+    checkpoint.check_compatible(checkpoint.read_manifest(path), job, Path(path))
+    return str(path)
 
 
 def _quote(text: str) -> str:

@@ -90,6 +90,13 @@ class TraceConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = never (a preemption signal still writes one)
+    dir: str = ""  # checkpoints live here; a run resumes from the newest complete one
+    keep: int = 2  # complete checkpoints kept (older ones are deleted after a new one lands)
+
+
+@dataclass(frozen=True)
 class Job:
     grid: GridConfig = field(default_factory=GridConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -97,6 +104,7 @@ class Job:
     train: TrainConfig = field(default_factory=TrainConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 SECTIONS = {f.name: f.type for f in fields(Job)}
@@ -227,9 +235,13 @@ def validate(job: Job) -> None:
         ("train.microbatches", t.microbatches, 1),
         ("train.virtual_stages", t.virtual_stages, 1),
         ("comm.block", c.block, 1),
+        ("checkpoint.every", job.checkpoint.every, 0),
+        ("checkpoint.keep", job.checkpoint.keep, 1),
     ]:
         if value < low:
             raise ConfigError(f"{where} = {value}: must be >= {low}")
+    if job.checkpoint.every and not job.checkpoint.dir:
+        raise ConfigError(f"checkpoint.every = {job.checkpoint.every} needs checkpoint.dir")
     if t.lr <= 0:
         raise ConfigError(f"train.lr = {t.lr}: must be > 0")
     per_step = g.dp * t.microbatches

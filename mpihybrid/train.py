@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import logging
 import platform
+import signal
 import socket
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid import __version__
+from mpihybrid import __version__, checkpoint
 from mpihybrid.allreduce import RingAllreduce
 from mpihybrid.codecs import get_codec
 from mpihybrid.config import Job, to_toml
@@ -52,9 +54,16 @@ class Summary:
 
 
 def train(
-    job: Job, world: MPI.Comm, quiet: bool = False, collect_params: bool = False
+    job: Job,
+    world: MPI.Comm,
+    quiet: bool = False,
+    collect_params: bool = False,
+    resume_from: str | None = None,
 ) -> Summary | None:
     """Run the job on every rank of `world`; rank 0 gets the Summary, the others None.
+
+    resume_from: a complete checkpoint directory (checkpoint.latest) to continue from.
+    Raises Preempted on every rank after writing a checkpoint when a rank got SIGUSR1/SIGTERM.
 
     collect_params: also bring replica 0's final parameters of every stage to rank 0
     (Summary.params, in stage order) -- what the equivalence tests compare.
@@ -85,14 +94,21 @@ def train(
     optimizers = {s: build_optimizer(t, st.flat_params) for s, st in stages.items()}
     ring_peer = grid.world_rank_of(grid.pp_rank, (grid.dp_rank + 1) % grid.dp_size, g.order)
 
+    start, losses, accuracies = 0, [], []
+    if resume_from is not None:
+        start, losses, accuracies = _restore(
+            world, grid, job, resume_from, stages, optimizers, rings
+        )
+    preempt = _PreemptionFlag(enabled=bool(job.checkpoint.dir))
+
     offset = clock_offset(world)
     world.Barrier()
     t_start = Recorder.clock()
     # Rank 0's clock at the start, for traces relative to the run's start.
     t_origin = world.bcast(t_start + offset if world.rank == 0 else None, root=0)
-    totals = np.zeros((max(t.steps, 1), 3), np.float64)  # rank 0: loss_sum, correct, samples
     peak_inflight = {s: 0 for s in stages}
-    for step in range(t.steps):
+    step_sums = np.zeros(4)  # loss_sum, correct, samples, preemption requests: over all ranks
+    for step in range(start, t.steps):
         t_step = Recorder.clock()
         for st in stages.values():
             st.zero_grad()
@@ -109,20 +125,23 @@ def train(
         recorder.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
         for s, n in result.peak_inflight.items():
             peak_inflight[s] = max(peak_inflight[s], n)
-        # loss_sum, correct, samples of the step, summed over every rank onto rank 0
-        world.Reduce(
-            np.array([result.loss_sum, result.correct, result.samples]), totals[step], root=0
-        )
+        # One small collective per step: the metrics, and whether any rank was told to stop
+        # (agreed here, at a step boundary, never inside the signal handler).
+        mine = np.array([result.loss_sum, result.correct, result.samples, preempt.requested])
+        world.Allreduce(mine, step_sums, op=MPI.SUM)
+        losses.append(float(step_sums[0] / (g.dp * M)))
+        accuracies.append(float(step_sums[1] / max(step_sums[2], 1)))
         if not quiet and world.rank == 0:
-            loss, correct, samples = totals[step]
             log.info(
                 "step %d/%d  loss %.4f  train acc %.3f  %.1f ms",
-                step + 1,
-                t.steps,
-                loss / (g.dp * M),
-                correct / max(samples, 1),
-                1e3 * (Recorder.clock() - t_step),
-            )
+                step + 1, t.steps, losses[-1], accuracies[-1], 1e3 * (Recorder.clock() - t_step),
+            )  # fmt: skip
+        every = job.checkpoint.every
+        if step_sums[3] or (every and (step + 1) % every == 0):
+            path = _save(world, grid, job, step + 1, stages, optimizers, rings, losses, accuracies)
+            if step_sums[3]:
+                raise Preempted(step + 1, path)
+    preempt.restore()
     runtime_s = Recorder.clock() - t_start
     step_rows = recorder.events[recorder.events["kind"] == KIND["step"]]
     step_times = step_rows["end"] - step_rows["start"]  # rank 0's own step durations
@@ -137,20 +156,18 @@ def train(
     if world.rank != 0:
         return None
 
-    losses = [float(v) for v in totals[: t.steps, 0] / (g.dp * M)]
-    accuracies = [float(v) for v in totals[: t.steps, 1] / np.maximum(totals[: t.steps, 2], 1)]
     peak_by_stage = {s: n for d in peaks for s, n in d.items()}
     summary = Summary(
         steps=t.steps,
         runtime_s=runtime_s,
-        samples_per_s=t.steps * t.global_batch / runtime_s if runtime_s > 0 else 0.0,
+        samples_per_s=(t.steps - start) * t.global_batch / runtime_s if runtime_s > 0 else 0.0,
         losses=losses,
         accuracies=accuracies,
         test_accuracy=test_accuracy,
         bytes_sent=bytes_sent,
         replica_max_diff=replica_diff,
         peak_inflight=dict(sorted(peak_by_stage.items())),
-        grid_as_run=grid_as_run(events, g.pp, v, t.steps - 1),
+        grid_as_run=grid_as_run(events, g.pp, v, t.steps - 1) if t.steps > start else "",
         params=params,
         events=events,
     )
@@ -169,6 +186,68 @@ def train(
         )
         summary.trace_path = job.trace.path
     return summary
+
+
+class Preempted(Exception):
+    """Every rank stopped at a step boundary after a signal, with a checkpoint written."""
+
+    def __init__(self, step: int, path: str):
+        super().__init__(f"preempted at step {step}: checkpoint written to {path}")
+        self.step, self.path = step, path
+
+
+class _PreemptionFlag:
+    """SIGUSR1 (SLURM's advance warning) or SIGTERM only set a flag; the loop acts on it."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self, enabled: bool):
+        self.requested = 0
+        self.previous = {}
+        if enabled:
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = 1
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _save(world, grid, job, step, stages, optimizers, rings, losses, accuracies) -> str:
+    """Collective: every rank writes its share into one partial directory; rank 0 commits it."""
+    root = Path(job.checkpoint.dir)
+    partial = world.bcast(str(checkpoint.new_partial(root, step)) if world.rank == 0 else None)
+    for s, st in stages.items():
+        checkpoint.save_rank(Path(partial), s, grid.dp_rank, st, optimizers[s], rings[s], step)
+    world.Barrier()  # every file is in place before the manifest says so
+    path = None
+    if world.rank == 0:
+        manifest = checkpoint.manifest_for(job, step, losses, accuracies)
+        path = str(checkpoint.commit(root, Path(partial), step, manifest, job.checkpoint.keep))
+        log.info("checkpoint: %s", path)
+    return world.bcast(path, root=0)
+
+
+def _restore(world, grid, job, path, stages, optimizers, rings):
+    """Load every stage of this rank; all ranks agree on success before training goes on."""
+    error = None
+    try:
+        manifest = checkpoint.read_manifest(Path(path))
+        checkpoint.check_compatible(manifest, job, Path(path))
+        same = manifest["dp"] == job.grid.dp and manifest["codec"] == job.comm.codec
+        for s, st in stages.items():
+            checkpoint.load_rank(Path(path), s, grid.dp_rank, same, st, optimizers[s], rings[s])
+    except checkpoint.CheckpointError as exc:
+        error = str(exc)
+    errors = [e for e in world.allgather(error) if e is not None]
+    if errors:
+        raise checkpoint.CheckpointError(errors[0])
+    if world.rank == 0:
+        log.info("resumed from %s (step %d)", path, manifest["step"])
+    return manifest["step"], list(manifest["losses"]), list(manifest["accuracies"])
 
 
 def _evaluate(world, grid, stages, num_stages, task, model_cfg) -> float:

@@ -22,15 +22,27 @@ def mpiexec() -> str:
     return found
 
 
+def mpi_env(env: dict | None = None) -> dict:
+    """One BLAS thread per rank, and this checkout importable."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    return full_env
+
+
+def mpi_command(n: int, *argv: str) -> list[str]:
+    return [mpiexec(), "-n", str(n), sys.executable, *argv]
+
+
 def run_mpi(
     n: int, *argv: str, timeout: float = 120, env: dict | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
     """Run `mpiexec -n N python ARGV...`; returns the finished process (stdout/stderr as text)."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    if env:
-        full_env.update(env)
-    cmd = [mpiexec(), "-n", str(n), sys.executable, *argv]
     return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or ROOT
+        mpi_command(n, *argv),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=mpi_env(env),
+        cwd=cwd or ROOT,
     )
