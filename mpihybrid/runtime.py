@@ -65,6 +65,11 @@ class PipelineRuntime:
         self.isend = pp_comm.Issend if sync_sends else pp_comm.Isend
         self.loss_fn = SoftmaxCrossEntropy()
         self.bytes_sent = {"activation": 0, "activation_grad": 0}
+        # traces name peers by world rank
+        world_group, pp_group = MPI.COMM_WORLD.Get_group(), pp_comm.Get_group()
+        self.world_rank = pp_group.Translate_ranks(list(range(self.pp_size)), world_group)
+        pp_group.Free()
+        world_group.Free()
         self.split_backward = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
         top = tag_for("B", num_stages - 1, num_microbatches - 1, num_microbatches)
         tag_ub = pp_comm.Get_attr(MPI.TAG_UB)
@@ -154,12 +159,14 @@ class PipelineRuntime:
                 tag = tag_for(fb, s, mb, M)
                 send_requests.append(self.isend([buf, MPI.FLOAT], dest=a.peer, tag=tag))
                 self.bytes_sent["activation" if fb == "F" else "activation_grad"] += buf.nbytes
-                rec.record(KIND["send"], step, s, mb, t0, clock(), buf.nbytes, a.peer)
+                peer = self.world_rank[a.peer]
+                rec.record(KIND["send"], step, s, mb, t0, clock(), buf.nbytes, peer)
             elif kind in ("RECV_F", "RECV_B"):
                 key = (kind[-1], s, mb)
                 pending_recv.pop(key).Wait()
                 inbox[key] = self.recv_buffers[key]
-                rec.record(KIND["recv"], step, s, mb, t0, clock(), inbox[key].nbytes, a.peer)
+                peer = self.world_rank[a.peer]
+                rec.record(KIND["recv"], step, s, mb, t0, clock(), inbox[key].nbytes, peer)
             else:
                 raise ValueError(f"unknown action {a}")
         t0 = clock()

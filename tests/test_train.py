@@ -161,6 +161,9 @@ def test_trace_holds_every_event_the_schedule_implies(tmp_path):
     assert len(keys) == len(compute)
     sends = ev[(ev["kind"] == KIND["send"]) & (ev["microbatch"] >= 0)]
     assert len(sends) == 2 * steps * m * (pp - 1) * dp  # an activation and a gradient per boundary
+    # peers are world ranks of the same pipeline (rank = dp_rank * pp + pp_rank)
+    assert np.all(sends["peer"] // pp == sends["rank"] // pp)
+    assert np.all(np.abs(sends["peer"] - sends["rank"]) == 1)
     assert np.sum(ev["kind"] == KIND["allreduce"]) == steps * pp * dp
     assert np.all(ev["end"] >= ev["start"])
     assert len(trace.steps["loss"]) == steps

@@ -1,0 +1,538 @@
+"""Metrics from a trace: time split, bubble measured vs predicted, bytes, bandwidth, memory.
+
+    mpihybrid analyze runs/seed.h5            # or: analyze(load("runs/seed.h5"))
+
+Pure numpy on the event rows (no MPI). Times are seconds; a "phase" is one pipeline's compute
+of one step: from the earliest F/B/W start to the latest F/B/W end among that replica's ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from mpihybrid.trace import KIND, KINDS, Trace
+
+COMPUTE = {KIND["forward"]: "F", KIND["backward"]: "B", KIND["weight"]: "W"}
+# the columns of the time split, in table order; "recv" is time blocked waiting for a message
+SPLIT = ("forward", "backward", "weight", "recv", "send", "allreduce", "optimizer")
+
+
+def _durations(events: np.ndarray) -> np.ndarray:
+    return events["end"] - events["start"]
+
+
+def _measured_steps(events: np.ndarray, skip_steps: int) -> np.ndarray:
+    """The steps after the first `skip_steps` (warm-up); all of them when nothing would be left."""
+    steps = np.unique(events["step"][events["step"] >= 0])
+    kept = steps[steps >= skip_steps]
+    return kept if len(kept) else steps
+
+
+# ---------------------------------------------------------------------------------------------
+# point-to-point messages: which send fed which receive
+
+
+@dataclass
+class Messages:
+    """Matched point-to-point messages, as row indices into the events they came from."""
+
+    send: np.ndarray  # index of the send row
+    recv: np.ndarray  # index of the matching recv row
+    direction: np.ndarray  # "F" (activation) or "B" (activation gradient), per message
+    producer_end: np.ndarray  # end of the F/B whose output the message carried
+    consumer_start: np.ndarray  # start of the F/B that consumed it
+
+    def __len__(self) -> int:
+        return len(self.send)
+
+
+def match_messages(events: np.ndarray) -> Messages:
+    """Pair every send with its receive: same step, replica and micro-batch, the same direction,
+    and the receiving stage is the sender's neighbour (s + 1 for an activation, s - 1 for a
+    gradient), which names the peer: the one rank of the replica that owns that stage.
+
+    Rows do not say which way a message went, and with interleaving one stage sends activations
+    and gradients to the same peer, so the direction is read from the order on the rank: a SEND
+    follows the F or B that produced its tensor, a RECV precedes the F or B that consumes it
+    (schedules.lower).
+    """
+    col = {name: events[name].tolist() for name in ("rank", "step", "stage", "microbatch")}
+    kind, start, end, replica = (events[n].tolist() for n in ("kind", "start", "end", "replica"))
+    key = list(zip(col["rank"], col["step"], col["stage"], col["microbatch"], strict=True))
+    compute: dict[tuple, dict[str, tuple[float, float]]] = {}  # (rank, step, stage, mb) -> F/B
+    for i, k in enumerate(kind):
+        if k in (KIND["forward"], KIND["backward"]):
+            compute.setdefault(key[i], {})[COMPUTE[k]] = (start[i], end[i])
+
+    recvs = {}  # (step, replica, stage, mb, direction) -> (row, start of the consumer)
+    sends = []  # (row, direction, end of the producer)
+    for i, k in enumerate(kind):
+        if k not in (KIND["send"], KIND["recv"]) or key[i] not in compute:
+            continue
+        times = compute[key[i]]
+        if k == KIND["recv"]:
+            # the consumer: the first F/B of this (stage, mb) to start after the wait began
+            after = [(t0, d) for d, (t0, _) in times.items() if t0 >= start[i]]
+            if after:
+                t0, d = min(after)
+                recvs[(col["step"][i], replica[i], col["stage"][i], col["microbatch"][i], d)] = (
+                    i, t0
+                )  # fmt: skip
+        else:
+            # the producer: the last F/B of this (stage, mb) to end before the send began
+            before = [(t1, d) for d, (_, t1) in times.items() if t1 <= start[i]]
+            if before:
+                t1, d = max(before)
+                sends.append((i, d, t1))
+    rows = []
+    for i, d, t1 in sends:
+        dest = col["stage"][i] + (1 if d == "F" else -1)
+        hit = recvs.get((col["step"][i], replica[i], dest, col["microbatch"][i], d))
+        if hit is not None:
+            rows.append((i, hit[0], d, t1, hit[1]))
+    return Messages(
+        send=np.array([r[0] for r in rows], dtype=np.int64),
+        recv=np.array([r[1] for r in rows], dtype=np.int64),
+        direction=np.array([r[2] for r in rows], dtype="<U1"),
+        producer_end=np.array([r[3] for r in rows], dtype=np.float64),
+        consumer_start=np.array([r[4] for r in rows], dtype=np.float64),
+    )
+
+
+def message_latency(events: np.ndarray, messages: Messages | None = None) -> float:
+    """Median seconds from the end of a producing F/B to the start of its consumer on another
+    rank, over the messages whose receiver was already waiting (so the gap is the hop itself:
+    send post, transfer, wake-up); 0.0 when no receiver ever waited."""
+    messages = messages if messages is not None else match_messages(events)
+    if not len(messages):
+        return 0.0
+    waited = events["start"][messages.recv] <= events["start"][messages.send]
+    hops = (messages.consumer_start - messages.producer_end)[waited]
+    return float(np.median(hops)) if len(hops) else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the bubble
+
+
+def stage_costs(events: np.ndarray, num_stages: int) -> dict[str, list[float]]:
+    """Mean seconds of one F, B and W per stage (0.0 where a stage has none of that kind)."""
+    costs = {}
+    for name in ("forward", "backward", "weight"):
+        rows = events[events["kind"] == KIND[name]]
+        means = [_durations(rows[rows["stage"] == s]) for s in range(num_stages)]
+        costs[name] = [float(d.mean()) if len(d) else 0.0 for d in means]
+    return costs
+
+
+def bubble_summary(
+    events: np.ndarray,
+    schedule: str,
+    pp: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    skip_steps: int = 1,
+) -> dict:
+    """Idle fraction of the pipeline phase, measured from the events and predicted by simulate().
+
+    measured: per step and replica, the phase spans the earliest F/B/W start to the latest F/B/W
+    end over that replica's ranks; a rank's idle = phase - its F+B+W time. The mean of idle/phase
+    over ranks and steps (the first `skip_steps` are warm-up and left out while later ones exist).
+    predicted: simulate() of the schedule with each stage's measured mean F, B, W and the measured
+    message latency (message_latency) on every cross-rank dependency.
+    Returns {"measured", "predicted", "per_rank": {rank: measured}, "costs", "steps"}.
+    """
+    from mpihybrid.schedules import build_schedule
+    from mpihybrid.simulate import Costs, simulate
+
+    compute = events[np.isin(events["kind"], list(COMPUTE))]
+    steps = _measured_steps(compute, skip_steps)
+    compute = compute[np.isin(compute["step"], steps)]
+    fractions: dict[int, list[float]] = {}
+    for step in steps:
+        in_step = compute[compute["step"] == step]
+        for replica in np.unique(in_step["replica"]):
+            rows = in_step[in_step["replica"] == replica]
+            phase = float(rows["end"].max() - rows["start"].min())
+            if phase <= 0:
+                continue
+            for rank in np.unique(rows["rank"]):
+                busy = float(_durations(rows[rows["rank"] == rank]).sum())
+                fractions.setdefault(int(rank), []).append(max(0.0, 1.0 - busy / phase))
+    per_rank = {r: float(np.mean(f)) for r, f in sorted(fractions.items())}
+    everything = [f for fs in fractions.values() for f in fs]
+    measured = float(np.mean(everything)) if everything else 0.0
+
+    num_stages = pp * virtual_stages
+    costs = stage_costs(compute, num_stages)
+    costs["send"] = message_latency(events[np.isin(events["step"], steps)])
+    actions = build_schedule(schedule, pp, num_microbatches, virtual_stages)
+    sim = simulate(actions, Costs(**costs), virtual_stages)
+    return {
+        "measured": measured,
+        "predicted": float(sim.bubble_fraction),
+        "per_rank": per_rank,
+        "costs": costs,
+        "steps": [int(s) for s in steps],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole run
+
+
+def flat_config(trace: Trace) -> dict[str, object]:
+    """The job as {"section.key": value}; {} when the trace holds no readable job."""
+    try:
+        table = tomllib.loads(trace.config)
+    except (tomllib.TOMLDecodeError, TypeError):
+        return {}
+    return {
+        f"{section}.{key}": value
+        for section, values in table.items()
+        if isinstance(values, dict)
+        for key, value in values.items()
+    }
+
+
+def _stage_param_counts(trace: Trace, num_stages: int) -> list[int] | None:
+    """Parameters of every stage, rebuilt from the job (the all-reduce moves them as fp32)."""
+    from mpihybrid.config import ConfigError, build_job
+    from mpihybrid.data import TeacherTask
+    from mpihybrid.model import block_num_params, build_blocks, partition
+
+    try:
+        table = tomllib.loads(trace.config)
+        if not table:
+            return None  # no job stored: the defaults would be a guess
+        job = build_job(table)
+        blocks = build_blocks(job.model, job.data.features, TeacherTask.num_classes)
+        counts = [block_num_params(b) for b in blocks]
+        return [sum(counts[r.start : r.stop]) for r in partition(counts, num_stages)]
+    except (tomllib.TOMLDecodeError, ConfigError, ValueError, TypeError):
+        return None
+
+
+def _sum(rows: np.ndarray) -> float:
+    return float(_durations(rows).sum())
+
+
+def _peak_activations(events: np.ndarray, num_stages: int) -> tuple[list[int], list[int]]:
+    """Most micro-batches alive at once per stage, and the most bytes they held, replaying each
+    (rank, step) in start order: F holds its activations (bytes = the forward row's bytes) until
+    the last backward action of that micro-batch (W when the backward is split, else B)."""
+    peak_count, peak_bytes = [0] * num_stages, [0] * num_stages
+    compute = events[np.isin(events["kind"], list(COMPUTE))]
+    for rank, step in {(int(e["rank"]), int(e["step"])) for e in compute}:
+        rows = compute[(compute["rank"] == rank) & (compute["step"] == step)]
+        rows = rows[np.argsort(rows["start"], kind="stable")]
+        split = {
+            (int(e["stage"]), int(e["microbatch"])) for e in rows if e["kind"] == KIND["weight"]
+        }
+        alive, held, live = [0] * num_stages, {}, [0] * num_stages
+        for e in rows:
+            s, mb, kind = int(e["stage"]), int(e["microbatch"]), int(e["kind"])
+            if kind == KIND["forward"]:
+                alive[s] += 1
+                held[(s, mb)] = int(e["bytes"])
+                live[s] += held[(s, mb)]
+                peak_count[s] = max(peak_count[s], alive[s])
+                peak_bytes[s] = max(peak_bytes[s], live[s])
+            elif kind == KIND["weight"] or (s, mb) not in split:
+                alive[s] -= 1
+                live[s] -= held.pop((s, mb), 0)
+    return peak_count, peak_bytes
+
+
+def _allreduce_bandwidth(rows: np.ndarray, params: list[int] | None, n: int) -> list[dict]:
+    """nccl-tests figures per stage: size = the fp32 gradient, algbw = size / time,
+    busbw = algbw * 2(n-1)/n; time = the mean over steps of the call's shortest duration."""
+    out = []
+    for s in np.unique(rows["stage"]):
+        mine = rows[rows["stage"] == s]
+        # a ring finishes together: the last rank to arrive waits least, so the shortest
+        # duration of one call is the collective's own time (nccl-tests times after a barrier)
+        seconds = float(
+            np.mean([_durations(mine[mine["step"] == t]).min() for t in np.unique(mine["step"])])
+        )
+        size = 4 * params[s] if params is not None else None
+        algbw = size / seconds if size is not None and seconds > 0 else None
+        out.append(
+            {
+                "stage": int(s),
+                "ranks": n,
+                "size_bytes": size,
+                "seconds": seconds,
+                "algbw": algbw,
+                "busbw": algbw * 2 * (n - 1) / n if algbw is not None else None,
+                "wire_bytes": float(mine["bytes"].mean()),  # what one rank sent per call
+            }
+        )
+    return out
+
+
+def analyze(trace: Trace, skip_steps: int = 1) -> dict:
+    """Everything `mpihybrid analyze` reports, as plain numbers (JSON-ready).
+
+    Times are seconds summed over the whole run (stage rows: over all replicas of the stage);
+    step time, bubble, costs and all-reduce bandwidth leave out the first `skip_steps` steps.
+    """
+    from mpihybrid.schedules import build_schedule
+    from mpihybrid.simulate import BUBBLE_FORMULAS, bubble_formula, peak_inflight
+
+    ev, attrs = trace.events, trace.attrs
+    config = flat_config(trace)
+    pp, dp = int(attrs["pp"]), int(attrs["dp"])
+    schedule, m = str(attrs["schedule"]), int(attrs["microbatches"])
+    v = int(attrs.get("virtual_stages", 1))
+    num_stages = pp * v
+    of = {name: ev[ev["kind"] == KIND[name]] for name in KINDS}
+    step_rows = of["step"]
+    steps = _measured_steps(step_rows, skip_steps)
+
+    ranks = []
+    for rank in np.unique(ev["rank"]):
+        mine = ev[ev["rank"] == rank]
+        row = {"rank": int(rank), "replica": int(mine["replica"][0])}
+        row["stages"] = sorted({int(s) for s in mine["stage"] if s >= 0})
+        for name in SPLIT:
+            row[name] = _sum(mine[mine["kind"] == KIND[name]])
+        row["total"] = _sum(mine[mine["kind"] == KIND["step"]])
+        row["idle"] = max(0.0, row["total"] - sum(row[name] for name in SPLIT))
+        row["busy"] = row["forward"] + row["backward"] + row["weight"] + row["optimizer"]
+        ranks.append(row)
+
+    bubble = bubble_summary(ev, schedule, pp, m, v, skip_steps)
+    bubble["formula"] = bubble_formula(schedule, pp, m, v)
+    bubble["formula_text"] = BUBBLE_FORMULAS[schedule]
+    for row in ranks:
+        row["bubble"] = bubble["per_rank"].get(row["rank"])
+
+    peak_count, peak_bytes = _peak_activations(ev, num_stages)
+    predicted_peak = peak_inflight(build_schedule(schedule, pp, m, v), num_stages)
+    stages = []
+    for s in range(num_stages):
+        row = {"stage": s}
+        for name in SPLIT:
+            row[name] = _sum(of[name][of[name]["stage"] == s])
+        for name in ("forward", "backward", "weight"):
+            row[f"mean_{name}"] = bubble["costs"][name][s]
+        row["peak_inflight"] = peak_count[s]
+        row["predicted_peak_inflight"] = predicted_peak[s]
+        row["peak_activation_bytes"] = peak_bytes[s]
+        stages.append(row)
+
+    messages = match_messages(ev)
+    nbytes = ev["bytes"][messages.send]
+    sent = {
+        "activation": int(nbytes[messages.direction == "F"].sum()),
+        "activation_grad": int(nbytes[messages.direction == "B"].sum()),
+    }
+    # a send whose receive is not in the trace (none in a complete run)
+    sent["unmatched"] = int(of["send"]["bytes"].sum()) - sum(sent.values())
+    sent["allreduce"] = int(of["allreduce"]["bytes"].sum())
+
+    allreduce = []
+    if dp > 1:  # with one replica nothing travels
+        rows = of["allreduce"][np.isin(of["allreduce"]["step"], steps)]
+        allreduce = _allreduce_bandwidth(rows, _stage_param_counts(trace, num_stages), dp)
+
+    per_step = []
+    for t in np.unique(step_rows["step"]):
+        rows = step_rows[step_rows["step"] == t]
+        per_step.append(float(rows["end"].max() - rows["start"].min()))
+    measured = [per_step[i] for i, t in enumerate(np.unique(step_rows["step"])) if t in steps]
+    span = float(step_rows["end"].max() - step_rows["start"].min()) if len(step_rows) else 0.0
+    global_batch = config.get("train.global_batch")
+    samples = int(global_batch) * len(per_step) if global_batch is not None else None
+    straggler = max(ranks, key=lambda r: r["busy"]) if ranks else None
+    mean_busy = float(np.mean([r["busy"] for r in ranks])) if ranks else 0.0
+    loss, accuracy = trace.steps.get("loss"), trace.steps.get("accuracy")
+    return {
+        "run": {
+            "schedule": schedule,
+            "pp": pp,
+            "dp": dp,
+            "microbatches": m,
+            "virtual_stages": v,
+            "codec": attrs.get("codec", config.get("comm.codec")),
+            "world_size": int(attrs.get("world_size", len(ranks))),
+            "steps": len(per_step),
+        },
+        "counts": {name: int(len(of[name])) for name in KINDS},
+        "ranks": ranks,
+        "stages": stages,
+        "bubble": bubble,
+        "bytes": sent,
+        "messages": {
+            "sends": int(np.sum(of["send"]["microbatch"] >= 0)),
+            "matched": len(messages),
+        },
+        "allreduce": allreduce,
+        "step_time": {
+            "mean": float(np.mean(measured)) if measured else 0.0,
+            "median": float(statistics.median(measured)) if measured else 0.0,
+            "min": min(measured, default=0.0),
+            "max": max(measured, default=0.0),
+            "first": per_step[0] if per_step else 0.0,
+            "per_step": per_step,
+        },
+        "throughput": {
+            "samples": samples,
+            "seconds": span,
+            "samples_per_s": samples / span if samples is not None and span > 0 else None,
+        },
+        "straggler": None
+        if straggler is None
+        else {
+            "rank": straggler["rank"],
+            "busy": straggler["busy"],
+            "vs_mean": straggler["busy"] / mean_busy if mean_busy > 0 else 1.0,
+        },
+        "quality": {
+            "final_loss": float(loss[-1]) if loss is not None and len(loss) else None,
+            "train_accuracy": float(accuracy[-1])
+            if accuracy is not None and len(accuracy)
+            else None,
+            "test_accuracy": attrs.get("test_accuracy"),
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# text
+
+
+def _rate(bytes_per_s: float | None) -> str:
+    if bytes_per_s is None:
+        return "-"
+    for unit in ("B/s", "KB/s", "MB/s", "GB/s"):
+        if bytes_per_s < 1000 or unit == "GB/s":
+            return f"{bytes_per_s:.1f} {unit}"
+        bytes_per_s /= 1000
+    return "-"  # pragma: no cover
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        # first column left-aligned (labels), numbers right-aligned
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    return [line(header), *(line(r) for r in rows)]
+
+
+def format_analysis(result: dict) -> str:
+    """analyze()'s result as text tables (times per step in ms unless marked)."""
+    from mpihybrid.report import human_bytes
+
+    run, st, bubble = result["run"], result["step_time"], result["bubble"]
+    n = max(run["steps"], 1)
+    ms = lambda seconds: f"{1e3 * seconds / n:.2f}"  # noqa: E731  per step
+    v = f", v={run['virtual_stages']}" if run["virtual_stages"] > 1 else ""
+    measured_steps = bubble["steps"]
+    span = f"steps {measured_steps[0]}-{measured_steps[-1]}" if measured_steps else "no steps"
+    if len(measured_steps) == 1:
+        span = f"step {measured_steps[0]}"
+    lines = [
+        f"== {run['schedule']}{v}, pp={run['pp']} x dp={run['dp']}, M={run['microbatches']}, "
+        f"codec {run['codec']}, {run['steps']} step{'s' * (run['steps'] != 1)} "
+        f"on {run['world_size']} ranks",
+        f"step time       mean {1e3 * st['mean']:.2f} ms, median {1e3 * st['median']:.2f} ms "
+        f"({span}; step 0 took {1e3 * st['first']:.2f} ms)",
+    ]
+    tp = result["throughput"]
+    if tp["samples_per_s"] is not None:
+        lines.append(
+            f"throughput      {tp['samples_per_s']:,.0f} samples/s "
+            f"({tp['samples']} samples in {tp['seconds']:.3f} s)"
+        )
+    lines.append(
+        f"bubble          measured {bubble['measured']:.3f}, predicted {bubble['predicted']:.3f} "
+        f"(simulated with measured F/B/W and a {1e6 * bubble['costs']['send']:.0f} us hop), "
+        f"formula {bubble['formula_text']} = {bubble['formula']:.3f}"
+    )
+    q = result["quality"]
+    if q["final_loss"] is not None:
+        acc = (
+            f", held-out accuracy {q['test_accuracy']:.3f}"
+            if q["test_accuracy"] is not None
+            else ""
+        )
+        lines.append(
+            f"quality         final loss {q['final_loss']:.4f}, "
+            f"train accuracy {q['train_accuracy']:.3f}{acc}"
+        )
+    if result["straggler"] is not None:
+        s = result["straggler"]
+        lines.append(
+            f"straggler       rank {s['rank']}: busy {ms(s['busy'])} ms/step "
+            f"(F+B+W+optimizer), {s['vs_mean']:.2f}x the mean rank"
+        )
+
+    cols = ["forward", "backward", "weight", "recv", "send", "allreduce", "optimizer", "idle"]
+    heads = ["F", "B", "W", "p2p wait", "send", "allreduce", "optim", "idle"]
+    rows = [
+        [str(r["rank"]), ",".join(map(str, r["stages"])), str(r["replica"])]
+        + [ms(r[c]) for c in cols]
+        + [ms(r["total"]), f"{r['bubble']:.3f}" if r["bubble"] is not None else "-"]
+        for r in result["ranks"]
+    ]
+    lines += ["", "time by rank (ms per step)"]
+    lines += table(["rank", "stage", "dp", *heads, "step", "bubble"], rows)
+
+    replicas = max(run["dp"], 1)
+    rows = [
+        [str(s["stage"])]
+        + [f"{1e6 * s['mean_' + c]:.0f}" for c in ("forward", "backward", "weight")]
+        + [ms(s[c] / replicas) for c in SPLIT]
+        for s in result["stages"]
+    ]
+    lines += ["", "time by stage (one F/B/W in us; totals in ms per step, mean over replicas)"]
+    lines += table(["stage", "F us", "B us", "W us", *heads[:-1]], rows)
+
+    b = result["bytes"]
+    lines += [
+        "",
+        f"bytes sent      activation {human_bytes(b['activation'])}, activation_grad "
+        f"{human_bytes(b['activation_grad'])}, all-reduce {human_bytes(b['allreduce'])}",
+    ]
+    if result["allreduce"]:
+        rows = [
+            [
+                str(a["stage"]),
+                str(a["ranks"]),
+                human_bytes(a["size_bytes"]) if a["size_bytes"] is not None else "-",
+                f"{1e6 * a['seconds']:.0f}",
+                _rate(a["algbw"]),
+                _rate(a["busbw"]),
+                human_bytes(a["wire_bytes"]),
+            ]
+            for a in result["allreduce"]
+        ]
+        lines += ["", "all-reduce per stage (size = fp32 gradient; busbw = algbw * 2(n-1)/n)"]
+        lines += table(["stage", "n", "size", "time us", "algbw", "busbw", "wire/rank"], rows)
+    rows = [
+        [
+            str(s["stage"]),
+            str(s["peak_inflight"]),
+            str(s["predicted_peak_inflight"]),
+            human_bytes(s["peak_activation_bytes"]),
+        ]
+        for s in result["stages"]
+    ]
+    lines += ["", "activations in flight per stage (peak over steps and replicas)"]
+    lines += table(["stage", "peak", "schedule", "peak bytes"], rows)
+    return "\n".join(lines)

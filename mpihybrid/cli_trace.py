@@ -1,0 +1,179 @@
+"""Trace commands: analyze, timeline, export, compare (registered by mpihybrid.cli).
+
+mpihybrid analyze runs/seed.h5 [--json]
+mpihybrid timeline runs/seed.h5 -o runs/seed.png [--steps 2:4] [--ascii]
+mpihybrid export runs/seed.h5 --format chrome -o runs/seed.json
+mpihybrid compare runs/1f1b.h5 runs/gpipe.h5 runs/zb.h5
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from mpihybrid.cli import EXIT_USAGE
+
+# keys every run has its own value for: not a difference worth a row
+_NOT_COMPARED = ("trace.path", "trace.overwrite")
+
+
+def _fail(message: str) -> None:
+    click.echo(f"mpihybrid: error: {message}", err=True)
+    sys.exit(EXIT_USAGE)
+
+
+def _load(path: str):
+    from mpihybrid.trace import TraceError, load
+
+    try:
+        return load(path)
+    except TraceError as exc:
+        _fail(str(exc))
+
+
+def _analyze(trace, path: str) -> dict:
+    from mpihybrid.analysis import analyze as run_analysis
+    from mpihybrid.schedules import ScheduleError
+
+    try:
+        return run_analysis(trace)
+    except (KeyError, ValueError, ScheduleError) as exc:
+        _fail(f"{path}: cannot analyse this trace ({type(exc).__name__}: {exc})")
+
+
+def _write(write) -> None:
+    """Call write() and turn the file-system refusals into one error line."""
+    try:
+        write()
+    except (FileExistsError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        _fail(str(exc))
+
+
+@click.command()
+@click.argument("run", metavar="RUN.h5")
+@click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON instead.")
+def analyze(run, as_json) -> None:
+    """Where the time went in RUN.h5: compute / p2p wait / all-reduce / idle per rank and stage,
+    bubble measured vs predicted, bytes, all-reduce algbw/busbw, throughput, activation memory."""
+    import json
+
+    from mpihybrid.analysis import format_analysis
+
+    result = _analyze(_load(run), run)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(f"{run}\n{format_analysis(result)}")
+
+
+@click.command()
+@click.argument("run", metavar="RUN.h5")
+@click.option("-o", "--output", metavar="OUT.png", help="PNG to write (default: RUN.png).")
+@click.option("--step", type=int, help="The step to draw (default: the last).")
+@click.option("--steps", "step_span", metavar="A:B", help="Draw steps A..B-1, e.g. 2:5.")
+@click.option("--ascii", "as_ascii", is_flag=True, help="Print the step x rank grid instead.")
+@click.option("--replica", type=int, default=0, show_default=True, help="Replica for --ascii.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
+def timeline(run, output, step, step_span, as_ascii, replica, overwrite) -> None:
+    """Gantt chart of RUN.h5: one row per rank, a colour per event kind, micro-batch numbers on
+    the F/B/W bars; or, with --ascii, the step x rank grid of the order each rank ran."""
+    from mpihybrid.timeline import ascii_timeline, step_range, write_png
+
+    if step is not None and step_span is not None:
+        _fail("give --step or --steps, not both")
+    trace = _load(run)
+    try:
+        steps = step_range(trace, step if step is not None else step_span)
+    except ValueError as exc:
+        _fail(f"{run}: {exc}")
+    if as_ascii:
+        try:
+            click.echo("\n\n".join(ascii_timeline(trace, s, replica) for s in steps))
+        except ValueError as exc:
+            _fail(f"{run}: {exc}")
+        if output is None:
+            return
+    out = output or str(Path(run).with_suffix(".png"))
+    if Path(out).exists() and not overwrite:
+        _fail(f"{out} already exists (--overwrite replaces it)")
+    try:
+        _write(lambda: write_png(trace, out, steps, overwrite))
+    except ImportError as exc:
+        _fail(str(exc))
+    what = f"step {steps.start}" if len(steps) == 1 else f"steps {steps.start}-{steps[-1]}"
+    click.echo(f"wrote {out} ({what})")
+
+
+@click.command()
+@click.argument("run", metavar="RUN.h5")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["chrome", "csv"]),
+    required=True,
+    help="chrome: trace-event JSON (ui.perfetto.dev, chrome://tracing); csv: a row per event.",
+)
+@click.option("-o", "--output", required=True, metavar="OUT", help="File to write.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
+def export(run, fmt, output, overwrite) -> None:
+    """Export RUN.h5 for other tools: Chrome/Perfetto JSON (a process per rank, flow arrows from
+    each send to its receive) or CSV."""
+    from mpihybrid.export import export as write_export
+
+    if Path(output).exists() and not overwrite:
+        _fail(f"{output} already exists (--overwrite replaces it)")
+    trace = _load(run)
+    _write(lambda: write_export(trace, output, fmt, overwrite))
+    click.echo(f"wrote {output} ({len(trace.events)} events, {fmt})")
+
+
+@click.command()
+@click.argument("runs", nargs=-1, required=True, metavar="A.h5 B.h5 ...")
+def compare(runs) -> None:
+    """Compare runs side by side: the settings that differ, then step time, bubble, bytes,
+    throughput and accuracy, each with its ratio to the first run."""
+    from mpihybrid.analysis import flat_config, table
+    from mpihybrid.report import human_bytes
+
+    if len(runs) < 2:
+        _fail("compare needs at least two traces")
+    traces = [_load(r) for r in runs]
+    results = [_analyze(t, r) for t, r in zip(traces, runs, strict=True)]
+    configs = [flat_config(t) for t in traces]
+    keys = sorted({k for c in configs for k in c} - set(_NOT_COMPARED))
+    rows = [
+        [k, *(str(c.get(k, "-")) for c in configs)]
+        for k in keys
+        if len({repr(c.get(k)) for c in configs}) > 1
+    ]
+
+    def metric(label: str, get, fmt) -> list[str]:
+        values = [get(r) for r in results]
+        cells = []
+        for value in values:
+            if value is None:
+                cells.append("-")
+                continue
+            ratio = f" ({value / values[0]:.2f}x)" if values[0] else ""
+            cells.append(fmt(value) + ratio)
+        return [label, *cells]
+
+    def ms(x: float) -> str:
+        return f"{1e3 * x:.2f} ms"
+
+    rows += [
+        metric("step time (mean)", lambda r: r["step_time"]["mean"], ms),
+        metric("step time (median)", lambda r: r["step_time"]["median"], ms),
+        metric("bubble measured", lambda r: r["bubble"]["measured"], "{:.3f}".format),
+        metric("bubble predicted", lambda r: r["bubble"]["predicted"], "{:.3f}".format),
+        metric("bytes activation", lambda r: r["bytes"]["activation"], human_bytes),
+        metric("bytes activation_grad", lambda r: r["bytes"]["activation_grad"], human_bytes),
+        metric("bytes all-reduce", lambda r: r["bytes"]["allreduce"], human_bytes),
+        metric("samples/s", lambda r: r["throughput"]["samples_per_s"], "{:,.0f}".format),
+        metric("final loss", lambda r: r["quality"]["final_loss"], "{:.4f}".format),
+        metric("train accuracy", lambda r: r["quality"]["train_accuracy"], "{:.3f}".format),
+        metric("held-out accuracy", lambda r: r["quality"]["test_accuracy"], "{:.3f}".format),
+    ]
+    click.echo("\n".join(table(["", *(Path(r).name for r in runs)], rows)))

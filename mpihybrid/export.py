@@ -1,0 +1,160 @@
+"""Exports of a trace: Chrome trace-event JSON (Perfetto, chrome://tracing) and CSV.
+
+    mpihybrid export runs/seed.h5 --format chrome -o runs/seed.json   # open in ui.perfetto.dev
+
+Chrome format: one process per rank (pid = world rank), "X" complete events with ts/dur in
+microseconds, and a flow arrow ("s" -> "f") from every send to the receive it fed.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import secrets
+from pathlib import Path
+
+import numpy as np
+
+from mpihybrid.analysis import COMPUTE, match_messages
+from mpihybrid.trace import KIND, KINDS, Trace
+
+# tid 0 carries the work (compute, messages, all-reduce, optimizer), tid 1 the whole steps:
+# complete events on one thread must nest, and a step encloses everything its rank did
+WORK_TID, STEP_TID = 0, 1
+CSV_COLUMNS = (
+    "rank", "stage", "replica", "kind", "step", "microbatch", "start", "end", "duration", "bytes",
+    "peer",
+)  # fmt: skip
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str, overwrite: bool = False) -> None:
+    """Write `data` to `path` through a temporary file and os.replace(): all or nothing.
+
+    FileExistsError when `path` exists and overwrite is False (nothing is touched then).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists (--overwrite replaces it)")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
+    payload = data.encode() if isinstance(data, str) else data
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(tmp, "xb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def event_name(e: np.void, direction: str | None = None, chunks: bool = False) -> str:
+    """ "F3" (or "1F3" with several chunks per rank), "send F3", "recv B2", "allreduce s1" ..."""
+    kind, stage, mb = int(e["kind"]), int(e["stage"]), int(e["microbatch"])
+    if kind in COMPUTE:
+        return f"{stage if chunks else ''}{COMPUTE[kind]}{mb}"
+    name = KINDS[kind]
+    if name in ("send", "recv"):
+        if mb < 0:
+            return f"{name} wait"  # waiting for a step's outstanding sends
+        return f"{name} {direction or ''}{mb}"
+    if name in ("allreduce", "optimizer"):
+        return f"{name} s{stage}"
+    return f"{name} {int(e['step'])}"
+
+
+def to_chrome(trace: Trace) -> dict:
+    """The trace as a Chrome trace-event document ({"traceEvents": [...], ...})."""
+    ev = trace.events
+    chunks = int(trace.attrs.get("virtual_stages", 1)) > 1
+    messages = match_messages(ev)
+    # which way each matched send and recv row went, for names like "send F3"
+    direction = dict(zip(messages.send.tolist(), messages.direction.tolist(), strict=True))
+    direction |= dict(zip(messages.recv.tolist(), messages.direction.tolist(), strict=True))
+    out: list[dict] = []
+    for rank in np.unique(ev["rank"]):
+        rows = ev[ev["rank"] == rank]
+        stages = sorted({int(s) for s in rows["stage"] if s >= 0})
+        label = f"rank {rank} (stage {','.join(map(str, stages))}, dp {rows['replica'][0]})"
+        pid = int(rank)
+        meta = {"ph": "M", "pid": pid}
+        out += [
+            meta | {"name": "process_name", "args": {"name": label}},
+            meta | {"name": "process_sort_index", "args": {"sort_index": pid}},
+            meta | {"tid": WORK_TID, "name": "thread_name", "args": {"name": "work"}},
+            meta | {"tid": STEP_TID, "name": "thread_name", "args": {"name": "step"}},
+        ]
+    for i, e in enumerate(ev):
+        args = {
+            "step": int(e["step"]),
+            "stage": int(e["stage"]),
+            "microbatch": int(e["microbatch"]),
+            "bytes": int(e["bytes"]),
+            "peer": int(e["peer"]),
+        }
+        out.append(
+            {
+                "ph": "X",
+                "name": event_name(e, direction.get(i), chunks),
+                "cat": KINDS[int(e["kind"])],
+                "pid": int(e["rank"]),
+                "tid": STEP_TID if e["kind"] == KIND["step"] else WORK_TID,
+                "ts": float(e["start"]) * 1e6,
+                "dur": float(e["end"] - e["start"]) * 1e6,
+                "args": args,
+            }
+        )
+    for k, (i, j) in enumerate(zip(messages.send, messages.recv, strict=True)):
+        s, r = ev[i], ev[j]
+        # each end sits inside its slice (the midpoint) so the viewer binds it to that slice
+        flow = {"name": "activation" if messages.direction[k] == "F" else "gradient"}
+        flow |= {"cat": "p2p", "id": k, "tid": WORK_TID}
+        out.append(flow | {"ph": "s", "pid": int(s["rank"]), "ts": _mid(s)})
+        out.append(flow | {"ph": "f", "bp": "e", "pid": int(r["rank"]), "ts": _mid(r)})
+    return {
+        "traceEvents": out,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            name: trace.attrs[name]
+            for name in ("schedule", "pp", "dp", "microbatches", "virtual_stages", "codec")
+            if name in trace.attrs
+        },
+    }
+
+
+def _mid(e: np.void) -> float:
+    return (float(e["start"]) + float(e["end"])) / 2 * 1e6
+
+
+def to_csv(trace: Trace) -> str:
+    """One row per event with a header; kind as its name, times in seconds."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for e in trace.events:
+        start, end = float(e["start"]), float(e["end"])
+        writer.writerow(
+            [
+                int(e["rank"]), int(e["stage"]), int(e["replica"]), KINDS[int(e["kind"])],
+                int(e["step"]), int(e["microbatch"]), repr(start), repr(end), repr(end - start),
+                int(e["bytes"]), int(e["peer"]),
+            ]
+        )  # fmt: skip
+    return buf.getvalue()
+
+
+def export(trace: Trace, path: str | os.PathLike, fmt: str, overwrite: bool = False) -> None:
+    """Write the trace as `fmt` ("chrome" or "csv") to `path`, atomically."""
+    if fmt == "chrome":
+        data = json.dumps(to_chrome(trace), separators=(",", ":"))
+    elif fmt == "csv":
+        data = to_csv(trace)
+    else:
+        raise ValueError(f"unknown export format {fmt!r}; choose chrome or csv")
+    write_atomic(path, data, overwrite)

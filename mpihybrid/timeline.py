@@ -1,0 +1,179 @@
+"""Timelines of a trace: a Gantt chart PNG (matplotlib) and the ASCII step x rank grid.
+
+    mpihybrid timeline runs/seed.h5 -o runs/seed.png --steps 2:4
+    mpihybrid timeline runs/seed.h5 --ascii
+
+The PNG is WIDTH_PX wide and HEADER_PX + ROW_PX per rank tall: one row per rank, a colour per
+event kind, micro-batch numbers on the F/B/W bars wide enough to hold them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+
+from mpihybrid.analysis import COMPUTE
+from mpihybrid.export import write_atomic
+from mpihybrid.schedules import Action, stage_rank
+from mpihybrid.trace import KIND, Trace
+
+WIDTH_PX, HEADER_PX, ROW_PX, DPI = 1400, 150, 50, 100
+COLOURS = {
+    "forward": "#4c72b0",
+    "backward": "#55a868",
+    "weight": "#8172b2",
+    "send": "#dd8452",
+    "recv": "#d0d0d0",  # waiting: light, so the compute stands out
+    "allreduce": "#c44e52",
+    "optimizer": "#937860",
+}
+
+
+def step_range(trace: Trace, spec: str | int | None) -> range:
+    """The steps to draw: None = the last step, N = step N, "A:B" = A .. B-1 (either may be
+    left out); ValueError naming the steps the trace holds when the selection is empty."""
+    steps = trace.events["step"][trace.events["step"] >= 0]
+    if not len(steps):
+        raise ValueError("the trace holds no steps")
+    first, last = int(steps.min()), int(steps.max())
+    if spec is None:
+        chosen = range(last, last + 1)
+    elif isinstance(spec, int):
+        chosen = range(spec, spec + 1)
+    else:
+        text = spec.strip()
+        try:
+            if ":" in text:
+                lo, hi = text.split(":", 1)
+                chosen = range(int(lo) if lo else first, int(hi) if hi else last + 1)
+            else:
+                chosen = range(int(text), int(text) + 1)
+        except ValueError:
+            raise ValueError(f"steps {spec!r}: expected N or A:B, e.g. 2:5") from None
+    kept = range(max(chosen.start, first), min(chosen.stop, last + 1))
+    if not len(kept):
+        raise ValueError(f"steps {spec}: the trace holds steps {first}..{last}")
+    return kept
+
+
+def _rank_labels(events: np.ndarray, pp: int) -> dict[int, str]:
+    labels = {}
+    for rank in np.unique(events["rank"]):
+        rows = events[events["rank"] == rank]
+        stages = rows["stage"][rows["stage"] >= 0]
+        pp_rank = f"pp{stage_rank(int(stages[0]), pp)} " if len(stages) else ""
+        labels[int(rank)] = f"rank {rank} ({pp_rank}dp{rows['replica'][0]})"
+    return labels
+
+
+def render_png(trace: Trace, steps: range) -> bytes:
+    """The Gantt chart of `steps` as PNG bytes (needs matplotlib: pip install 'mpihybrid[plot]')."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as err:
+        raise ImportError(
+            "the timeline PNG needs matplotlib: pip install 'mpihybrid[plot]'"
+        ) from err
+
+    ev = trace.events
+    pp = int(trace.attrs.get("pp", 1))
+    labels = _rank_labels(ev, pp)
+    ranks = sorted(labels)
+    rows = ev[np.isin(ev["step"], list(steps)) & (ev["kind"] != KIND["step"])]
+    t0 = float(rows["start"].min()) if len(rows) else 0.0
+    t1 = float(rows["end"].max()) if len(rows) else 1.0
+    scale = 1e3  # ms on the axis
+
+    height_in = (HEADER_PX + ROW_PX * len(ranks)) / DPI
+    fig = Figure(figsize=(WIDTH_PX / DPI, height_in), dpi=DPI)
+    FigureCanvasAgg(fig)  # attaches itself: savefig renders through Agg, no pyplot state
+    bottom, top = 0.55 / height_in, 1 - 0.45 / height_in  # room for the axis and the legend
+    ax = fig.add_axes((0.12, bottom, 0.86, top - bottom))
+    # a label fits when its bar is at least ~14 px wide
+    min_width = (t1 - t0) * 14 / (0.86 * WIDTH_PX)
+    y_of = {r: i for i, r in enumerate(ranks)}
+    for name, colour in COLOURS.items():
+        sel = rows[rows["kind"] == KIND[name]]
+        if not len(sel):
+            continue
+        y = np.array([y_of[int(r)] for r in sel["rank"]])
+        ax.barh(
+            y,
+            (sel["end"] - sel["start"]) * scale,
+            left=(sel["start"] - t0) * scale,
+            height=0.8,
+            color=colour,
+            edgecolor="none",
+        )
+        if KIND[name] not in COMPUTE:
+            continue
+        for e, yy in zip(sel, y, strict=True):
+            if e["end"] - e["start"] >= min_width:
+                ax.text(
+                    (float(e["start"] + e["end"]) / 2 - t0) * scale,
+                    yy,
+                    str(int(e["microbatch"])),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                )
+    for step in steps:  # dashed line where each step starts on its first rank
+        starts = ev["start"][(ev["step"] == step) & (ev["kind"] == KIND["step"])]
+        if len(starts):
+            ax.axvline((float(starts.min()) - t0) * scale, color="black", lw=0.6, ls="--")
+    ax.set_yticks(range(len(ranks)), [labels[r] for r in ranks], fontsize=8)
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
+    ax.set_xlim(0, (t1 - t0) * scale)
+    ax.set_xlabel(f"ms since step {steps.start} began", fontsize=8)
+    shown = [n for n in COLOURS if np.any(rows["kind"] == KIND[n])]
+    ax.legend(
+        handles=[Patch(color=COLOURS[n], label=n) for n in shown],
+        loc="lower left",
+        bbox_to_anchor=(0, 1.0),
+        ncol=len(shown),
+        fontsize=8,
+        frameon=False,
+    )
+    what = f"step {steps.start}" if len(steps) == 1 else f"steps {steps.start}-{steps[-1]}"
+    schedule = trace.attrs.get("schedule", "")
+    ax.set_title(f"{schedule} {what}", loc="right", fontsize=9)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    return buf.getvalue()
+
+
+def write_png(trace: Trace, path: str | os.PathLike, steps: range, overwrite: bool = False) -> None:
+    """Render the Gantt chart of `steps` and write it atomically to `path`."""
+    write_atomic(path, render_png(trace, steps), overwrite)
+
+
+def ascii_timeline(trace: Trace, step: int, replica: int = 0) -> str:
+    """The step x rank grid of what replica `replica` ran in `step`: each pp rank's F/B/W in
+    the order they started, drawn by schedules.render_grid (one grid step per action)."""
+    from mpihybrid.simulate import render_grid
+
+    pp = int(trace.attrs.get("pp", 1))
+    v = int(trace.attrs.get("virtual_stages", 1))
+    ev = trace.events
+    rows = ev[
+        (ev["step"] == step) & (ev["replica"] == replica) & np.isin(ev["kind"], list(COMPUTE))
+    ]
+    if not len(rows):
+        raise ValueError(f"no F/B/W events for step {step}, replica {replica}")
+    rows = rows[np.argsort(rows["start"], kind="stable")]
+    per_rank: dict[int, list[Action]] = {r: [] for r in range(pp)}
+    world: dict[int, int] = {}
+    for e in rows:
+        stage = int(e["stage"])
+        per_rank[stage_rank(stage, pp, v)].append(
+            Action(stage, COMPUTE[int(e["kind"])], int(e["microbatch"]))
+        )
+        world[stage_rank(stage, pp, v)] = int(e["rank"])
+    ranks = ", ".join(f"{p} = world {world[p]}" for p in sorted(world))
+    head = f"step {step}, replica {replica}: F/B/W in the order they started (pp rank {ranks})"
+    return head + "\n" + render_grid(per_rank, v)

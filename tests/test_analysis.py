@@ -1,0 +1,246 @@
+"""Trace analysis: numbers against the events of a real run, the bubble on synthetic traces."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpihybrid.analysis import analyze, bubble_summary, format_analysis, match_messages
+from mpihybrid.config import load_job
+from mpihybrid.model import build_stage
+from mpihybrid.schedules import build_schedule, lower, stage_rank
+from mpihybrid.simulate import Costs, bubble_formula, peak_inflight, simulate
+from mpihybrid.trace import EVENT_DTYPE, KIND, Trace, load
+from tests.mpirun import ROOT, run_mpi
+
+PP, DP, M, STEPS = 2, 2, 4, 3
+SCHEDULE = "zb-h1"  # has F, B and W
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One real zb-h1 run (pp=2 x dp=2, 3 steps): its trace, analysis and the ranks' own counts."""
+    path = tmp_path_factory.mktemp("analysis") / "run.h5"
+    proc = run_mpi(
+        PP * DP,
+        "tests/_mpi_train.py",
+        "--schedules",
+        SCHEDULE,
+        *("--set", f"grid.pp={PP}", "--set", f"grid.dp={DP}", "--set", f"train.steps={STEPS}"),
+        *("--set", f"train.microbatches={M}", "--set", f'trace.path="{path}"'),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counted = [
+        json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT")
+    ]
+    trace = load(path)
+    return trace, analyze(trace), counted[0]
+
+
+def durations(rows: np.ndarray) -> float:
+    return float((rows["end"] - rows["start"]).sum())
+
+
+# --- a real run ----------------------------------------------------------------------------------
+
+
+def test_time_split_sums_the_events(run):
+    trace, result, _ = run
+    ev = trace.events
+    assert [r["rank"] for r in result["ranks"]] == list(range(PP * DP))
+    for row in result["ranks"]:
+        mine = ev[ev["rank"] == row["rank"]]
+        for name in ("forward", "backward", "weight", "recv", "send", "allreduce", "optimizer"):
+            assert row[name] == pytest.approx(
+                durations(mine[mine["kind"] == KIND[name]]), abs=1e-12
+            )
+        total = durations(mine[mine["kind"] == KIND["step"]])
+        assert row["total"] == pytest.approx(total, abs=1e-12)
+        parts = sum(row[n] for n in ("forward", "backward", "weight", "recv", "send"))
+        parts += row["allreduce"] + row["optimizer"]
+        # everything a rank did lies inside its steps, so the rest is idle and not negative
+        assert parts <= total + 1e-9
+        assert row["idle"] == pytest.approx(total - parts, abs=1e-9)
+    for row in result["stages"]:
+        f = ev[(ev["kind"] == KIND["forward"]) & (ev["stage"] == row["stage"])]
+        assert row["forward"] == pytest.approx(durations(f), abs=1e-12)
+        assert row["mean_forward"] > 0 and row["mean_weight"] > 0
+
+
+def test_bytes_equal_what_the_ranks_counted(run):
+    _, result, counted = run
+    sent = counted["bytes_sent"]
+    assert result["bytes"]["activation"] == sent["activation"] > 0
+    assert result["bytes"]["activation_grad"] == sent["activation_grad"] > 0
+    assert result["bytes"]["allreduce"] == sent["reduce_scatter"] + sent["all_gather"] > 0
+    assert result["bytes"]["unmatched"] == 0
+
+
+def test_event_counts_are_what_the_schedule_implies(run):
+    trace, result, _ = run
+    lowered = lower(build_schedule(SCHEDULE, PP, M), PP)
+    per_step = {k: sum(a.kind == k for acts in lowered.values() for a in acts) for k in
+                ("F", "B", "W", "SEND_F", "SEND_B", "RECV_F", "RECV_B")}  # fmt: skip
+    world = PP * DP
+    counts = result["counts"]
+    assert counts["forward"] == STEPS * DP * per_step["F"] == STEPS * DP * PP * M
+    assert counts["backward"] == STEPS * DP * per_step["B"]
+    assert counts["weight"] == STEPS * DP * per_step["W"] == STEPS * DP * PP * M
+    assert counts["recv"] == STEPS * DP * (per_step["RECV_F"] + per_step["RECV_B"])
+    # plus one row per rank and step: waiting for the step's outstanding sends
+    assert counts["send"] == STEPS * DP * (per_step["SEND_F"] + per_step["SEND_B"]) + STEPS * world
+    assert counts["allreduce"] == counts["optimizer"] == counts["step"] == STEPS * world
+    assert result["messages"]["matched"] == result["messages"]["sends"] == counts["recv"]
+
+
+def test_messages_pair_sends_with_their_receives(run):
+    trace, _, _ = run
+    ev = trace.events
+    messages = match_messages(ev)
+    assert len(messages) == int(np.sum((ev["kind"] == KIND["send"]) & (ev["microbatch"] >= 0)))
+    assert len(set(messages.recv.tolist())) == len(messages)
+    s, r = ev[messages.send], ev[messages.recv]
+    step_of = np.where(messages.direction == "F", 1, -1)
+    assert np.array_equal(r["stage"], s["stage"] + step_of)
+    assert np.array_equal(r["microbatch"], s["microbatch"]) and np.array_equal(r["step"], s["step"])
+    assert np.array_equal(r["bytes"], s["bytes"]) and np.array_equal(r["replica"], s["replica"])
+    owner = {(int(e["replica"]), int(e["stage"])): int(e["rank"]) for e in ev if e["stage"] >= 0}
+    assert all(owner[(int(e["replica"]), int(e["stage"]))] == e["rank"] for e in r)
+
+
+def test_peak_activations_match_the_runtime_and_schedule(run):
+    _, result, counted = run
+    peaks = [s["peak_inflight"] for s in result["stages"]]
+    assert peaks == [counted["peak_inflight"][str(s)] for s in range(PP)]
+    assert peaks == peak_inflight(build_schedule(SCHEDULE, PP, M), PP)
+    assert all(s["peak_activation_bytes"] > 0 for s in result["stages"])
+
+
+def test_allreduce_bandwidth_follows_nccl_tests(run):
+    trace, result, _ = run
+    job = load_job(None, [f"grid.pp={PP}", f"grid.dp={DP}"], PP * DP)
+    assert len(result["allreduce"]) == PP
+    for a in result["allreduce"]:
+        stage = build_stage(job.model, job.data.features, 2, a["stage"], PP, 0)
+        assert a["size_bytes"] == 4 * stage.num_params
+        assert a["algbw"] == pytest.approx(a["size_bytes"] / a["seconds"])
+        assert a["busbw"] == pytest.approx(a["algbw"] * 2 * (DP - 1) / DP)
+        assert a["wire_bytes"] == a["size_bytes"]  # fp32 ring, 2 ranks: each sends the vector once
+
+
+def test_step_time_throughput_and_straggler(run):
+    trace, result, _ = run
+    steps = trace.kind("step")
+    per_step = [
+        float(steps["end"][steps["step"] == t].max() - steps["start"][steps["step"] == t].min())
+        for t in range(STEPS)
+    ]
+    assert result["step_time"]["per_step"] == pytest.approx(per_step)
+    assert result["step_time"]["mean"] == pytest.approx(np.mean(per_step[1:]))
+    assert result["throughput"]["samples"] == STEPS * 64  # the default global batch
+    span = float(steps["end"].max() - steps["start"].min())
+    assert result["throughput"]["samples_per_s"] == pytest.approx(STEPS * 64 / span)
+    busiest = max(result["ranks"], key=lambda r: r["busy"])
+    assert result["straggler"]["rank"] == busiest["rank"] and result["straggler"]["vs_mean"] >= 1
+
+
+def test_bubble_of_a_real_run_is_a_fraction(run):
+    _, result, _ = run
+    bubble = result["bubble"]
+    assert 0 < bubble["measured"] < 1 and 0 < bubble["predicted"] < 1
+    assert bubble["steps"] == [1, 2] and set(bubble["per_rank"]) == set(range(PP * DP))
+    assert bubble["formula"] == bubble_formula(SCHEDULE, PP, M)
+
+
+def test_format_and_json(run):
+    _, result, _ = run
+    text = format_analysis(result)
+    for needle in ("bubble", "time by rank", "time by stage", "all-reduce per stage", "busbw"):
+        assert needle in text
+    assert json.loads(json.dumps(result))["bytes"] == result["bytes"]
+
+
+def test_importable_without_mpi():
+    code = (
+        "import sys; sys.modules['mpi4py'] = None\n"
+        "import mpihybrid.analysis, mpihybrid.timeline, mpihybrid.export, mpihybrid.cli_trace\n"
+        "print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.stdout.strip() == "ok", proc.stderr
+
+
+# --- synthetic traces: the measured bubble is exact ---------------------------------------------
+
+
+def rows(spec: list[tuple]) -> np.ndarray:
+    """(rank, stage, replica, kind, step, mb, start, end) tuples -> event rows."""
+    out = np.zeros(len(spec), dtype=EVENT_DTYPE)
+    for i, (rank, stage, replica, kind, step, mb, start, end) in enumerate(spec):
+        out[i] = (rank, stage, replica, KIND[kind], step, mb, start, end, 0, -1)
+    return out
+
+
+def test_measured_bubble_of_known_gaps_is_exact():
+    spec = [
+        # step 0 is warm-up and must not count: a huge gap on rank 1
+        (0, 0, 0, "forward", 0, 0, 0.0, 1.0),
+        (1, 1, 0, "forward", 0, 0, 50.0, 51.0),
+        # step 1, replica 0: phase 100..104; rank 0 busy 1+1 = 2, rank 1 busy 1+0.5 = 1.5
+        (0, 0, 0, "forward", 1, 0, 100.0, 101.0),
+        (0, 0, 0, "recv", 1, 0, 101.0, 103.0),  # waiting is idle, not busy
+        (1, 1, 0, "forward", 1, 0, 101.5, 102.5),
+        (1, 1, 0, "backward", 1, 0, 102.5, 103.0),
+        (0, 0, 0, "backward", 1, 0, 103.0, 104.0),
+        # step 1, replica 1, later on the clock: its own phase 200..202, no idle on rank 2
+        (2, 0, 1, "forward", 1, 0, 200.0, 201.0),
+        (2, 0, 1, "backward", 1, 0, 201.0, 202.0),
+        (3, 1, 1, "forward", 1, 0, 200.5, 201.0),
+        (3, 1, 1, "weight", 1, 0, 201.0, 201.5),
+    ]
+    result = bubble_summary(rows(spec), "1f1b", 2, 1)
+    expected = {0: 1 - 2 / 4, 1: 1 - 1.5 / 4, 2: 0.0, 3: 1 - 1.0 / 2}
+    assert result["per_rank"] == pytest.approx(expected, abs=1e-12)
+    assert result["measured"] == pytest.approx(sum(expected.values()) / 4, abs=1e-12)
+    assert result["steps"] == [1]
+
+
+@pytest.mark.parametrize(
+    "name, pp, m, v",
+    [("naive", 3, 2, 1), ("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("zb-h1", 3, 6, 1),
+     ("interleaved-1f1b", 2, 4, 2)],
+)  # fmt: skip
+def test_trace_laid_out_by_the_simulator_measures_what_it_predicts(name, pp, m, v):
+    # events placed exactly where simulate() puts them: measured == predicted == formula
+    actions = build_schedule(name, pp, m, v)
+    weight = 1.0 if name == "zb-h1" else 0.0
+    sim = simulate(actions, Costs(1.0, 1.0, weight), v)
+    code = {"F": "forward", "B": "backward", "W": "weight"}
+    spec = []
+    for step, origin in ((0, 0.0), (1, 1000.0), (2, 2000.0)):
+        for a, t in sim.start.items():
+            rank = stage_rank(a.stage, pp)
+            spec.append((rank, a.stage, 0, code[a.kind], step, a.microbatch, origin + t,
+                         origin + sim.end[a]))  # fmt: skip
+    events = rows(spec)
+    result = bubble_summary(events[np.argsort(events["start"])], name, pp, m, v)
+    assert result["measured"] == pytest.approx(sim.bubble_fraction, abs=1e-12)
+    assert result["predicted"] == pytest.approx(sim.bubble_fraction, abs=1e-12)
+    assert result["measured"] == pytest.approx(bubble_formula(name, pp, m, v), abs=1e-12)
+    assert result["costs"]["forward"] == [1.0] * (pp * v) and result["costs"]["send"] == 0.0
+
+
+def test_analyze_a_synthetic_trace_without_a_job():
+    spec = [(0, 0, 0, "forward", 0, 0, 0.0, 1.0), (0, 0, 0, "backward", 0, 0, 1.0, 3.0),
+            (0, -1, 0, "step", 0, -1, 0.0, 4.0)]  # fmt: skip
+    trace = Trace(rows(spec), {}, "", {"pp": 1, "dp": 1, "schedule": "gpipe", "microbatches": 1})
+    result = analyze(trace)
+    assert result["ranks"][0]["idle"] == pytest.approx(1.0)
+    assert result["bubble"]["measured"] == 0.0
+    assert result["throughput"]["samples_per_s"] is None  # no job, no batch size
+    assert "bubble" in format_analysis(result)
