@@ -53,7 +53,6 @@ class PipelineRuntime:
         num_microbatches: int,
         boundary_shapes: list[tuple[int, ...]],  # input shape of stage s, for s in 0..num_stages-1
         recorder: Recorder,
-        dp_rank: int = 0,
         sync_sends: bool = False,
     ):
         self.comm = pp_comm
@@ -61,7 +60,7 @@ class PipelineRuntime:
         self.stages, self.actions = stages, actions
         self.num_stages, self.num_microbatches = num_stages, num_microbatches
         self.v = num_stages // self.pp_size
-        self.recorder, self.dp_rank = recorder, dp_rank
+        self.recorder = recorder
         self.isend = pp_comm.Issend if sync_sends else pp_comm.Isend
         self.loss_fn = SoftmaxCrossEntropy()
         self.bytes_sent = {"activation": 0, "activation_grad": 0}

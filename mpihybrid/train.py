@@ -84,7 +84,7 @@ def train(
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, mb_size)
     recorder = Recorder(world.rank, grid.dp_rank, capacity=(len(actions) + 8) * max(t.steps, 1))
     runtime = PipelineRuntime(
-        grid.pp_comm, stages, actions, num_stages, M, shapes, recorder, grid.dp_rank, c.sync_sends
+        grid.pp_comm, stages, actions, num_stages, M, shapes, recorder, c.sync_sends
     )
     codec = get_codec(c.codec, c.block)
     rings = {
@@ -144,7 +144,8 @@ def train(
     preempt.restore()
     runtime_s = Recorder.clock() - t_start
     step_rows = recorder.events[recorder.events["kind"] == KIND["step"]]
-    step_times = step_rows["end"] - step_rows["start"]  # rank 0's own step durations
+    # rank 0's own step durations; NaN for steps run before a resume
+    step_times = np.concatenate([np.full(start, np.nan), step_rows["end"] - step_rows["start"]])
 
     test_accuracy = _evaluate(world, grid, stages, num_stages, task, job.model)
     replica_diff = _replica_check(world, grid, stages)
@@ -152,6 +153,7 @@ def train(
     peaks = world.gather(peak_inflight, root=0)
     events = gather_events(world, recorder, offset - t_origin)
     hostnames = world.gather(socket.gethostname(), root=0)
+    grid.free()  # a sweep calls train() many times in one process
     params = gather_parameters(world, grid, stages, num_stages) if collect_params else None
     if world.rank != 0:
         return None
