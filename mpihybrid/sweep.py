@@ -1,0 +1,510 @@
+"""Schedule sweep: one mpiexec launch trains a job under every schedule x M x repeat, in-process.
+
+    mpiexec -n 2 mpihybrid sweep jobs/bench_pp2.toml --schedules all --microbatches 2,4,8 \
+        --repeats 3 -o runs/sweep.csv --plots runs/sweep
+
+Each cell keeps the job's micro-batch size (global_batch / (dp * M_job)) and scales the global
+batch with M, so every schedule does the same work per micro-batch and only the overlap differs.
+Per run: step time (median over the steps after warm-up, first start to last end over ranks),
+throughput, the bubble measured from the trace and predicted from the run's own measured costs,
+the textbook closed form, peak activations in flight per stage (measured, and from the action
+lists), and the speedup over GPipe at the same M (median step times over repeats).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+import numpy as np
+
+from mpihybrid.config import SCHEDULES, ConfigError, Job, load_job, resolve
+from mpihybrid.export import write_atomic
+from mpihybrid.trace import KIND
+
+EXIT_USAGE = 2
+PLOTS = ("throughput.png", "speedup.png", "bubble.png", "memory.png")
+COLUMNS = (
+    "schedule",
+    "virtual_stages",
+    "microbatches",
+    "repeat",
+    "pp",
+    "dp",
+    "global_batch",
+    "microbatch_size",
+    "measured_steps",
+    "step_ms",
+    "samples_per_s",
+    "bubble_measured",
+    "bubble_predicted",
+    "bubble_textbook",
+    "peak_inflight",  # most micro-batches alive on one stage, measured
+    "peak_inflight_predicted",  # the same, from the action lists
+    "peak_inflight_per_stage",  # measured, stage 0;1;...
+    "peak_inflight_predicted_per_stage",
+    "peak_activation_mib",  # most activation bytes alive on one rank, measured
+    "speedup_vs_gpipe",  # GPipe's median step time at this M / this run's step time
+    "forward_ms",  # measured mean per action, averaged over stages
+    "backward_ms",  # input gradient only where the schedule splits off W
+    "weight_ms",
+    "message_us",  # measured hop latency the prediction adds to every cross-rank dependency
+    "final_loss",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    schedule: str
+    microbatches: int
+    virtual_stages: int
+
+
+# ---------------------------------------------------------------- the grid of runs
+
+
+def parse_schedules(text: str) -> list[str]:
+    """'all' or a comma list of schedule names, in the order given."""
+    if text.strip() == "all":
+        return list(SCHEDULES)
+    names = [n.strip() for n in text.split(",")]
+    for name in names:
+        if name not in SCHEDULES:
+            raise ConfigError(
+                f"--schedules: unknown schedule {name!r}; choose all or from {', '.join(SCHEDULES)}"
+            )
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--schedules {text!r}: a schedule is named twice")
+    return names
+
+
+def parse_microbatches(text: str) -> list[int]:
+    """'2,4,8' -> [2, 4, 8]: positive integers, no repeats."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"--microbatches {text!r}: expected a comma list of positive integers, e.g. 2,4,8"
+        ) from None
+    if any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise ConfigError(f"--microbatches {text!r}: values must be distinct integers >= 1")
+    return values
+
+
+def cell_job(job: Job, cell: Cell, world_size: int) -> Job:
+    """The job for one cell: same micro-batch size, global batch scaled to dp * M, no trace.
+    Raises ConfigError when the schedule rejects the combination."""
+    t, dp = job.train, job.grid.dp
+    microbatch_size = t.global_batch // (dp * t.microbatches)
+    train = dataclasses.replace(
+        t,
+        schedule=cell.schedule,
+        microbatches=cell.microbatches,
+        virtual_stages=cell.virtual_stages,
+        global_batch=microbatch_size * dp * cell.microbatches,
+    )
+    trace = dataclasses.replace(job.trace, path="", overwrite=False)
+    return resolve(dataclasses.replace(job, train=train, trace=trace), world_size)
+
+
+def plan(
+    job: Job, schedules: list[str], microbatches: list[int], virtual: int, world_size: int
+) -> tuple[list[tuple[Cell, Job]], list[str]]:
+    """The legal cells with their jobs, and one note per combination a schedule rejects."""
+    cells, notes = [], []
+    for m in microbatches:
+        for name in schedules:
+            cell = Cell(name, m, virtual if name == "interleaved-1f1b" else 1)
+            try:
+                cells.append((cell, cell_job(job, cell, world_size)))
+            except ConfigError as exc:
+                notes.append(f"skipped {name} M={m}: {exc}")
+    return cells, notes
+
+
+# ---------------------------------------------------------------- measurements (rank 0)
+
+
+def step_times(events: np.ndarray, skip_steps: int) -> list[float]:
+    """Seconds per step after warm-up: first start to last end of the "step" events of all ranks."""
+    rows = events[events["kind"] == KIND["step"]]
+    times = []
+    for step in np.unique(rows["step"]):
+        if step >= skip_steps:
+            mine = rows[rows["step"] == step]
+            times.append(float(mine["end"].max() - mine["start"].min()))
+    return times
+
+
+def peak_activation_bytes(events: np.ndarray, step: int) -> int:
+    """Most activation bytes alive at once on one rank in `step` (replica 0): an F holds what its
+    cache keeps (the event's bytes) until the micro-batch's last backward action (W if split)."""
+    rows = events[(events["step"] == step) & (events["replica"] == 0)]
+    weights = rows[rows["kind"] == KIND["weight"]]
+    split = set(zip(weights["stage"].tolist(), weights["microbatch"].tolist(), strict=True))
+    peak = 0
+    for rank in np.unique(rows["rank"]):
+        mine = rows[rows["rank"] == rank]
+        alive: dict[tuple[int, int], int] = {}
+        for e in mine[np.argsort(mine["start"], kind="stable")]:
+            key, kind = (int(e["stage"]), int(e["microbatch"])), int(e["kind"])
+            if kind == KIND["forward"]:
+                alive[key] = int(e["bytes"])
+                peak = max(peak, sum(alive.values()))
+            elif kind == KIND["weight"] or (kind == KIND["backward"] and key not in split):
+                alive.pop(key, None)
+    return peak
+
+
+def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> dict:
+    """One CSV row from a finished run's Summary."""
+    from mpihybrid.analysis import bubble_summary
+    from mpihybrid.schedules import build_schedule
+    from mpihybrid.simulate import bubble_formula, peak_inflight
+
+    g, t = job.grid, job.train
+    name, m, v = cell.schedule, cell.microbatches, cell.virtual_stages
+    step_s = statistics.median(step_times(summary.events, warmup_steps))
+    bubble = bubble_summary(summary.events, name, g.pp, m, v, skip_steps=warmup_steps)
+    costs = bubble["costs"]
+    predicted_peaks = peak_inflight(build_schedule(name, g.pp, m, v), g.pp * v)
+    measured_peaks = [summary.peak_inflight[s] for s in sorted(summary.peak_inflight)]
+    return {
+        "schedule": name,
+        "virtual_stages": v,
+        "microbatches": m,
+        "repeat": repeat,
+        "pp": g.pp,
+        "dp": g.dp,
+        "global_batch": t.global_batch,
+        "microbatch_size": t.global_batch // (g.dp * m),
+        "measured_steps": t.steps - warmup_steps,
+        "step_ms": 1e3 * step_s,
+        "samples_per_s": t.global_batch / step_s,
+        "bubble_measured": float(bubble["measured"]),
+        "bubble_predicted": float(bubble["predicted"]),
+        "bubble_textbook": bubble_formula(name, g.pp, m, v),
+        "peak_inflight": max(measured_peaks),
+        "peak_inflight_predicted": max(predicted_peaks),
+        "peak_inflight_per_stage": ";".join(map(str, measured_peaks)),
+        "peak_inflight_predicted_per_stage": ";".join(map(str, predicted_peaks)),
+        "peak_activation_mib": peak_activation_bytes(summary.events, t.steps - 1) / 2**20,
+        "speedup_vs_gpipe": None,
+        "forward_ms": 1e3 * float(np.mean(costs["forward"])),
+        "backward_ms": 1e3 * float(np.mean(costs["backward"])),
+        "weight_ms": 1e3 * float(np.mean(costs["weight"])),
+        "message_us": 1e6 * costs["send"],
+        "final_loss": summary.losses[-1],
+    }
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """speedup_vs_gpipe = GPipe's median step time at the same M / the row's step time."""
+    for m in {r["microbatches"] for r in rows}:
+        gpipe = [r["step_ms"] for r in rows if r["microbatches"] == m and r["schedule"] == "gpipe"]
+        if gpipe:
+            reference = statistics.median(gpipe)
+            for r in rows:
+                if r["microbatches"] == m:
+                    r["speedup_vs_gpipe"] = reference / r["step_ms"]
+
+
+def run_sweep(
+    world,
+    cells: list[tuple[Cell, Job]],
+    repeats: int,
+    warmup_steps: int,
+    echo: Callable[[str], None],
+) -> list[dict] | None:
+    """Train every cell `repeats` times (repeat-major, so drift spreads over all cells); rank 0
+    returns one row per run, the other ranks None."""
+    from mpihybrid.train import train
+
+    rows, total = [], repeats * len(cells)
+    for repeat in range(repeats):
+        for cell, job in cells:
+            summary = train(job, world, quiet=True)
+            if summary is None:
+                continue
+            row = measure(summary, job, cell, repeat, warmup_steps)
+            rows.append(row)
+            echo(
+                f"[{len(rows):>{len(str(total))}}/{total}] {_label(row)} M={row['microbatches']}"
+                f" repeat {repeat}: {row['step_ms']:.1f} ms/step, bubble"
+                f" {row['bubble_measured']:.3f} (predicted {row['bubble_predicted']:.3f})"
+            )
+    if world.rank != 0:
+        return None
+    add_speedups(rows)
+    return rows
+
+
+# ---------------------------------------------------------------- output (rank 0)
+
+
+def _label(row: dict) -> str:
+    v = row["virtual_stages"]
+    return f"{row['schedule']} v={v}" if v > 1 else row["schedule"]
+
+
+def _medians(rows: list[dict]) -> list[dict]:
+    """One row per (schedule, M): timings and bubbles as medians over the repeats, peaks as
+    maxima."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["schedule"], r["microbatches"]), []).append(r)
+    out = []
+    for _, group in sorted(groups.items(), key=lambda kv: (kv[0][1], _order(kv[0][0]))):
+        med = dict(group[0], repeats=len(group))
+        for key in ("step_ms", "samples_per_s", "bubble_measured", "bubble_predicted"):
+            med[key] = statistics.median(r[key] for r in group)
+        med["peak_inflight"] = max(r["peak_inflight"] for r in group)
+        med["peak_activation_mib"] = max(r["peak_activation_mib"] for r in group)
+        speedups = [r["speedup_vs_gpipe"] for r in group if r["speedup_vs_gpipe"] is not None]
+        med["speedup_vs_gpipe"] = statistics.median(speedups) if speedups else None
+        out.append(med)
+    return out
+
+
+def _order(name: str) -> int:
+    return SCHEDULES.index(name)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Medians over repeats, one line per (M, schedule)."""
+    header = ("M", "schedule", "step ms", "samples/s", "bubble", "predicted", "textbook",
+              "error", "peak", "pred", "act MiB", "vs gpipe")  # fmt: skip
+    table = [header]
+    for r in _medians(rows):
+        predicted = r["bubble_predicted"]
+        error = (r["bubble_measured"] - predicted) / predicted if predicted > 0 else None
+        speedup = r["speedup_vs_gpipe"]
+        table.append(
+            (
+                str(r["microbatches"]),
+                _label(r),
+                f"{r['step_ms']:.1f}",
+                f"{r['samples_per_s']:.0f}",
+                f"{r['bubble_measured']:.3f}",
+                f"{r['bubble_predicted']:.3f}",
+                f"{r['bubble_textbook']:.3f}",
+                "-" if error is None else f"{100 * error:+.0f}%",
+                str(r["peak_inflight"]),
+                str(r["peak_inflight_predicted"]),
+                f"{r['peak_activation_mib']:.1f}",
+                "-" if speedup is None else f"{speedup:.2f}x",
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def check_output(path: Path, overwrite: bool) -> None:
+    """Raise ConfigError now for an output the sweep could not write after all its runs."""
+    if not path.parent.is_dir():
+        raise ConfigError(f"cannot write {path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"cannot write {path}: it is a directory")
+    if path.exists() and not overwrite:
+        raise ConfigError(f"{path} already exists; choose another path or pass --overwrite")
+
+
+def write_csv(path: Path, rows: list[dict], overwrite: bool = False) -> None:
+    """Atomically: a temporary file in the same directory, then os.replace()."""
+    check_output(path, overwrite)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: _csv_value(r[k]) for k in COLUMNS})
+    write_atomic(path, text.getvalue(), overwrite=overwrite)
+
+
+def _csv_value(value):
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+def _import_pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError(
+            "--plots needs matplotlib: pip install 'mpihybrid[plot]' (or pip install matplotlib)"
+        ) from None
+    return plt
+
+
+def _make_directory(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--plots {path}: cannot create the directory ({exc.strerror})") from None
+
+
+def write_plots(rows: list[dict], directory: Path) -> list[Path]:
+    """PNGs against M, one colour per schedule, medians over repeats; where a panel holds a
+    prediction it is dashed with open markers next to the measurement."""
+    plt = _import_pyplot()
+    _make_directory(directory)
+    medians = _medians(rows)
+    series: dict[str, list[dict]] = {}
+    for r in medians:
+        series.setdefault(_label(r), []).append(r)
+    ticks = sorted({r["microbatches"] for r in medians})
+    # file -> panels of (title, y label, measured key, predicted key or None)
+    figures = {
+        "throughput.png": [("throughput", "samples / s", "samples_per_s", None)],
+        "speedup.png": [("speedup over GPipe at the same M", "x GPipe", "speedup_vs_gpipe", None)],
+        "bubble.png": [
+            ("bubble: measured vs predicted (dashed) from measured costs", "idle fraction",
+             "bubble_measured", "bubble_predicted"),
+        ],
+        "memory.png": [
+            ("peak activations in flight, one stage (dashed: predicted)", "micro-batches",
+             "peak_inflight", "peak_inflight_predicted"),
+            ("peak activation memory, one rank (measured)", "MiB", "peak_activation_mib", None),
+        ],
+    }  # fmt: skip
+    paths = []
+    for filename, panels in figures.items():
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+        for ax, (title, ylabel, measured, predicted) in zip(axes[0], panels, strict=True):
+            for i, (label, points) in enumerate(series.items()):
+                ms = [p["microbatches"] for p in points]
+                ys = [p[measured] for p in points]
+                if all(y is None for y in ys):
+                    continue
+                ax.plot(ms, ys, "-o", color=f"C{i}", label=label)
+                if predicted:
+                    ax.plot(ms, [p[predicted] for p in points], "--o", color=f"C{i}", mfc="none")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, labels=[str(m) for m in ticks])
+            ax.minorticks_off()
+            ax.set_xlabel("micro-batches per step (M)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(title, fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = directory / filename
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------- the command
+
+
+@click.command("sweep")
+@click.argument("job_file")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override one job setting (repeatable), e.g. --set train.steps=5.",
+)
+@click.option(
+    "--schedules",
+    default="all",
+    show_default=True,
+    help="'all' or a comma list: naive,gpipe,1f1b,interleaved-1f1b,zb-h1.",
+)
+@click.option(
+    "--microbatches",
+    "-m",
+    default="2,4,8",
+    show_default=True,
+    help="Comma list of M (micro-batches per replica per step).",
+)
+@click.option("--repeats", default=3, show_default=True, help="Runs of every cell.")
+@click.option(
+    "--virtual",
+    "-v",
+    default=2,
+    show_default=True,
+    help="Model chunks per rank for interleaved-1f1b.",
+)
+@click.option(
+    "--warmup-steps",
+    default=1,
+    show_default=True,
+    help="Steps of each run left out of the measurements.",
+)
+@click.option("-o", "--output", required=True, metavar="CSV", help="One row per run.")
+@click.option("--plots", metavar="DIR", help="Also draw PNGs here (needs matplotlib).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing CSV.")
+def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup_steps,
+          output, plots, overwrite) -> None:  # fmt: skip
+    """Train JOB_FILE under every schedule x M x repeat in one launch; CSV, table, plots.
+
+    The micro-batch size stays the job's, global_batch / (dp * microbatches): each cell's
+    global batch is that size x dp x M. Combinations a schedule rejects are skipped with a note.
+    """
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    echo = click.echo if world.rank == 0 else (lambda _text: None)
+    # Every rank checks the same inputs (rank 0 also the file system) and all agree on the first
+    # error, so a bad sweep stops everywhere before any training message is sent.
+    error, cells, notes = None, [], []
+    try:
+        names = parse_schedules(schedules)
+        ms = parse_microbatches(microbatches)
+        for option, value, low in [("--repeats", repeats, 1), ("--virtual", virtual, 2),
+                                   ("--warmup-steps", warmup_steps, 0)]:  # fmt: skip
+            if value < low:
+                raise ConfigError(f"{option} = {value}: must be >= {low}")
+        job = load_job(job_file, list(overrides), world.Get_size())
+        if job.train.steps <= warmup_steps:
+            raise ConfigError(
+                f"train.steps({job.train.steps}) must exceed --warmup-steps({warmup_steps})"
+            )
+        cells, notes = plan(job, names, ms, virtual, world.Get_size())
+        if not cells:
+            raise ConfigError("every combination was rejected: " + "; ".join(notes))
+        if world.rank == 0:
+            check_output(Path(output), overwrite)
+            if plots:
+                _import_pyplot()
+                _make_directory(Path(plots))
+    except ConfigError as exc:
+        error = str(exc)
+    first = next((e for e in world.allgather(error) if e is not None), None)
+    if first is not None:
+        if world.rank == 0:
+            click.echo(f"mpihybrid: error: {first}", err=True)
+        sys.exit(EXIT_USAGE)
+
+    for note in notes:
+        echo(f"note: {note}")
+    try:
+        rows = run_sweep(world, cells, repeats, warmup_steps, echo)
+        if rows is not None:
+            write_csv(Path(output), rows, overwrite)
+            echo("")
+            echo(format_table(rows))
+            echo(f"\n{len(rows)} runs -> {output}")
+            if plots:
+                for path in write_plots(rows, Path(plots)):
+                    echo(f"plot -> {path}")
+    except Exception:
+        # One rank failing must end the whole job, never leave the others waiting.
+        sys.stderr.write(f"[rank {world.rank}] sweep failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        world.Abort(1)
