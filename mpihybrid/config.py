@@ -87,6 +87,7 @@ class CommConfig:
 class TraceConfig:
     path: str = ""  # HDF5 trace written by rank 0 at the end; "" = none
     overwrite: bool = False  # replace an existing trace file
+    events: bool = True  # record every action; false = only one row per step (overhead baseline)
 
 
 @dataclass(frozen=True)

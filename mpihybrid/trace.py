@@ -109,6 +109,14 @@ class Recorder:
         return self._n
 
 
+class StepRecorder(Recorder):
+    """Keeps only the per-step rows: what a run costs without per-action tracing."""
+
+    def record(self, kind: int, step: int, *args, **kwargs) -> None:
+        if kind == KIND["step"]:
+            super().record(kind, step, *args, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------
 # clocks and gathering (collective over comm)
 

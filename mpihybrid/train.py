@@ -28,7 +28,14 @@ from mpihybrid.model import boundary_shapes, build_stage
 from mpihybrid.optim import build_optimizer
 from mpihybrid.runtime import PipelineRuntime, forward_only
 from mpihybrid.schedules import Action, build_schedule, lower, stage_rank
-from mpihybrid.trace import KIND, Recorder, clock_offset, gather_events, write_trace
+from mpihybrid.trace import (
+    KIND,
+    Recorder,
+    StepRecorder,
+    clock_offset,
+    gather_events,
+    write_trace,
+)
 
 log = logging.getLogger("mpihybrid")
 
@@ -82,7 +89,8 @@ def train(
         if stage_rank(s, g.pp, v) == grid.pp_rank
     }
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, mb_size)
-    recorder = Recorder(world.rank, grid.dp_rank, capacity=(len(actions) + 8) * max(t.steps, 1))
+    recorder_cls = Recorder if job.trace.events else StepRecorder
+    recorder = recorder_cls(world.rank, grid.dp_rank, capacity=(len(actions) + 8) * max(t.steps, 1))
     runtime = PipelineRuntime(
         grid.pp_comm, stages, actions, num_stages, M, shapes, recorder, c.sync_sends
     )
