@@ -59,7 +59,7 @@ def analyze(run, as_json) -> None:
     bubble measured vs predicted, bytes, all-reduce algbw/busbw, throughput, activation memory."""
     import json
 
-    from mpihybrid.analysis import format_analysis
+    from mpihybrid.analysis_report import format_analysis
 
     result = _analyze(_load(run), run)
     if as_json:
@@ -134,7 +134,8 @@ def export(run, fmt, output, overwrite) -> None:
 def compare(runs) -> None:
     """Compare runs side by side: the settings that differ, then step time, bubble, bytes,
     throughput and accuracy, each with its ratio to the first run."""
-    from mpihybrid.analysis import flat_config, table
+    from mpihybrid.analysis import flat_config
+    from mpihybrid.analysis_report import table
     from mpihybrid.report import human_bytes
 
     if len(runs) < 2:

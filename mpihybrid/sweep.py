@@ -236,7 +236,7 @@ def run_sweep(
             row = measure(summary, job, cell, repeat, warmup_steps)
             rows.append(row)
             echo(
-                f"[{len(rows):>{len(str(total))}}/{total}] {_label(row)} M={row['microbatches']}"
+                f"[{len(rows):>{len(str(total))}}/{total}] {row_label(row)} M={row['microbatches']}"
                 f" repeat {repeat}: {row['step_ms']:.1f} ms/step, bubble"
                 f" {row['bubble_measured']:.3f} (predicted {row['bubble_predicted']:.3f})"
             )
@@ -249,19 +249,19 @@ def run_sweep(
 # ---------------------------------------------------------------- output (rank 0)
 
 
-def _label(row: dict) -> str:
+def row_label(row: dict) -> str:
     v = row["virtual_stages"]
     return f"{row['schedule']} v={v}" if v > 1 else row["schedule"]
 
 
-def _medians(rows: list[dict]) -> list[dict]:
+def medians(rows: list[dict]) -> list[dict]:
     """One row per (schedule, M): timings and bubbles as medians over the repeats, peaks as
     maxima."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["schedule"], r["microbatches"]), []).append(r)
     out = []
-    for _, group in sorted(groups.items(), key=lambda kv: (kv[0][1], _order(kv[0][0]))):
+    for _, group in sorted(groups.items(), key=lambda kv: (kv[0][1], schedule_order(kv[0][0]))):
         med = dict(group[0], repeats=len(group))
         for key in ("step_ms", "samples_per_s", "bubble_measured", "bubble_predicted"):
             med[key] = statistics.median(r[key] for r in group)
@@ -273,7 +273,7 @@ def _medians(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _order(name: str) -> int:
+def schedule_order(name: str) -> int:
     return SCHEDULES.index(name)
 
 
@@ -282,14 +282,14 @@ def format_table(rows: list[dict]) -> str:
     header = ("M", "schedule", "step ms", "samples/s", "bubble", "predicted", "textbook",
               "error", "peak", "pred", "act MiB", "vs gpipe")  # fmt: skip
     table = [header]
-    for r in _medians(rows):
+    for r in medians(rows):
         predicted = r["bubble_predicted"]
         error = (r["bubble_measured"] - predicted) / predicted if predicted > 0 else None
         speedup = r["speedup_vs_gpipe"]
         table.append(
             (
                 str(r["microbatches"]),
-                _label(r),
+                row_label(r),
                 f"{r['step_ms']:.1f}",
                 f"{r['samples_per_s']:.0f}",
                 f"{r['bubble_measured']:.3f}",
@@ -333,81 +333,6 @@ def _csv_value(value):
     if value is None:
         return ""
     return f"{value:.6g}" if isinstance(value, float) else value
-
-
-def _import_pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError(
-            "--plots needs matplotlib: pip install 'mpihybrid[plot]' (or pip install matplotlib)"
-        ) from None
-    return plt
-
-
-def _make_directory(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--plots {path}: cannot create the directory ({exc.strerror})") from None
-
-
-def write_plots(rows: list[dict], directory: Path) -> list[Path]:
-    """PNGs against M, one colour per schedule, medians over repeats; where a panel holds a
-    prediction it is dashed with open markers next to the measurement."""
-    plt = _import_pyplot()
-    _make_directory(directory)
-    medians = _medians(rows)
-    series: dict[str, list[dict]] = {}
-    for r in medians:
-        series.setdefault(_label(r), []).append(r)
-    ticks = sorted({r["microbatches"] for r in medians})
-    # file -> panels of (title, y label, measured key, predicted key or None)
-    figures = {
-        "throughput.png": [("throughput", "samples / s", "samples_per_s", None)],
-        "speedup.png": [("speedup over GPipe at the same M", "x GPipe", "speedup_vs_gpipe", None)],
-        "bubble.png": [
-            ("bubble: measured vs predicted (dashed) from measured costs", "idle fraction",
-             "bubble_measured", "bubble_predicted"),
-        ],
-        "memory.png": [
-            ("peak activations in flight, one stage (dashed: predicted)", "micro-batches",
-             "peak_inflight", "peak_inflight_predicted"),
-            ("peak activation memory, one rank (measured)", "MiB", "peak_activation_mib", None),
-        ],
-    }  # fmt: skip
-    paths = []
-    for filename, panels in figures.items():
-        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
-        for ax, (title, ylabel, measured, predicted) in zip(axes[0], panels, strict=True):
-            for i, (label, points) in enumerate(series.items()):
-                ms = [p["microbatches"] for p in points]
-                ys = [p[measured] for p in points]
-                if all(y is None for y in ys):
-                    continue
-                ax.plot(ms, ys, "-o", color=f"C{i}", label=label)
-                if predicted:
-                    ax.plot(ms, [p[predicted] for p in points], "--o", color=f"C{i}", mfc="none")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ticks, labels=[str(m) for m in ticks])
-            ax.minorticks_off()
-            ax.set_xlabel("micro-batches per step (M)")
-            ax.set_ylabel(ylabel)
-            ax.set_title(title, fontsize=10)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = directory / filename
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
-# ---------------------------------------------------------------- the command
 
 
 @click.command("sweep")
@@ -481,8 +406,10 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
         if world.rank == 0:
             check_output(Path(output), overwrite)
             if plots:
-                _import_pyplot()
-                _make_directory(Path(plots))
+                from mpihybrid.sweep_plots import import_pyplot, make_directory
+
+                import_pyplot()
+                make_directory(Path(plots))
     except ConfigError as exc:
         error = str(exc)
     first = next((e for e in world.allgather(error) if e is not None), None)
@@ -501,6 +428,8 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
             echo(format_table(rows))
             echo(f"\n{len(rows)} runs -> {output}")
             if plots:
+                from mpihybrid.sweep_plots import write_plots
+
                 for path in write_plots(rows, Path(plots)):
                     echo(f"plot -> {path}")
     except Exception:

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from mpihybrid.analysis import analyze, bubble_summary, format_analysis, match_messages
+from mpihybrid.analysis import analyze, bubble_summary, match_messages
+from mpihybrid.analysis_report import format_analysis
 from mpihybrid.config import load_job
 from mpihybrid.model import build_stage
 from mpihybrid.schedules import build_schedule, lower, stage_rank

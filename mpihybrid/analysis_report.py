@@ -1,0 +1,132 @@
+"""`mpihybrid analyze` as text: the tables of an analysis() result."""
+
+from __future__ import annotations
+
+from mpihybrid.analysis import SPLIT
+
+
+def _rate(bytes_per_s: float | None) -> str:
+    if bytes_per_s is None:
+        return "-"
+    for unit in ("B/s", "KB/s", "MB/s", "GB/s"):
+        if bytes_per_s < 1000 or unit == "GB/s":
+            return f"{bytes_per_s:.1f} {unit}"
+        bytes_per_s /= 1000
+    return "-"  # pragma: no cover
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        # first column left-aligned (labels), numbers right-aligned
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    return [line(header), *(line(r) for r in rows)]
+
+
+def format_analysis(result: dict) -> str:
+    """analyze()'s result as text tables (times per step in ms unless marked)."""
+    from mpihybrid.report import human_bytes
+
+    run, st, bubble = result["run"], result["step_time"], result["bubble"]
+    n = max(run["steps"], 1)
+    ms = lambda seconds: f"{1e3 * seconds / n:.2f}"  # noqa: E731  per step
+    v = f", v={run['virtual_stages']}" if run["virtual_stages"] > 1 else ""
+    measured_steps = bubble["steps"]
+    span = f"steps {measured_steps[0]}-{measured_steps[-1]}" if measured_steps else "no steps"
+    if len(measured_steps) == 1:
+        span = f"step {measured_steps[0]}"
+    lines = [
+        f"== {run['schedule']}{v}, pp={run['pp']} x dp={run['dp']}, M={run['microbatches']}, "
+        f"codec {run['codec']}, {run['steps']} step{'s' * (run['steps'] != 1)} "
+        f"on {run['world_size']} ranks",
+        f"step time       mean {1e3 * st['mean']:.2f} ms, median {1e3 * st['median']:.2f} ms "
+        f"({span}; step 0 took {1e3 * st['first']:.2f} ms)",
+    ]
+    tp = result["throughput"]
+    if tp["samples_per_s"] is not None:
+        lines.append(
+            f"throughput      {tp['samples_per_s']:,.0f} samples/s "
+            f"({tp['samples']} samples in {tp['seconds']:.3f} s)"
+        )
+    lines.append(
+        f"bubble          measured {bubble['measured']:.3f}, predicted {bubble['predicted']:.3f} "
+        f"(simulated with measured F/B/W and a {1e6 * bubble['costs']['send']:.0f} us hop), "
+        f"formula {bubble['formula_text']} = {bubble['formula']:.3f}"
+    )
+    q = result["quality"]
+    if q["final_loss"] is not None:
+        acc = (
+            f", held-out accuracy {q['test_accuracy']:.3f}"
+            if q["test_accuracy"] is not None
+            else ""
+        )
+        lines.append(
+            f"quality         final loss {q['final_loss']:.4f}, "
+            f"train accuracy {q['train_accuracy']:.3f}{acc}"
+        )
+    if result["straggler"] is not None:
+        s = result["straggler"]
+        lines.append(
+            f"straggler       rank {s['rank']}: busy {ms(s['busy'])} ms/step "
+            f"(F+B+W+optimizer), {s['vs_mean']:.2f}x the mean rank"
+        )
+
+    cols = ["forward", "backward", "weight", "recv", "send", "allreduce", "optimizer", "idle"]
+    heads = ["F", "B", "W", "p2p wait", "send", "allreduce", "optim", "idle"]
+    rows = [
+        [str(r["rank"]), ",".join(map(str, r["stages"])), str(r["replica"])]
+        + [ms(r[c]) for c in cols]
+        + [ms(r["total"]), f"{r['bubble']:.3f}" if r["bubble"] is not None else "-"]
+        for r in result["ranks"]
+    ]
+    lines += ["", "time by rank (ms per step)"]
+    lines += table(["rank", "stage", "dp", *heads, "step", "bubble"], rows)
+
+    replicas = max(run["dp"], 1)
+    rows = [
+        [str(s["stage"])]
+        + [f"{1e6 * s['mean_' + c]:.0f}" for c in ("forward", "backward", "weight")]
+        + [ms(s[c] / replicas) for c in SPLIT]
+        for s in result["stages"]
+    ]
+    lines += ["", "time by stage (one F/B/W in us; totals in ms per step, mean over replicas)"]
+    lines += table(["stage", "F us", "B us", "W us", *heads[:-1]], rows)
+
+    b = result["bytes"]
+    lines += [
+        "",
+        f"bytes sent      activation {human_bytes(b['activation'])}, activation_grad "
+        f"{human_bytes(b['activation_grad'])}, all-reduce {human_bytes(b['allreduce'])}",
+    ]
+    if result["allreduce"]:
+        rows = [
+            [
+                str(a["stage"]),
+                str(a["ranks"]),
+                human_bytes(a["size_bytes"]) if a["size_bytes"] is not None else "-",
+                f"{1e6 * a['seconds']:.0f}",
+                _rate(a["algbw"]),
+                _rate(a["busbw"]),
+                human_bytes(a["wire_bytes"]),
+            ]
+            for a in result["allreduce"]
+        ]
+        lines += ["", "all-reduce per stage (size = fp32 gradient; busbw = algbw * 2(n-1)/n)"]
+        lines += table(["stage", "n", "size", "time us", "algbw", "busbw", "wire/rank"], rows)
+    rows = [
+        [
+            str(s["stage"]),
+            str(s["peak_inflight"]),
+            str(s["predicted_peak_inflight"]),
+            human_bytes(s["peak_activation_bytes"]),
+        ]
+        for s in result["stages"]
+    ]
+    lines += ["", "activations in flight per stage (peak over steps and replicas)"]
+    lines += table(["stage", "peak", "schedule", "peak bytes"], rows)
+    return "\n".join(lines)
