@@ -19,8 +19,10 @@ EXIT_USAGE = 2
 EXIT_PREEMPTED = 3  # a signal asked the job to stop; a checkpoint was written (requeue me)
 
 
-def _fail(message: str) -> None:
-    click.echo(f"mpihybrid: error: {message}", err=True)
+def _fail(message: str, rank: int = 0) -> None:
+    """One line on stderr (from rank 0 only, under mpiexec) and exit 2 everywhere."""
+    if rank == 0:
+        click.echo(f"mpihybrid: error: {message}", err=True)
     sys.exit(EXIT_USAGE)
 
 
@@ -221,14 +223,15 @@ def bench_allreduce(sizes, codecs, repeats) -> None:
     from mpihybrid.bench import format_table, parse_size
     from mpihybrid.codecs import CODECS
 
+    rank = MPI.COMM_WORLD.rank
     try:
         size_list = [parse_size(s) for s in sizes.split(",") if s]
     except ValueError as exc:
-        _fail(str(exc))
+        _fail(str(exc), rank)
     codec_list = [c for c in codecs.split(",") if c]
     unknown = [c for c in codec_list if c not in CODECS]
     if unknown:
-        _fail(f"unknown codec {unknown[0]!r}; choose from {', '.join(CODECS)}")
+        _fail(f"unknown codec {unknown[0]!r}; choose from {', '.join(CODECS)}", rank)
     rows = run(MPI.COMM_WORLD, size_list, codec_list, repeats=repeats)
     if MPI.COMM_WORLD.rank == 0:
         click.echo(format_table(rows))

@@ -69,6 +69,7 @@ class PipelineRuntime:
         self.world_rank = pp_group.Translate_ranks(list(range(self.pp_size)), world_group)
         pp_group.Free()
         world_group.Free()
+        self.cache_nbytes: dict[int, int] = {}  # stage -> bytes one forward cache holds
         self.split_backward = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
         top = tag_for("B", num_stages - 1, num_microbatches - 1, num_microbatches)
         tag_ub = pp_comm.Get_attr(MPI.TAG_UB)
@@ -126,7 +127,9 @@ class PipelineRuntime:
                 else:
                     (inbox if self._is_local(s + 1) else outbox)[("F", s + 1, mb)] = y
                 caches[(s, mb)] = cache
-                nbytes = activation_bytes[(s, mb)] = self.stages[s].activation_nbytes(cache)
+                if s not in self.cache_nbytes:  # shapes are fixed: walk one cache per stage
+                    self.cache_nbytes[s] = self.stages[s].activation_nbytes(cache)
+                nbytes = activation_bytes[(s, mb)] = self.cache_nbytes[s]
                 live_bytes += nbytes
                 peak_bytes = max(peak_bytes, live_bytes)
                 inflight[s] += 1

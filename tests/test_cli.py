@@ -1,0 +1,67 @@
+"""The command line: every command has help; schedule show; bench allreduce under mpiexec."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from mpihybrid.cli import main
+from tests.mpirun import run_mpi
+
+COMMANDS = ["train", "schedule", "bench", "analyze", "timeline", "export", "compare", "sweep"]
+
+
+def test_every_command_has_help():
+    runner = CliRunner()
+    top = runner.invoke(main, ["--help"])
+    assert top.exit_code == 0
+    for name in COMMANDS:
+        assert name in top.output
+        result = runner.invoke(main, [name, "--help"])
+        assert result.exit_code == 0 and "Usage:" in result.output, name
+
+
+def test_schedule_show_prints_grid_bubble_and_memory():
+    result = CliRunner().invoke(
+        main, ["schedule", "show", "--schedule", "1f1b", "--pp", "4", "-m", "8"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "rank 3" in result.output and "B7" in result.output
+    assert "0.273" in result.output  # (p-1)/(m+p-1) = 3/11
+    assert "s0:4" in result.output  # 1F1B keeps min(pp, M) activations on stage 0
+
+
+def test_schedule_show_all_compares_every_schedule():
+    result = CliRunner().invoke(main, ["schedule", "show", "--all", "--pp", "4", "-m", "8"])
+    assert result.exit_code == 0, result.output
+    for name in ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
+        assert name in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--schedule", "pipedream"], ["--schedule", "interleaved-1f1b", "--pp", "4", "-m", "6"]],
+)
+def test_schedule_show_bad_input_exits_2(args):
+    result = CliRunner().invoke(main, ["schedule", "show", *args])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "mpihybrid: error:" in result.output
+
+
+@pytest.mark.mpi
+def test_bench_allreduce_prints_ring_and_mpi_rows():
+    proc = run_mpi(2, "-m", "mpihybrid", "bench", "allreduce", "--sizes", "4K,64K",
+                   "--codecs", "fp32,int8", "--repeats", "1", timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "KiB" in line]
+    assert len(lines) == 2 * 3  # per size: mpi, ring fp32, ring int8
+    assert any("ring" in line and "int8" in line for line in lines)
+
+
+@pytest.mark.mpi
+def test_bench_allreduce_rejects_an_unknown_codec():
+    proc = run_mpi(2, "-m", "mpihybrid", "bench", "allreduce", "--codecs", "int4", timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "mpihybrid: error: unknown codec 'int4'; choose from fp32, fp16, bf16, int8"
+    ]
