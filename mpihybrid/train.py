@@ -27,7 +27,7 @@ from mpihybrid.grid import ProcessGrid
 from mpihybrid.model import boundary_shapes, build_stage
 from mpihybrid.optim import build_optimizer
 from mpihybrid.runtime import PipelineRuntime, forward_only
-from mpihybrid.schedules import Action, build_schedule, lower, stage_rank
+from mpihybrid.schedules import build_schedule, lower, stage_rank
 from mpihybrid.trace import (
     KIND,
     Recorder,
@@ -325,18 +325,9 @@ def _bytes_sent(world, runtime, rings) -> dict[str, int]:
 def grid_as_run(events: np.ndarray, pp: int, v: int, step: int) -> str:
     """The step x rank grid of what actually ran in `step` (replica 0), ordered by start time."""
     from mpihybrid.schedules import render_grid
+    from mpihybrid.timeline import actions_as_run
 
-    names = {KIND["forward"]: "F", KIND["backward"]: "B", KIND["weight"]: "W"}
-    rows = events[(events["step"] == step) & (events["replica"] == 0)]
-    rows = rows[np.isin(rows["kind"], list(names))]
-    rows = rows[np.argsort(rows["start"], kind="stable")]
-    per_rank: dict[int, list[Action]] = {r: [] for r in range(pp)}
-    for e in rows:
-        stage = int(e["stage"])
-        per_rank[stage_rank(stage, pp, v)].append(
-            Action(stage, names[int(e["kind"])], int(e["microbatch"]))
-        )
-    return render_grid(per_rank)
+    return render_grid(actions_as_run(events, pp, v, step), v)
 
 
 def _run_attrs(world, job: Job, summary: Summary, hostnames: list[str]) -> dict:
