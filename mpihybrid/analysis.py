@@ -206,17 +206,17 @@ def flat_config(trace: Trace) -> dict[str, object]:
 def _stage_param_counts(trace: Trace, num_stages: int) -> list[int] | None:
     """Parameters of every stage, rebuilt from the job (the all-reduce moves them as fp32)."""
     from mpihybrid.config import ConfigError, build_job
-    from mpihybrid.data import TeacherTask
-    from mpihybrid.model import block_num_params, build_blocks, partition
+    from mpihybrid.data import task_dims
+    from mpihybrid.model import block_num_params, build_blocks, chunk_ranges
 
     try:
         table = tomllib.loads(trace.config)
         if not table:
             return None  # no job stored: the defaults would be a guess
         job = build_job(table)
-        blocks = build_blocks(job.model, job.data.features, TeacherTask.num_classes)
+        blocks = build_blocks(job.model, *task_dims(job.data))
         counts = [block_num_params(b) for b in blocks]
-        return [sum(counts[r.start : r.stop]) for r in partition(counts, num_stages)]
+        return [sum(counts[r.start : r.stop]) for r in chunk_ranges(job.model, blocks, num_stages)]
     except (tomllib.TOMLDecodeError, ConfigError, ValueError, TypeError):
         return None
 

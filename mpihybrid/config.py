@@ -25,6 +25,9 @@ SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 CODECS = ("fp32", "fp16", "bf16", "int8")
 OPTIMIZERS = ("sgd", "adamw")
 ORDERS = ("pipeline-inner", "data-inner")
+DATA_FOR_MODEL = {"mlp": ("teacher",), "gpt": ("random-tokens", "markov")}
+# keys that take a value of more than one type: (section, key) -> the types allowed
+_UNION_KEYS = {("model", "partition"): (str, list)}
 
 
 class ConfigError(ValueError):
@@ -42,20 +45,26 @@ class GridConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: str = "mlp"
-    hidden: int = 64  # width of every hidden layer
-    depth: int = 6  # number of Linear layers (the last one is the classifier head)
-    activation: str = "relu"  # relu | gelu
-    norm: bool = False  # LayerNorm after each hidden Linear
+    kind: str = "mlp"  # mlp (teacher data) | gpt (token data)
+    hidden: int = 64  # width of every hidden layer (gpt: the model width C)
+    depth: int = 6  # mlp: Linear layers, the classifier head included; gpt: transformer layers
+    activation: str = "relu"  # mlp: relu | gelu (gpt always uses GELU)
+    norm: bool = False  # mlp: LayerNorm after each hidden Linear (gpt is always pre-norm)
+    heads: int = 4  # gpt: attention heads (hidden must be divisible by heads)
+    ffn: int = 0  # gpt: feed-forward width; 0 = 4 * hidden
+    partition: str | list = "cost"  # cost | uniform | [layers per chunk]
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: str = "teacher"  # X ~ N(0, 1), y = [X . w_true > 0]
-    features: int = 120
-    train_samples: int = 16384
-    test_samples: int = 2048
+    kind: str = "teacher"  # teacher: X ~ N(0, 1), y = [X . w_true > 0] | random-tokens | markov
+    features: int = 120  # teacher
+    train_samples: int = 16384  # teacher: samples per epoch (token data never repeats)
+    test_samples: int = 2048  # held-out samples (token data: sequences)
     seed: int = 1234  # draws the teacher and the samples
+    vocab: int = 10000  # token data: vocabulary size
+    seq_len: int = 64  # token data: tokens per sequence
+    branching: int = 2  # markov: successors of every token (entropy rate ln(branching))
 
 
 @dataclass(frozen=True)
@@ -186,6 +195,8 @@ def build_job(table: dict, overrides: list[str] = ()) -> Job:
                 raise ConfigError(
                     f"unknown key {section}.{name}; [{section}] has: {', '.join(known)}"
                 )
+            if isinstance(value, _UNION_KEYS.get((section, name), ())):
+                continue
             values[name] = _check_type(f"{section}.{name}", value, known[name])
         parts[section] = dataclasses.replace(defaults, **values)
     return Job(**parts)
@@ -219,15 +230,20 @@ def validate(job: Job) -> None:
     """Every rule that needs only the job; raises ConfigError with the rule and its numbers."""
     g, m, d, t, c = job.grid, job.model, job.data, job.train, job.comm
     _one_of("grid.order", g.order, ORDERS)
-    _one_of("model.kind", m.kind, ("mlp",))
+    _one_of("model.kind", m.kind, tuple(DATA_FOR_MODEL))
     _one_of("model.activation", m.activation, ("relu", "gelu"))
-    _one_of("data.kind", d.kind, ("teacher",))
+    _one_of("data.kind", d.kind, DATA_FOR_MODEL[m.kind])
     _one_of("train.schedule", t.schedule, SCHEDULES)
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
     _one_of("comm.codec", c.codec, CODECS)
     for where, value, low in [
         ("model.hidden", m.hidden, 1),
         ("model.depth", m.depth, 1),
+        ("model.heads", m.heads, 1),
+        ("model.ffn", m.ffn, 0),
+        ("data.vocab", d.vocab, 2),
+        ("data.seq_len", d.seq_len, 1),
+        ("data.branching", d.branching, 1),
         ("data.features", d.features, 1),
         ("data.train_samples", d.train_samples, 1),
         ("data.test_samples", d.test_samples, 1),
@@ -251,7 +267,11 @@ def validate(job: Job) -> None:
             f"train.global_batch({t.global_batch}) is not divisible by "
             f"dp({g.dp}) * microbatches({t.microbatches}) = {per_step}"
         )
-    if t.global_batch > d.train_samples:
+    if m.kind == "gpt" and m.hidden % m.heads:
+        raise ConfigError(f"model.hidden({m.hidden}) is not divisible by model.heads({m.heads})")
+    if d.kind == "markov" and d.branching > d.vocab:
+        raise ConfigError(f"data.branching({d.branching}) > data.vocab({d.vocab})")
+    if d.kind == "teacher" and t.global_batch > d.train_samples:
         raise ConfigError(
             f"train.global_batch({t.global_batch}) > data.train_samples({d.train_samples})"
         )
@@ -261,14 +281,36 @@ def validate(job: Job) -> None:
         check_config(t.schedule, g.pp, t.microbatches, t.virtual_stages)
     except ScheduleError as exc:
         raise ConfigError(str(exc)) from None
-    chunks = g.pp * t.virtual_stages
-    if m.depth < chunks:
-        raise ConfigError(
-            f"model.depth({m.depth}) < pp({g.pp}) * virtual_stages({t.virtual_stages}) = {chunks}:"
-            " every stage needs at least one layer"
-        )
+    _check_partition(m, g.pp, t.virtual_stages)
     if len(t.betas) != 2 or not all(isinstance(b, (int, float)) for b in t.betas):
         raise ConfigError(f"train.betas = {t.betas!r}: expected two numbers")
+
+
+def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:
+    from mpihybrid.model import check_counts
+
+    chunks = pp * virtual_stages
+    formula = f"pp({pp}) * virtual_stages({virtual_stages}) = {chunks}"
+    # cost partitions blocks (gpt: embedding and head are blocks too); the others split layers
+    if m.kind == "gpt" and m.partition == "cost":
+        if m.depth + 2 < chunks:
+            raise ConfigError(
+                f"model.depth({m.depth}) + 2 (embedding, head) = {m.depth + 2} blocks < {formula}:"
+                " every stage needs at least one block"
+            )
+    elif m.depth < chunks:
+        raise ConfigError(
+            f"model.depth({m.depth}) < {formula}: every stage needs at least one layer"
+        )
+    if isinstance(m.partition, list):
+        try:
+            check_counts(m.partition, m.depth, chunks)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} ({formula})") from None
+    elif m.partition not in ("cost", "uniform"):
+        raise ConfigError(
+            f"model.partition = {m.partition!r}: use 'cost', 'uniform' or a list of layer counts"
+        )
 
 
 def to_toml(job: Job) -> str:

@@ -1,8 +1,11 @@
 """Datasets and deterministic sharding.
 
-The teacher task: X ~ N(0, 1) with `features` columns, y = [X . w_true > 0], w_true a hidden random
-vector. Step s's global batch is a fixed slice of an epoch-wise permutation, so every rank (and the
-one-process reference) sees the same samples without any communication:
+Every task draws step s's global batch from the step number alone, so every rank (and the
+one-process reference) sees the same samples without any communication.
+
+The teacher task (mlp): X ~ N(0, 1) with `features` columns, y = [X . w_true > 0], w_true a
+hidden random vector; step s's global batch is a fixed slice of an epoch-wise permutation.
+Token tasks (gpt): see TokenTask. Every task is sharded the same way:
 
     global batch (B rows) -> dp shards of B/dp rows -> M micro-batches of B/(dp*M) rows
 """
@@ -50,7 +53,61 @@ def microbatches(
     ]
 
 
-def build_task(cfg) -> TeacherTask:
-    if cfg.kind != "teacher":
-        raise ValueError(f"data.kind = {cfg.kind!r}: unknown")
-    return TeacherTask(cfg.features, cfg.train_samples, cfg.test_samples, cfg.seed)
+class TokenTask:
+    """Next-token prediction on sequences of `seq_len` tokens (gpt).
+
+    x = tokens 0..T-1 of a sequence, y = tokens 1..T. `global_batch(step, B)` draws B fresh
+    sequences from the step number; the held-out sequences come from a stream of their own.
+
+    random-tokens: every token uniform over the vocabulary -- for throughput; nothing to learn
+        (the best possible loss is ln V).
+    markov: a fixed random first-order Markov chain where every token has `branching`
+        equally likely successors: the loss can fall from ln V (unigram entropy, the chain's
+        tokens are nearly uniform) to its entropy rate ln(branching) -- proof that training
+        learns.
+    """
+
+    def __init__(self, kind: str, vocab: int, seq_len: int, test_samples: int, seed: int,
+                 branching: int = 2) -> None:  # fmt: skip
+        self.kind, self.vocab, self.seq_len, self.seed = kind, vocab, seq_len, seed
+        self.in_features, self.num_classes = seq_len, vocab
+        self.successors = None
+        if kind == "markov":
+            rng = np.random.default_rng([seed, 0])
+            self.successors = np.stack(
+                [rng.choice(vocab, size=branching, replace=False) for _ in range(vocab)]
+            )
+            self.entropy_rate = float(np.log(branching))
+        else:
+            self.entropy_rate = float(np.log(vocab))
+        self.test_x, self.test_y = self._sequences(np.random.default_rng([seed, 2]), test_samples)
+
+    def _sequences(self, rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.successors is None:
+            seq = rng.integers(0, self.vocab, size=(count, self.seq_len + 1))
+        else:
+            seq = np.empty((count, self.seq_len + 1), np.int64)
+            seq[:, 0] = rng.integers(0, self.vocab, size=count)
+            picks = rng.integers(0, self.successors.shape[1], size=(count, self.seq_len))
+            for t in range(self.seq_len):
+                seq[:, t + 1] = self.successors[seq[:, t], picks[:, t]]
+        return np.ascontiguousarray(seq[:, :-1]), np.ascontiguousarray(seq[:, 1:])
+
+    def global_batch(self, step: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._sequences(np.random.default_rng([self.seed, 1, step]), batch)
+
+
+def build_task(cfg) -> TeacherTask | TokenTask:
+    if cfg.kind == "teacher":
+        return TeacherTask(cfg.features, cfg.train_samples, cfg.test_samples, cfg.seed)
+    if cfg.kind in ("random-tokens", "markov"):
+        return TokenTask(cfg.kind, cfg.vocab, cfg.seq_len, cfg.test_samples, cfg.seed,
+                         cfg.branching)  # fmt: skip
+    raise ValueError(f"data.kind = {cfg.kind!r}: unknown")
+
+
+def task_dims(cfg) -> tuple[int, int]:
+    """(in_features, num_classes) of the model this data feeds, without drawing any data."""
+    if cfg.kind == "teacher":
+        return cfg.features, TeacherTask.num_classes
+    return cfg.seq_len, cfg.vocab

@@ -68,13 +68,19 @@ def _rows(a: np.ndarray) -> np.ndarray:
 
 
 class Linear(Layer):
-    """y = x @ W + b with W of shape (in, out)."""
+    """y = x @ W + b with W of shape (in, out); x may have leading dimensions, (..., in).
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    init_std: None draws He-initialised weights (ReLU stacks); a number draws N(0, init_std^2).
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, init_std: float | None = None
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.bias = bias
+        self.init_std = init_std
 
     def __repr__(self) -> str:
         return f"Linear({self.in_features}, {self.out_features}, bias={self.bias})"
@@ -87,25 +93,28 @@ class Linear(Layer):
 
     def init_params(self, params: dict[str, np.ndarray], rng: np.random.Generator) -> None:
         # He init keeps the activation scale roughly constant through ReLU stacks
-        std = math.sqrt(2.0 / self.in_features)
+        std = math.sqrt(2.0 / self.in_features) if self.init_std is None else self.init_std
         params["weight"][...] = rng.standard_normal(params["weight"].shape) * std
         if self.bias:
             params["bias"][...] = 0.0
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
         w = self.params["weight"].astype(x.dtype, copy=False)
-        y = x @ w
+        # one GEMM over all rows: (..., in) @ (in, out) would loop over the leading dimension
+        y = _rows(x) @ w
         if self.bias:
             y += self.params["bias"].astype(x.dtype, copy=False)
-        return y, x
+        return y.reshape(*x.shape[:-1], self.out_features), x
 
     def backward_input(
         self, dy: np.ndarray, cache: object, need_dx: bool = True
     ) -> tuple[np.ndarray | None, object]:
         x = cache
         # the model's first layer needs no input gradient: skip a matmul as big as its forward
-        dx = dy @ self.params["weight"].astype(dy.dtype, copy=False).T if need_dx else None
-        return dx, (x, dy)
+        if not need_dx:
+            return None, (x, dy)
+        dx = _rows(dy) @ self.params["weight"].astype(dy.dtype, copy=False).T
+        return dx.reshape(*dy.shape[:-1], self.in_features), (x, dy)
 
     def backward_weight(self, wcache: object) -> None:
         x, dy = wcache
@@ -138,23 +147,45 @@ _GELU_A = 0.044715
 
 
 class GELU(Layer):
-    """GELU, tanh approximation: 0.5 x (1 + tanh(k (x + a x^3)))."""
+    """GELU, tanh approximation: 0.5 x (1 + tanh(k (x + a x^3))).
+
+    Written as in-place passes over one or two buffers: `x**3` and chains of temporaries
+    would cost more than the matmuls around a wide feed-forward layer.
+    """
 
     def __repr__(self) -> str:
         return "GELU()"
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
-        t = np.tanh(_GELU_K * (x + _GELU_A * x**3))
-        y = 0.5 * x * (1.0 + t)
+        f = x.dtype.type
+        t = np.multiply(x, x)
+        t *= f(_GELU_K * _GELU_A)
+        t += f(_GELU_K)
+        t *= x  # k (x + a x^3)
+        np.tanh(t, out=t)
+        y = t + f(1.0)
+        y *= x
+        y *= f(0.5)
         return y, (x, t)
 
     def backward_input(
         self, dy: np.ndarray, cache: object, need_dx: bool = True
     ) -> tuple[np.ndarray | None, object]:
+        # dy/dx = 0.5 (1 + t + x (1 - t^2) k (1 + 3 a x^2))
         x, t = cache
-        dinner = _GELU_K * (1.0 + 3.0 * _GELU_A * x * x)
-        dydx = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
-        return dy * dydx, None
+        f = dy.dtype.type
+        d = np.multiply(x, x)
+        d *= f(3.0 * _GELU_K * _GELU_A)
+        d += f(_GELU_K)
+        d *= x
+        s = np.multiply(t, t)
+        np.subtract(f(1.0), s, out=s)
+        d *= s
+        d += t
+        d += f(1.0)
+        d *= f(0.5)
+        d *= dy
+        return d, None
 
 
 class LayerNorm(Layer):

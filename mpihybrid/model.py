@@ -1,10 +1,17 @@
 """Models as lists of blocks, partitioned into contiguous stages with flat buffers.
 
-A block is the unit of partitioning (one hidden Linear with its norm and activation, or
-the head). `partition` splits the blocks into chunks of balanced parameter count; a
-`Stage` owns one chunk and keeps all its parameters in ONE flat buffer (and its
-gradients in another with the same layout), so the all-reduce, the optimizer and
-checkpoints each see a single contiguous array.
+A block is the unit of partitioning:
+    mlp  one hidden Linear with its norm and activation; the classifier head
+    gpt  the token + position embedding; one transformer layer; final LayerNorm + LM head
+`model.partition` says how the blocks are split into chunks: "cost" balances estimated
+training FLOPs (forward + backward), "uniform" deals out the hidden blocks / transformer
+layers evenly, a list gives the count per chunk (the GPT's embedding goes with the first
+chunk and its head with the last). A `Stage` owns one chunk and keeps all its parameters
+in ONE flat buffer (and its gradients in another with the same layout), so the all-reduce,
+the optimizer and checkpoints each see a single contiguous array.
+
+The model's input is described by two numbers: `in_features` (mlp: features per sample;
+gpt: tokens per sequence) and `num_classes` (mlp: classes; gpt: vocabulary size).
 
 Block g is initialised from `np.random.default_rng([seed, g])` whatever stage it lands
 in, so any split of the model holds exactly the parameters of the unsplit model.
@@ -17,8 +24,9 @@ import math
 import numpy as np
 
 from mpihybrid.layers import GELU, Layer, LayerNorm, Linear, ReLU
+from mpihybrid.transformer import GPT_INIT_STD, CausalAttention, Embedding, Residual
 
-# B = rows of a micro-batch, C = features, K = classes
+# B = rows of a micro-batch, C = features, K = classes; gpt: T = tokens per sequence
 
 Block = list[Layer]
 
@@ -26,12 +34,19 @@ _ACTIVATIONS = {"relu": ReLU, "gelu": GELU}
 
 
 def build_blocks(cfg, in_features: int, num_classes: int) -> list[Block]:
-    """Blocks of an MLP: `depth - 1` hidden blocks [Linear, (LayerNorm), act], then the head.
+    """The model's blocks in order, for `cfg.kind` "mlp" or "gpt"."""
+    if cfg.kind == "mlp":
+        return _mlp_blocks(cfg, in_features, num_classes)
+    if cfg.kind == "gpt":
+        return _gpt_blocks(cfg, in_features, num_classes)
+    raise ValueError(f"model.kind = {cfg.kind!r}: choose mlp or gpt")
 
-    `cfg` needs: kind ("mlp"), hidden, depth (number of Linear layers), activation, norm.
+
+def _mlp_blocks(cfg, in_features: int, num_classes: int) -> list[Block]:
+    """`depth - 1` hidden blocks [Linear, (LayerNorm), act], then the head.
+
+    `cfg` needs: hidden, depth (number of Linear layers), activation, norm.
     """
-    if cfg.kind != "mlp":
-        raise ValueError(f"model.kind = {cfg.kind!r}: build_blocks knows only 'mlp'")
     if cfg.depth < 1:
         raise ValueError(f"model.depth = {cfg.depth}: need at least 1 Linear layer")
     if cfg.activation not in _ACTIVATIONS:
@@ -48,6 +63,41 @@ def build_blocks(cfg, in_features: int, num_classes: int) -> list[Block]:
         blocks.append(block)
         width = cfg.hidden
     blocks.append([Linear(width, num_classes)])
+    return blocks
+
+
+def _gpt_blocks(cfg, seq_len: int, vocab: int) -> list[Block]:
+    """[Embedding], `depth` pre-norm transformer layers, [LayerNorm, LM head].
+
+    `cfg` needs: hidden (width C), depth (layers), heads, ffn (0 = 4 C). Linear weights are
+    drawn from N(0, 0.02^2), the residual projections' scaled by 1/sqrt(2 depth) (GPT-2).
+    """
+    width, ffn = cfg.hidden, cfg.ffn or 4 * cfg.hidden
+    if cfg.depth < 1:
+        raise ValueError(f"model.depth = {cfg.depth}: need at least 1 transformer layer")
+    if width % cfg.heads:
+        raise ValueError(f"model.hidden({width}) is not divisible by model.heads({cfg.heads})")
+    out_std = GPT_INIT_STD / math.sqrt(2 * cfg.depth)
+    blocks: list[Block] = [[Embedding(vocab, seq_len, width)]]
+    for _ in range(cfg.depth):
+        attention = Residual(
+            [
+                LayerNorm(width),
+                Linear(width, 3 * width, init_std=GPT_INIT_STD),
+                CausalAttention(width, cfg.heads, seq_len),
+                Linear(width, width, init_std=out_std),
+            ]
+        )
+        mlp = Residual(
+            [
+                LayerNorm(width),
+                Linear(width, ffn, init_std=GPT_INIT_STD),
+                GELU(),
+                Linear(ffn, width, init_std=out_std),
+            ]
+        )
+        blocks.append([attention, mlp])
+    blocks.append([LayerNorm(width), Linear(width, vocab, init_std=GPT_INIT_STD)])
     return blocks
 
 
@@ -187,10 +237,64 @@ class Stage:
         return sum(nbytes for _, nbytes in seen)
 
 
+def block_costs(blocks: list[Block]) -> list[int]:
+    """Estimated training FLOPs of each block per row: forward, input gradient, weight gradient.
+
+    Each matmul costs the same three times (forward, dx, dW); the model's first layer skips
+    its input gradient (nothing before it needs one). Elementwise work is not counted.
+    """
+    costs = [3 * sum(layer.flops(1) for layer in block) for block in blocks]
+    if blocks and blocks[0]:
+        costs[0] -= blocks[0][0].flops(1)
+    return costs
+
+
+def _inner(cfg, num_blocks: int) -> tuple[int, int]:
+    """(blocks before the partitioned layers, number of those layers): gpt's embedding leads."""
+    return (1, num_blocks - 2) if cfg.kind == "gpt" else (0, num_blocks)
+
+
+def chunk_ranges(cfg, blocks: list[Block], num_chunks: int) -> list[range]:
+    """Which blocks each of `num_chunks` chunks holds, following `cfg.partition`."""
+    mode = cfg.partition
+    if mode == "cost":
+        return partition(block_costs(blocks), num_chunks)
+    lead, layers = _inner(cfg, len(blocks))
+    if mode == "uniform":
+        if layers < num_chunks:
+            raise ValueError(
+                f"model.partition = 'uniform' needs at least one layer per chunk: "
+                f"{layers} layers < {num_chunks} chunks"
+            )
+        base, extra = divmod(layers, num_chunks)
+        counts = [base + (c < extra) for c in range(num_chunks)]
+    elif isinstance(mode, list):
+        counts = list(mode)
+        check_counts(counts, layers, num_chunks)
+    else:
+        raise ValueError(f"model.partition = {mode!r}: use 'cost', 'uniform' or a list of counts")
+    # the embedding (gpt) joins the first chunk; whatever follows the layers joins the last
+    bounds = [0] + [lead + sum(counts[: c + 1]) for c in range(num_chunks - 1)] + [len(blocks)]
+    return [range(bounds[c], bounds[c + 1]) for c in range(num_chunks)]
+
+
+def check_counts(counts: list, layers: int, num_chunks: int) -> None:
+    """An explicit partition: one positive layer count per chunk, adding up to the model."""
+    if len(counts) != num_chunks:
+        raise ValueError(
+            f"model.partition = {counts}: {len(counts)} counts for {num_chunks} chunks "
+            f"(pp * virtual_stages)"
+        )
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts):
+        raise ValueError(f"model.partition = {counts}: every count must be an integer >= 1")
+    if sum(counts) != layers:
+        raise ValueError(f"model.partition = {counts}: counts add up to {sum(counts)}, "
+                         f"the model has {layers} layers")  # fmt: skip
+
+
 def stage_ranges(cfg, in_features: int, num_classes: int, num_chunks: int) -> list[range]:
     """Which blocks each of `num_chunks` model chunks holds."""
-    blocks = build_blocks(cfg, in_features, num_classes)
-    return partition([block_num_params(b) for b in blocks], num_chunks)
+    return chunk_ranges(cfg, build_blocks(cfg, in_features, num_classes), num_chunks)
 
 
 def build_stage(
@@ -206,14 +310,19 @@ def build_stage(
     if not 0 <= chunk < num_chunks:
         raise ValueError(f"chunk = {chunk}: must be in [0, {num_chunks})")
     blocks = build_blocks(cfg, in_features, num_classes)
-    r = partition([block_num_params(b) for b in blocks], num_chunks)[chunk]
+    r = chunk_ranges(cfg, blocks, num_chunks)[chunk]
     return Stage(blocks[r.start : r.stop], r.start, seed, dtype)
 
 
 def boundary_shapes(
     cfg, in_features: int, num_classes: int, num_chunks: int, batch: int
 ) -> list[tuple[int, ...]]:
-    """Input shape of each chunk for `batch` rows: what crosses each pipeline boundary."""
+    """Input shape of each chunk for `batch` samples: what crosses each pipeline boundary.
+
+    gpt: chunk 0 takes the tokens (batch, T); every later chunk a (batch, T, C) activation.
+    """
+    if cfg.kind == "gpt":
+        return [(batch, in_features)] + [(batch, in_features, cfg.hidden)] * (num_chunks - 1)
     blocks = build_blocks(cfg, in_features, num_classes)
-    ranges = partition([block_num_params(b) for b in blocks], num_chunks)
+    ranges = chunk_ranges(cfg, blocks, num_chunks)
     return [(batch, blocks[r.start][0].in_features) for r in ranges]

@@ -16,12 +16,14 @@ def human_bytes(n: float) -> str:
 def format_report(job: Job, summary) -> str:
     g, t, c = job.grid, job.train, job.comm
     v = f", v={t.virtual_stages}" if t.virtual_stages > 1 else ""
+    rate = f"{summary.samples_per_s:,.0f} samples/s"
+    if job.data.kind != "teacher":
+        rate = f"{summary.samples_per_s * job.data.seq_len:,.0f} tokens/s"
     lines = [
         "",
         f"== mpihybrid run: pp={g.pp} x dp={g.dp} ({g.order}), {t.schedule}{v}, "
         f"M={t.microbatches}, codec={c.codec}",
-        f"runtime            {summary.runtime_s:.2f} s for {summary.steps} steps "
-        f"({summary.samples_per_s:,.0f} samples/s)",
+        f"runtime            {summary.runtime_s:.2f} s for {summary.steps} steps ({rate})",
     ]
     if summary.losses:
         lines.append(

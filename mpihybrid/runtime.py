@@ -176,7 +176,8 @@ class PipelineRuntime:
         if send_requests:
             rec.record(KIND["send"], step, -1, -1, t0, clock())
         assert not pending_recv and not caches and not wcaches, "action list left work undone"
-        samples = sum(len(b[1]) for b in batches) if last in self.stages else 0
+        # what the accuracy counts: samples (mlp) or predicted tokens (gpt)
+        samples = sum(b[1].size for b in batches) if last in self.stages else 0
         return StepResult(loss_sum, correct, samples, peak, peak_bytes)
 
 

@@ -260,16 +260,27 @@ def _restore(world, grid, job, path, stages, optimizers, rings):
     return manifest["step"], list(manifest["losses"]), list(manifest["accuracies"])
 
 
+EVAL_LOGITS = 1 << 22  # logits held at once by the evaluation (16 MiB of float32)
+
+
 def _evaluate(world, grid, stages, num_stages, task, model_cfg) -> float:
-    """Held-out accuracy, computed by replica 0's pipeline; returned on world rank 0."""
+    """Held-out accuracy (gpt: of every next token), computed by replica 0's pipeline in
+    pieces of at most EVAL_LOGITS logits; returned on world rank 0."""
     accuracy = -1.0
     if grid.dp_rank == 0:
-        shapes = boundary_shapes(
-            model_cfg, task.in_features, task.num_classes, num_stages, len(task.test_x)
-        )
-        logits = forward_only(grid.pp_comm, stages, num_stages, task.test_x, shapes)
-        if logits is not None:
-            accuracy = float(np.mean(np.argmax(logits, axis=1) == task.test_y))
+        n = len(task.test_x)
+        rows = max(1, EVAL_LOGITS // (task.test_y[0].size * task.num_classes))
+        correct = 0
+        for i in range(0, n, rows):
+            x, y = task.test_x[i : i + rows], task.test_y[i : i + rows]
+            shapes = boundary_shapes(
+                model_cfg, task.in_features, task.num_classes, num_stages, len(x)
+            )
+            logits = forward_only(grid.pp_comm, stages, num_stages, x, shapes)
+            if logits is not None:
+                correct += int(np.count_nonzero(np.argmax(logits, axis=-1) == y))
+        if stage_rank(num_stages - 1, grid.pp_size, num_stages // grid.pp_size) == grid.pp_rank:
+            accuracy = correct / task.test_y.size
     return float(world.allreduce(accuracy, op=MPI.MAX))
 
 

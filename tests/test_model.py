@@ -22,8 +22,10 @@ from mpihybrid.model import (
 B, C_IN, K = 6, 7, 3
 
 
-def mlp(depth=4, hidden=8, activation="relu", norm=True, kind="mlp"):
-    return SimpleNamespace(kind=kind, hidden=hidden, depth=depth, activation=activation, norm=norm)
+def mlp(depth=4, hidden=8, activation="relu", norm=True, kind="mlp", partition="cost"):
+    return SimpleNamespace(
+        kind=kind, hidden=hidden, depth=depth, activation=activation, norm=norm, partition=partition
+    )
 
 
 def brute_force_best(counts: list[int], k: int) -> int:
@@ -90,7 +92,7 @@ def test_build_blocks_structure():
 @pytest.mark.parametrize(
     "cfg, match",
     [
-        (mlp(kind="gpt"), "kind"),
+        (mlp(kind="cnn"), "kind"),
         (mlp(depth=0), "depth"),
         (mlp(activation="tanh"), "activation"),
     ],

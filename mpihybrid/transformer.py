@@ -1,0 +1,183 @@
+"""The pieces of a GPT that layers.py lacks: embeddings, causal attention, residual blocks.
+
+A pre-norm transformer layer is two residual branches, each a plain list of layers:
+
+    x = x + Linear(C, C)(CausalAttention(h)(Linear(C, 3C)(LayerNorm(x))))
+    x = x + Linear(F, C)(GELU(Linear(C, F)(LayerNorm(x))))
+
+so the attention core itself has no parameters and every weight gradient comes from a
+Linear or a LayerNorm, whose backward already splits into input and weight halves
+(zero-bubble schedules run the halves at different times). `Embedding` turns integer
+tokens (b, T) into (b, T, C); it has no input gradient, only weight gradients.
+
+Shapes: b = sequences in a micro-batch, T = tokens per sequence, C = width, h = heads,
+d = C / h, V = vocabulary, F = feed-forward width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mpihybrid.layers import Layer
+
+GPT_INIT_STD = 0.02  # GPT-2's initialisation of embeddings and linear weights
+
+
+class Embedding(Layer):
+    """y[b, t] = token_table[tokens[b, t]] + position_table[t]."""
+
+    def __init__(self, vocab: int, seq_len: int, dim: int) -> None:
+        super().__init__()
+        self.vocab, self.seq_len, self.dim = vocab, seq_len, dim
+
+    def __repr__(self) -> str:
+        return f"Embedding(vocab={self.vocab}, seq_len={self.seq_len}, dim={self.dim})"
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"tokens": (self.vocab, self.dim), "positions": (self.seq_len, self.dim)}
+
+    def init_params(self, params: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+        for name in ("tokens", "positions"):
+            params[name][...] = rng.standard_normal(params[name].shape) * GPT_INIT_STD
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        tokens = x
+        y = self.params["tokens"].take(tokens, axis=0)  # (b, T, C), a fresh array
+        y += self.params["positions"][: tokens.shape[-1]]
+        return y, tokens
+
+    def backward_input(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True
+    ) -> tuple[np.ndarray | None, object]:
+        return None, (cache, dy)  # integer tokens have no gradient
+
+    def backward_weight(self, wcache: object) -> None:
+        tokens, dy = wcache
+        rows = dy.reshape(-1, self.dim)
+        np.add.at(self.grads["tokens"], tokens.reshape(-1), rows)
+        self.grads["positions"][: tokens.shape[-1]] += dy.reshape(-1, *dy.shape[-2:]).sum(axis=0)
+
+
+class CausalAttention(Layer):
+    """Multi-head causal self-attention on packed projections: (b, T, 3C) -> (b, T, C).
+
+    No parameters: the q/k/v projection before it and the output projection after it are
+    ordinary Linear layers.
+    """
+
+    def __init__(self, dim: int, heads: int, seq_len: int) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"width {dim} is not divisible by heads {heads}")
+        self.dim, self.heads, self.seq_len = dim, heads, seq_len
+        self.head_dim = dim // heads
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        # added to the scores: -inf above the diagonal, so position t sees only 0..t
+        self._mask = np.triu(np.full((seq_len, seq_len), -np.inf, np.float32), k=1)
+
+    def __repr__(self) -> str:
+        return f"CausalAttention(dim={self.dim}, heads={self.heads}, seq_len={self.seq_len})"
+
+    def _split(self, qkv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        b, t = qkv.shape[0], qkv.shape[1]
+        # views, no copies: (b, T, 3, h, d) -> (3, b, h, T, d)
+        parts = qkv.reshape(b, t, 3, self.heads, self.head_dim).transpose(2, 0, 3, 1, 4)
+        return parts[0], parts[1], parts[2]
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        b, t = x.shape[0], x.shape[1]
+        q, k, v = self._split(x)
+        scores = q @ k.transpose(0, 1, 3, 2)  # (b, h, T, T)
+        scores *= x.dtype.type(self.scale)
+        scores += self._mask[:t, :t].astype(x.dtype, copy=False)
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores, out=scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out = probs @ v  # (b, h, T, d)
+        y = np.ascontiguousarray(out.transpose(0, 2, 1, 3)).reshape(b, t, self.dim)
+        return y, (x, probs)
+
+    def backward_input(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True
+    ) -> tuple[np.ndarray | None, object]:
+        x, probs = cache
+        b, t = x.shape[0], x.shape[1]
+        q, k, v = self._split(x)
+        dout = dy.reshape(b, t, self.heads, self.head_dim).transpose(0, 2, 1, 3)  # (b, h, T, d)
+        dx = np.empty((b, t, 3, self.heads, self.head_dim), dy.dtype)
+        dparts = dx.transpose(2, 0, 3, 1, 4)  # (3, b, h, T, d) views into dx
+        np.matmul(probs.transpose(0, 1, 3, 2), dout, out=dparts[2])  # dv
+        dprobs = dout @ v.transpose(0, 1, 3, 2)  # (b, h, T, T)
+        # softmax backward: ds = p * (dp - sum_j dp_j p_j); the masked entries have p = 0
+        dprobs -= np.einsum("bhij,bhij->bhi", dprobs, probs)[..., None]
+        dscores = np.multiply(dprobs, probs, out=dprobs)
+        dscores *= dy.dtype.type(self.scale)
+        np.matmul(dscores, k, out=dparts[0])  # dq
+        np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dparts[1])  # dk
+        return dx.reshape(b, t, 3 * self.dim), None
+
+    def flops(self, batch: int) -> int:
+        # q k^T and probs v over the full T x T square (the causal half is masked, not skipped)
+        return 4 * batch * self.seq_len * self.dim
+
+
+class Residual(Layer):
+    """y = x + branch(x), the branch a list of layers whose parameters this layer exposes."""
+
+    def __init__(self, branch: list[Layer]) -> None:
+        super().__init__()
+        self.branch = branch
+
+    def __repr__(self) -> str:
+        return f"Residual({', '.join(map(repr, self.branch))})"
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {
+            f"{i}.{name}": shape
+            for i, layer in enumerate(self.branch)
+            for name, shape in layer.param_shapes().items()
+        }
+
+    def _split(self, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        parts: list[dict[str, np.ndarray]] = [{} for _ in self.branch]
+        for key, array in arrays.items():
+            i, name = key.split(".", 1)
+            parts[int(i)][name] = array
+        return parts
+
+    def bind(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+        super().bind(params, grads)
+        for layer, p, g in zip(self.branch, self._split(params), self._split(grads), strict=True):
+            layer.bind(p, g)
+
+    def init_params(self, params: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+        for layer, p in zip(self.branch, self._split(params), strict=True):
+            layer.init_params(p, rng)
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        h, caches = x, []
+        for layer in self.branch:
+            h, cache = layer.forward(h)
+            caches.append(cache)
+        # the branch ends in a layer whose output nobody else holds: add the skip in place
+        h += x
+        return h, caches
+
+    def backward_input(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True
+    ) -> tuple[np.ndarray | None, object]:
+        g, wcaches = dy, []
+        for layer, c in zip(reversed(self.branch), reversed(cache), strict=True):
+            g, wc = layer.backward_input(g, c, True)
+            wcaches.append(wc)
+        g += dy  # the branch's first layer returned a fresh array
+        return g, wcaches[::-1]
+
+    def backward_weight(self, wcache: object) -> None:
+        for layer, wc in zip(self.branch, wcache, strict=True):
+            layer.backward_weight(wc)
+
+    def flops(self, batch: int) -> int:
+        return sum(layer.flops(batch) for layer in self.branch)
