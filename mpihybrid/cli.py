@@ -9,6 +9,7 @@ mpiexec -n 4 mpihybrid bench allreduce
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import sys
 import traceback
@@ -235,6 +236,50 @@ def bench_allreduce(sizes, codecs, repeats) -> None:
     rows = run(MPI.COMM_WORLD, size_list, codec_list, repeats=repeats)
     if MPI.COMM_WORLD.rank == 0:
         click.echo(format_table(rows))
+
+
+@bench.command("train")
+@click.argument("job_file", required=False, type=click.Path(dir_okay=False))
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override one job setting (repeatable), e.g. --set train.schedule=1f1b.",
+)
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Measured steps per repeat.")  # fmt: skip
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def bench_train(job_file, overrides, warmup, steps, repeats, as_json) -> None:
+    """Training throughput of JOB_FILE: tokens/s, busy fractions, FLOPs, roofline, memory."""
+    from mpi4py import MPI
+
+    from mpihybrid.config import ConfigError, load_job
+
+    world = MPI.COMM_WORLD
+    error, job = None, None
+    try:
+        job = load_job(job_file, list(overrides), world.Get_size())
+    except ConfigError as exc:
+        error = str(exc)
+    first = next((e for e in world.allgather(error) if e is not None), None)
+    if first is not None:
+        if world.rank == 0:
+            click.echo(f"mpihybrid: error: {first}", err=True)
+        sys.exit(EXIT_USAGE)
+    from mpihybrid.bench_train import bench_train as run
+    from mpihybrid.bench_train import format_bench
+
+    try:
+        result = run(job, world, warmup, steps, repeats)
+    except Exception:
+        sys.stderr.write(f"[rank {world.rank}] benchmark failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        world.Abort(1)
+    if result is not None:
+        click.echo(json.dumps(result, indent=2) if as_json else format_bench(result))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,279 @@
+"""Training throughput benchmark: tokens/s, busy fractions, FLOPs and the matmul roofline.
+
+    mpiexec -n 2 mpihybrid bench train jobs/gpt_bench.toml
+    mpiexec -n 2 mpihybrid bench train jobs/gpt_bench.toml --set train.schedule=1f1b --json
+
+Each repeat trains the job from scratch for `warmup + steps` steps and measures the last
+`steps` (rank 0's clock, from the start of the first measured step to the end of the last,
+the per-step metrics collective included). Reported:
+
+    tokens/s       median over repeats (samples/s for data without tokens)
+    step time      median measured step
+    busy           per rank and per stage: compute time / measured wall time
+    FLOPs/token    training FLOPs of the model (matmuls: forward, input and weight gradients)
+    roofline       ranks x the float32 GEMM rate one core reaches on the model's own matmuls:
+                   every rank at once runs every GEMM of one micro-batch through the whole model
+                   (forward, dx, dW, the same shapes, a distinct weight array per layer as in
+                   training), timed, median of repeats; the sum over ranks is the machine's
+                   matmul roofline for this model. `hot` is the rate of the largest shape
+                   repeated on the same operands (the best a core can do).
+    memory         peak resident set per rank; peak activations per stage, measured and
+                   predicted by the schedule
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpihybrid.config import Job, to_toml
+from mpihybrid.data import task_dims
+from mpihybrid.layers import Layer, Linear
+from mpihybrid.model import block_costs, build_blocks
+from mpihybrid.transformer import CausalAttention, Residual
+
+# a GEMM: (batch, m, k, n) = `batch` products of (m, k) @ (k, n)
+Gemm = tuple[int, int, int, int]
+
+
+def layer_gemms(layer: Layer, rows: int, need_dx: bool = True) -> list[Gemm]:
+    """Every matmul one forward + backward of `layer` does on `rows` rows."""
+    if isinstance(layer, Residual):
+        return [g for sub in layer.branch for g in layer_gemms(sub, rows)]
+    if isinstance(layer, Linear):
+        i, o = layer.in_features, layer.out_features
+        gemms = [(1, rows, i, o), (1, i, rows, o)]  # forward, weight gradient
+        return gemms + [(1, rows, o, i)] if need_dx else gemms
+    if isinstance(layer, CausalAttention):
+        t, d = layer.seq_len, layer.head_dim
+        heads = rows // t * layer.heads
+        # forward: q k^T, p v; backward: dv, dp, dq, dk
+        return [(heads, t, d, t), (heads, t, t, d)] + [(heads, t, t, d)] * 3 + [(heads, t, d, t)]
+    return []
+
+
+def model_gemms(blocks, rows: int) -> list[Gemm]:
+    layers = [layer for block in blocks for layer in block]
+    return [g for i, layer in enumerate(layers) for g in layer_gemms(layer, rows, need_dx=i > 0)]
+
+
+def gemm_flops(gemms: list[Gemm]) -> int:
+    return sum(2 * b * m * k * n for b, m, k, n in gemms)
+
+
+def measure_gemm_rate(gemms: list[Gemm], repeats: int = 5) -> float:
+    """FLOP/s of running `gemms` in order, each on operands of its own (median of repeats)."""
+    rng = np.random.default_rng(0)
+    operands = [
+        (
+            rng.standard_normal((b, m, k), np.float32),
+            rng.standard_normal((b, k, n), np.float32),
+            np.empty((b, m, n), np.float32),
+        )
+        for b, m, k, n in gemms
+    ]
+    times = []
+    for _ in range(repeats + 1):  # the first pass warms up
+        start = time.perf_counter()
+        for a, b, out in operands:
+            np.matmul(a, b, out=out)
+        times.append(time.perf_counter() - start)
+    return gemm_flops(gemms) / statistics.median(times[1:])
+
+
+def hot_gemm_rate(gemm: Gemm, seconds: float = 0.3) -> float:
+    """FLOP/s of one GEMM repeated on the same operands for about `seconds`."""
+    b, m, k, n = gemm
+    rng = np.random.default_rng(0)
+    a, w = rng.standard_normal((b, m, k), np.float32), rng.standard_normal((b, k, n), np.float32)
+    out = np.empty((b, m, n), np.float32)
+    np.matmul(a, w, out=out)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        np.matmul(a, w, out=out)
+        count += 1
+    return gemm_flops([gemm]) * count / (time.perf_counter() - start)
+
+
+def _as_trace(job: Job, summary, world_size: int):
+    from mpihybrid.trace import Trace
+
+    attrs = {
+        "pp": job.grid.pp,
+        "dp": job.grid.dp,
+        "schedule": job.train.schedule,
+        "microbatches": job.train.microbatches,
+        "virtual_stages": job.train.virtual_stages,
+        "codec": job.comm.codec,
+        "world_size": world_size,
+    }
+    steps = {"loss": np.array(summary.losses), "accuracy": np.array(summary.accuracies)}
+    return Trace(summary.events, steps, to_toml(job), attrs)
+
+
+def _measured_wall(events: np.ndarray, first: int) -> tuple[float, list[float]]:
+    """Rank 0's wall time from the start of step `first` to the end of the last step."""
+    from mpihybrid.trace import KIND
+
+    rows = events[(events["kind"] == KIND["step"]) & (events["rank"] == 0)]
+    rows = rows[rows["step"] >= first]
+    starts = np.sort(rows["start"])
+    ends = np.sort(rows["end"])
+    # a step's share of the wall: from its start to the next step's start (metrics included)
+    bounds = np.append(starts, ends[-1])
+    return float(ends[-1] - starts[0]), [float(d) for d in np.diff(bounds)]
+
+
+def _busy(events: np.ndarray, first: int, wall: float) -> tuple[dict, dict]:
+    """Compute time (forward, backward, weight, optimizer) of the measured steps / wall time,
+    per rank and per stage (a stage's replicas summed)."""
+    from mpihybrid.trace import KIND
+
+    kinds = [KIND[k] for k in ("forward", "backward", "weight", "optimizer")]
+    rows = events[np.isin(events["kind"], kinds) & (events["step"] >= first)]
+    took = rows["end"] - rows["start"]
+    per_rank = {
+        int(r): float(took[rows["rank"] == r].sum()) / wall for r in np.unique(rows["rank"])
+    }
+    per_stage = {
+        int(s): float(took[rows["stage"] == s].sum()) / wall for s in np.unique(rows["stage"])
+    }
+    return per_rank, per_stage
+
+
+def bench_train(job: Job, world: MPI.Comm, warmup: int, steps: int, repeats: int) -> dict | None:
+    """Run the benchmark on every rank; rank 0 gets the results."""
+    from mpihybrid.analysis import analyze
+    from mpihybrid.train import train
+
+    job = dataclasses.replace(
+        job,
+        train=dataclasses.replace(job.train, steps=warmup + steps),
+        trace=dataclasses.replace(job.trace, path="", events=True),
+        checkpoint=dataclasses.replace(job.checkpoint, every=0, dir=""),
+    )
+    in_features, num_classes = task_dims(job.data)
+    tokens = job.data.seq_len if job.data.kind != "teacher" else 1
+    blocks = build_blocks(job.model, in_features, num_classes)
+    rows = job.train.global_batch // (job.grid.dp * job.train.microbatches) * tokens
+    gemms = model_gemms(blocks, rows)
+
+    runs = []
+    for _ in range(repeats):
+        summary = train(job, world, quiet=True)
+        if world.rank == 0:
+            wall, step_times = _measured_wall(summary.events, warmup)
+            report = analyze(_as_trace(job, summary, world.size), skip_steps=warmup)
+            runs.append((wall, step_times, report))
+
+    # the roofline: every rank measures at the same time, as every core is busy in training
+    world.Barrier()
+    rate = measure_gemm_rate(gemms)
+    rates = world.gather(rate, root=0)
+    hot = hot_gemm_rate(max(gemms, key=lambda g: gemm_flops([g]))) if world.rank == 0 else 0.0
+    peak_rss = world.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, root=0)
+    if world.rank != 0:
+        return None
+
+    per_step = job.train.global_batch * tokens
+    throughputs = [steps * per_step / wall for wall, _, _ in runs]
+    median = statistics.median(throughputs)
+    best = runs[throughputs.index(median)] if median in throughputs else runs[0]
+    wall, step_times, report = best
+    flops_per_token = sum(block_costs(blocks))  # per row: a token (gpt) or a sample (mlp)
+    assert gemm_flops(gemms) == flops_per_token * rows, "GEMM list and cost model disagree"
+    roofline = float(sum(rates))
+    achieved = flops_per_token * median
+    busy_rank, busy_stage = _busy(summary.events, warmup, wall)
+    ranks = [
+        {"rank": r["rank"], "stages": r["stages"], "busy": busy_rank.get(r["rank"], 0.0)}
+        for r in report["ranks"]
+    ]
+    stages = [
+        {
+            "stage": s["stage"],
+            "busy": busy_stage.get(s["stage"], 0.0) / job.grid.dp,
+            "peak_inflight": s["peak_inflight"],
+            "predicted_peak_inflight": s["predicted_peak_inflight"],
+            "peak_activation_bytes": s["peak_activation_bytes"],
+        }
+        for s in report["stages"]
+    ]
+    return {
+        "job": {
+            "pp": job.grid.pp,
+            "dp": job.grid.dp,
+            "schedule": job.train.schedule,
+            "microbatches": job.train.microbatches,
+            "model": job.model.kind,
+            "tokens_per_step": per_step,
+        },
+        "unit": "tokens" if tokens > 1 else "samples",
+        "repeats": repeats,
+        "warmup_steps": warmup,
+        "measured_steps": steps,
+        "throughput": median,
+        "throughputs": throughputs,
+        "step_time": statistics.median(step_times),
+        "bubble": report["bubble"]["measured"],
+        "bubble_predicted": report["bubble"]["formula"],
+        "flops_per_token": flops_per_token,
+        "achieved_flops": achieved,
+        "gemm_rate_per_rank": [float(r) for r in rates],
+        "gemm_rate_hot": hot,
+        "roofline": roofline,
+        "roofline_fraction": achieved / roofline if roofline > 0 else 0.0,
+        "ranks": ranks,
+        "stages": stages,
+        "peak_rss_bytes": [int(b) for b in peak_rss],
+        "final_loss": float(summary.losses[-1]) if summary.losses else None,
+    }
+
+
+def format_bench(result: dict) -> str:
+    from mpihybrid.report import human_bytes
+
+    j, unit = result["job"], result["unit"]
+    g = 1e9
+    lines = [
+        f"== bench train: {j['model']}, pp={j['pp']} x dp={j['dp']}, {j['schedule']}, "
+        f"M={j['microbatches']}, {j['tokens_per_step']} {unit}/step; "
+        f"{result['repeats']} repeats of {result['warmup_steps']} warm-up + "
+        f"{result['measured_steps']} measured steps",
+        f"throughput     {result['throughput']:,.0f} {unit}/s (median; repeats: "
+        + ", ".join(f"{t:,.0f}" for t in result["throughputs"])
+        + ")",
+        f"step time      {1e3 * result['step_time']:.1f} ms (median)",
+        f"bubble         {result['bubble']:.3f} measured, {result['bubble_predicted']:.3f} "
+        "predicted by the schedule",
+        f"{'FLOPs/' + unit[:-1]:<15}{result['flops_per_token'] / 1e6:,.1f} M (training: forward + "
+        "backward matmuls)",
+        f"achieved       {result['achieved_flops'] / g:.1f} GFLOP/s",
+        f"roofline       {result['roofline'] / g:.1f} GFLOP/s = "
+        + " + ".join(f"{r / g:.1f}" for r in result["gemm_rate_per_rank"])
+        + " (the model's GEMMs, every rank at once; one core, hot: "
+        + f"{result['gemm_rate_hot'] / g:.1f})",
+        f"of roofline    {100 * result['roofline_fraction']:.1f}%",
+        "busy           "
+        + ", ".join(f"rank {r['rank']} {100 * r['busy']:.0f}%" for r in result["ranks"]),
+        "stages         "
+        + ", ".join(
+            f"{s['stage']}: busy {100 * s['busy']:.0f}%, activations {s['peak_inflight']} "
+            f"(predicted {s['predicted_peak_inflight']}), "
+            f"{human_bytes(s['peak_activation_bytes'])}"
+            for s in result["stages"]
+        ),
+        "peak memory    "
+        + ", ".join(f"rank {r} {human_bytes(b)}" for r, b in enumerate(result["peak_rss_bytes"])),
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use: mpiexec -n N mpihybrid bench train JOB")
