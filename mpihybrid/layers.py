@@ -207,10 +207,14 @@ class LayerNorm(Layer):
         params["bias"][...] = 0.0
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
-        mean = x.mean(axis=-1, keepdims=True)
-        xc = x - mean
-        var = np.mean(xc * xc, axis=-1, keepdims=True)
-        rstd = 1.0 / np.sqrt(var + x.dtype.type(self.eps))
+        f = x.dtype.type
+        xc = x - x.mean(axis=-1, keepdims=True)
+        # row sums of squares as one contraction: no (..., C) temporary
+        var = np.einsum("...c,...c->...", xc, xc)[..., None]
+        var *= f(1.0 / self.dim)
+        var += f(self.eps)
+        rstd = np.sqrt(var, out=var)
+        np.divide(f(1.0), rstd, out=rstd)
         xhat = np.multiply(xc, rstd, out=xc)
         y = xhat * self.params["weight"].astype(x.dtype, copy=False)
         y += self.params["bias"].astype(x.dtype, copy=False)
@@ -235,14 +239,19 @@ class LayerNorm(Layer):
 
 
 class SoftmaxCrossEntropy:
-    """Mean cross-entropy of softmax(logits (..., K)) against integer targets (...)."""
+    """Mean cross-entropy of softmax(logits (..., K)) against integer targets (...).
+
+    Works in place: `forward` turns the logits it is given into probabilities (a GPT's
+    logits are the largest array of a step) and `backward` turns those into the gradient,
+    so call `correct` before `backward`.
+    """
 
     def forward(self, logits: np.ndarray, targets: np.ndarray) -> tuple[float, object]:
-        z = _rows(logits)
+        probs = _rows(logits)
         t = np.asarray(targets).reshape(-1)
-        rows = np.arange(z.shape[0])
+        rows = np.arange(probs.shape[0])
         # subtracting the row max keeps exp() from overflowing; softmax is unchanged by it
-        probs = z - z.max(axis=1, keepdims=True)
+        probs -= probs.max(axis=1, keepdims=True)
         target_logit = probs[rows, t]
         np.exp(probs, out=probs)
         total = probs.sum(axis=1, keepdims=True)
@@ -251,13 +260,14 @@ class SoftmaxCrossEntropy:
         return loss, (probs, t, logits.shape)
 
     def backward(self, cache: object, scale: float = 1.0) -> np.ndarray:
-        """Gradient of `scale * loss` with respect to the logits."""
+        """Gradient of `scale * loss` with respect to the logits (overwrites the cache)."""
         probs, t, shape = cache
-        dlogits = probs.copy()
+        dlogits = probs
         dlogits[np.arange(t.shape[0]), t] -= 1.0
         dlogits *= probs.dtype.type(scale / t.shape[0])
         return dlogits.reshape(shape)
 
     def correct(self, cache: object) -> int:
+        """Rows whose largest logit is the target's (before `backward`)."""
         probs, t, _ = cache
         return int(np.count_nonzero(probs.argmax(axis=1) == t))

@@ -197,19 +197,20 @@ def test_cross_entropy_value_and_gradient():
     logits = rng.standard_normal((6, 4))
     targets = rng.integers(0, 4, size=6)
     loss_fn = SoftmaxCrossEntropy()
-    loss, cache = loss_fn.forward(logits, targets)
+    loss, cache = loss_fn.forward(logits.copy(), targets)  # works in place on its input
     p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
     assert isinstance(loss, float)
     assert loss == pytest.approx(-np.mean(np.log(p[np.arange(6), targets])), rel=1e-12)
+    assert loss_fn.correct(cache) == int(np.sum(logits.argmax(axis=1) == targets))
 
-    grad = loss_fn.backward(cache)
-    numeric = numeric_grad(lambda: loss_fn.forward(logits, targets)[0], logits)
+    grad = loss_fn.backward(cache).copy()
+    numeric = numeric_grad(lambda: loss_fn.forward(logits.copy(), targets)[0], logits)
     diff = np.max(np.abs(grad - numeric))
     print(f"cross-entropy: max |dlogits - numeric| = {diff:.2e}")
     assert diff < 1e-8
 
+    _, cache = loss_fn.forward(logits.copy(), targets)
     np.testing.assert_allclose(loss_fn.backward(cache, scale=0.25), 0.25 * grad, rtol=1e-12)
-    assert loss_fn.correct(cache) == int(np.sum(logits.argmax(axis=1) == targets))
 
 
 def test_cross_entropy_is_stable_for_huge_logits():

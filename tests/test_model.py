@@ -109,7 +109,7 @@ def chained(stages: list[Stage], x: np.ndarray, targets: np.ndarray, split_backw
         x, cache = stage.forward(x)
         caches.append(cache)
     loss_fn = SoftmaxCrossEntropy()
-    _, loss_cache = loss_fn.forward(x, targets)
+    _, loss_cache = loss_fn.forward(x.copy(), targets)  # the loss works in place
     dy = loss_fn.backward(loss_cache)
     for stage, cache in zip(reversed(stages), reversed(caches), strict=True):
         if split_backward:
