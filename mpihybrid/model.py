@@ -257,6 +257,8 @@ def _inner(cfg, num_blocks: int) -> tuple[int, int]:
 def chunk_ranges(cfg, blocks: list[Block], num_chunks: int) -> list[range]:
     """Which blocks each of `num_chunks` chunks holds, following `cfg.partition`."""
     mode = cfg.partition
+    if num_chunks == 1:  # the whole model, whatever the split for a pipeline would be
+        return [range(len(blocks))]
     if mode == "cost":
         return partition(block_costs(blocks), num_chunks)
     lead, layers = _inner(cfg, len(blocks))
