@@ -550,3 +550,58 @@ def test_gpt_hybrid_equals_serial(pp, dp, depth, partition, data, optimizer):
         np.testing.assert_allclose(r["losses"], r["serial_losses"], rtol=1e-5)
         assert r["replica_max_diff"] == 0.0
         assert r["losses"][0] == pytest.approx(math.log(37), rel=0.05)  # near-uniform at init
+
+
+@pytest.mark.mpi
+def test_learnable_job_learns():
+    """jobs/gpt_learn.toml: the loss starts near the unigram entropy (ln 64 = 4.16) and must end
+    below 1.0, close to the Markov chain's entropy rate ln 2 = 0.69 (a couple of seconds)."""
+    proc = run_mpi(2, "tests/_mpi_train.py", "--job", "jobs/gpt_learn.toml", timeout=120)
+    (run,) = results(proc)
+    losses = run["losses"]
+    print(f"gpt_learn: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
+    assert losses[0] == pytest.approx(math.log(64), rel=0.05)
+    assert np.mean(losses[-10:]) < 1.0
+
+
+@pytest.mark.mpi
+def test_bench_train_reports_consistent_figures():
+    proc = run_mpi(
+        2,
+        "-m",
+        "mpihybrid",
+        "bench",
+        "train",
+        "jobs/gpt_learn.toml",
+        "--warmup",
+        "1",
+        "--steps",
+        "3",
+        "--repeats",
+        "2",
+        "--json",
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["unit"] == "tokens" and out["job"]["tokens_per_step"] == 16 * 32
+    assert len(out["throughputs"]) == 2 and out["throughput"] > 0
+    # throughput and step time describe the same runs
+    assert out["throughput"] * out["step_time"] == pytest.approx(16 * 32, rel=0.5)
+    assert out["achieved_flops"] == pytest.approx(out["flops_per_token"] * out["throughput"])
+    assert out["roofline"] == pytest.approx(sum(out["gemm_rate_per_rank"]))
+    assert 0 < out["roofline_fraction"] < 1.5
+    assert [s["stage"] for s in out["stages"]] == [0, 1]
+    for s in out["stages"]:
+        assert 0 < s["busy"] <= 1.0
+        assert s["peak_inflight"] == s["predicted_peak_inflight"]  # 1f1b: 2 on stage 0, 1 on 1
+    assert all(b > 0 for b in out["peak_rss_bytes"])
+
+
+@pytest.mark.mpi
+def test_bench_train_bad_job_exits_2_on_every_rank(tmp_path):
+    proc = run_mpi(2, "-m", "mpihybrid", "bench", "train", "jobs/gpt_learn.toml",
+                   "--set", "model.heads=5", timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.count("mpihybrid: error:") == 1
+    assert "not divisible by model.heads(5)" in proc.stderr
