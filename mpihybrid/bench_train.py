@@ -170,7 +170,7 @@ def bench_train(job: Job, world: MPI.Comm, warmup: int, steps: int, repeats: int
         if world.rank == 0:
             wall, step_times = _measured_wall(summary.events, warmup)
             report = analyze(_as_trace(job, summary, world.size), skip_steps=warmup)
-            runs.append((wall, step_times, report))
+            runs.append((wall, step_times, report, summary.events))
 
     # the roofline: every rank measures at the same time, as every core is busy in training
     world.Barrier()
@@ -182,15 +182,15 @@ def bench_train(job: Job, world: MPI.Comm, warmup: int, steps: int, repeats: int
         return None
 
     per_step = job.train.global_batch * tokens
-    throughputs = [steps * per_step / wall for wall, _, _ in runs]
+    throughputs = [steps * per_step / run[0] for run in runs]
     median = statistics.median(throughputs)
     best = runs[throughputs.index(median)] if median in throughputs else runs[0]
-    wall, step_times, report = best
+    wall, step_times, report, events = best
     flops_per_token = sum(block_costs(blocks))  # per row: a token (gpt) or a sample (mlp)
     assert gemm_flops(gemms) == flops_per_token * rows, "GEMM list and cost model disagree"
     roofline = float(sum(rates))
     achieved = flops_per_token * median
-    busy_rank, busy_stage = _busy(summary.events, warmup, wall)
+    busy_rank, busy_stage = _busy(events, warmup, wall)
     ranks = [
         {"rank": r["rank"], "stages": r["stages"], "busy": busy_rank.get(r["rank"], 0.0)}
         for r in report["ranks"]
