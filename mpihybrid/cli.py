@@ -102,12 +102,7 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume) -> None:
         error = f"{exc} (--overwrite replaces it)"
     except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         error = str(exc)
-    errors = world.allgather(error)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        if world.rank == 0:
-            click.echo(f"mpihybrid: error: {first}", err=True)
-        sys.exit(EXIT_USAGE)
+    exit_on_any_error(world, error)
 
     _setup_logging(world.rank, quiet)
     from mpihybrid.report import format_report
@@ -132,6 +127,16 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume) -> None:
         world.Abort(1)
     if summary is not None:
         click.echo(format_report(job, summary))
+
+
+def exit_on_any_error(world, error: str | None) -> None:
+    """Collective: every rank passes its own error (or None). If any rank has one, all exit
+    with status 2 together and rank 0 prints the first, so no rank is left waiting."""
+    first = next((e for e in world.allgather(error) if e is not None), None)
+    if first is not None:
+        if world.rank == 0:
+            click.echo(f"mpihybrid: error: {first}", err=True)
+        sys.exit(EXIT_USAGE)
 
 
 def _find_checkpoint(job, required: bool) -> str | None:
@@ -264,11 +269,7 @@ def bench_train(job_file, overrides, warmup, steps, repeats, as_json) -> None:
         job = load_job(job_file, list(overrides), world.Get_size())
     except ConfigError as exc:
         error = str(exc)
-    first = next((e for e in world.allgather(error) if e is not None), None)
-    if first is not None:
-        if world.rank == 0:
-            click.echo(f"mpihybrid: error: {first}", err=True)
-        sys.exit(EXIT_USAGE)
+    exit_on_any_error(world, error)
     from mpihybrid.bench_train import bench_train as run
     from mpihybrid.bench_train import format_bench
 

@@ -29,7 +29,6 @@ from mpihybrid.config import SCHEDULES, ConfigError, Job, load_job, resolve
 from mpihybrid.export import write_atomic
 from mpihybrid.trace import KIND
 
-EXIT_USAGE = 2
 PLOTS = ("throughput.png", "speedup.png", "bubble.png", "memory.png")
 COLUMNS = (
     "schedule",
@@ -412,11 +411,9 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
                 make_directory(Path(plots))
     except ConfigError as exc:
         error = str(exc)
-    first = next((e for e in world.allgather(error) if e is not None), None)
-    if first is not None:
-        if world.rank == 0:
-            click.echo(f"mpihybrid: error: {first}", err=True)
-        sys.exit(EXIT_USAGE)
+    from mpihybrid.cli import exit_on_any_error
+
+    exit_on_any_error(world, error)
 
     for note in notes:
         echo(f"note: {note}")
