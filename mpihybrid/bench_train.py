@@ -102,19 +102,12 @@ def hot_gemm_rate(gemm: Gemm, seconds: float = 0.3) -> float:
 
 
 def _as_trace(job: Job, summary, world_size: int):
+    """The run as an in-memory Trace, so the analysis of `mpihybrid analyze` applies as is."""
     from mpihybrid.trace import Trace
+    from mpihybrid.train import layout_attrs
 
-    attrs = {
-        "pp": job.grid.pp,
-        "dp": job.grid.dp,
-        "schedule": job.train.schedule,
-        "microbatches": job.train.microbatches,
-        "virtual_stages": job.train.virtual_stages,
-        "codec": job.comm.codec,
-        "world_size": world_size,
-    }
     steps = {"loss": np.array(summary.losses), "accuracy": np.array(summary.accuracies)}
-    return Trace(summary.events, steps, to_toml(job), attrs)
+    return Trace(summary.events, steps, to_toml(job), layout_attrs(job, world_size))
 
 
 def _measured_wall(events: np.ndarray, first: int) -> tuple[float, list[float]]:

@@ -341,6 +341,19 @@ def grid_as_run(events: np.ndarray, pp: int, v: int, step: int) -> str:
     return render_grid(actions_as_run(events, pp, v, step), v)
 
 
+def layout_attrs(job: Job, world_size: int) -> dict:
+    """The trace attributes that say how the run was laid out (what analysis reads back)."""
+    return {
+        "world_size": world_size,
+        "pp": job.grid.pp,
+        "dp": job.grid.dp,
+        "schedule": job.train.schedule,
+        "microbatches": job.train.microbatches,
+        "virtual_stages": job.train.virtual_stages,
+        "codec": job.comm.codec,
+    }
+
+
 def _run_attrs(world, job: Job, summary: Summary, hostnames: list[str]) -> dict:
     return {
         "mpihybrid_version": __version__,
@@ -348,13 +361,7 @@ def _run_attrs(world, job: Job, summary: Summary, hostnames: list[str]) -> dict:
         "mpi4py_version": __import__("mpi4py").__version__,
         "numpy_version": np.__version__,
         "python_version": platform.python_version(),
-        "world_size": world.Get_size(),
-        "pp": job.grid.pp,
-        "dp": job.grid.dp,
-        "schedule": job.train.schedule,
-        "microbatches": job.train.microbatches,
-        "virtual_stages": job.train.virtual_stages,
-        "codec": job.comm.codec,
+        **layout_attrs(job, world.Get_size()),
         "hostnames": ",".join(sorted(set(hostnames))),
         "runtime_s": summary.runtime_s,
         "test_accuracy": summary.test_accuracy,
