@@ -23,6 +23,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from mpihybrid.device import copy_from_host, host_array
+
 FORMAT = "mpihybrid-checkpoint"
 VERSION = 1
 
@@ -49,8 +51,9 @@ def _write_h5(path: Path, arrays: dict[str, np.ndarray], attrs: dict) -> None:
 def save_rank(partial: Path, s: int, dp_rank: int, stage, optimizer, ring, step: int) -> None:
     """This rank's share of a checkpoint, into the (already created) partial directory."""
     if dp_rank == 0:
-        arrays = {"params": stage.flat_params}
-        arrays.update({f"optimizer/{k}": v for k, v in optimizer.state().items()})
+        # host copies of arrays that may live on a GPU (no copy on the CPU)
+        arrays = {"params": host_array(stage.flat_params)}
+        arrays.update({f"optimizer/{k}": host_array(v) for k, v in optimizer.state().items()})
         _write_h5(
             partial / f"stage-{s:03d}.h5",
             arrays,
@@ -173,12 +176,12 @@ def load_rank(path: Path, s: int, dp_rank: int, same_dp: bool, stage, optimizer,
     params = arrays.get("params")
     if params is None or params.shape != stage.flat_params.shape:
         raise CheckpointError(f"{path}: stage {s} parameters do not fit this model")
-    stage.flat_params[...] = params
+    copy_from_host(stage.flat_params, params)
     for name, buf in optimizer.state().items():
         saved = arrays.get(f"optimizer/{name}")
         if saved is None or saved.shape != buf.shape:
             raise CheckpointError(f"{path}: optimizer state {name!r} missing or mis-shaped")
-        buf[...] = saved
+        copy_from_host(buf, saved)
     optimizer.step_count = int(attrs["optimizer_steps"])
     if ring.residual is not None:
         if same_dp:

@@ -78,6 +78,7 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume) -> None:
 
     from mpihybrid.checkpoint import CheckpointError
     from mpihybrid.config import ConfigError, load_job
+    from mpihybrid.device import DeviceError
 
     world = MPI.COMM_WORLD
     overrides = list(overrides)
@@ -116,7 +117,7 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume) -> None:
         if world.rank == 0:
             click.echo(str(exc))
         sys.exit(EXIT_PREEMPTED)
-    except CheckpointError as exc:  # raised on every rank alike, before any training
+    except (CheckpointError, DeviceError) as exc:  # on every rank alike, before any training
         if world.rank == 0:
             click.echo(f"mpihybrid: error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
@@ -267,6 +268,11 @@ def bench_train(job_file, overrides, warmup, steps, repeats, as_json) -> None:
     error, job = None, None
     try:
         job = load_job(job_file, list(overrides), world.Get_size())
+        if job.grid.device != "cpu":
+            raise ConfigError(
+                f"grid.device = {job.grid.device!r}: bench train measures the CPU's matmul "
+                "roofline; use grid.device = 'cpu' (or mpihybrid train for a GPU run)"
+            )
     except ConfigError as exc:
         error = str(exc)
     exit_on_any_error(world, error)

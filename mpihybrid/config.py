@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from mpihybrid.device import DEVICES
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -27,7 +29,7 @@ OPTIMIZERS = ("sgd", "adamw")
 ORDERS = ("pipeline-inner", "data-inner")
 DATA_FOR_MODEL = {"mlp": ("teacher",), "gpt": ("random-tokens", "markov")}
 # keys that take a value of more than one type: (section, key) -> the types allowed
-_UNION_KEYS = {("model", "partition"): (str, list)}
+_UNION_KEYS = {("model", "partition"): (str, list), ("comm", "cuda_aware"): (str, bool)}
 
 
 class ConfigError(ValueError):
@@ -41,6 +43,7 @@ class GridConfig:
     order: str = (
         "pipeline-inner"  # pipeline-inner: rank = dp_rank*pp + pp_rank; data-inner: swapped
     )
+    device: str = "cpu"  # cpu (numpy) | cuda (CuPy, GPU local_rank % GPUs on the node)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class CommConfig:
     block: int = 256  # int8: elements per absmax scale
     error_feedback: bool = True  # lossy codecs carry their quantisation error into the next step
     sync_sends: bool = False  # pipeline sends with Issend (proves no reliance on eager buffering)
+    cuda_aware: str | bool = "auto"  # device = cuda: MPI takes GPU buffers; auto = ask the MPI
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,9 @@ def validate(job: Job) -> None:
     """Every rule that needs only the job; raises ConfigError with the rule and its numbers."""
     g, m, d, t, c = job.grid, job.model, job.data, job.train, job.comm
     _one_of("grid.order", g.order, ORDERS)
+    _one_of("grid.device", g.device, DEVICES)
+    if c.cuda_aware != "auto" and not isinstance(c.cuda_aware, bool):
+        raise ConfigError(f"comm.cuda_aware = {c.cuda_aware!r}: choose auto, true or false")
     _one_of("model.kind", m.kind, tuple(DATA_FOR_MODEL))
     _one_of("model.activation", m.activation, ("relu", "gelu"))
     _one_of("data.kind", d.kind, DATA_FOR_MODEL[m.kind])

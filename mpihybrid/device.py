@@ -23,6 +23,7 @@ import importlib
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -44,6 +45,31 @@ CUDA_ENV_HINTS = (
     "MV2_USE_CUDA",  # MVAPICH2(-GDR)
     "OMPI_MCA_opal_cuda_support",  # Open MPI (smcuda path); UCX builds ignore it
 )
+
+
+def array_module(a) -> ModuleType:
+    """numpy, or the module of a device array (cupy), like cupy.get_array_module."""
+    if isinstance(a, (np.ndarray, np.generic)) and type(a).__module__ == "numpy":
+        return np
+    return sys.modules[type(a).__module__]
+
+
+def host_array(a, out: np.ndarray | None = None) -> np.ndarray:
+    """`a` as a host numpy array: itself when it is one (unless `out` is given), else a copy."""
+    if array_module(a) is np:
+        if out is None:
+            return a
+        np.copyto(out, a)
+        return out
+    return a.get(out=out)
+
+
+def copy_from_host(dst, src: np.ndarray) -> None:
+    """dst[...] = src, for a numpy or device `dst` (contiguous) and a host `src`."""
+    if array_module(dst) is np:
+        np.copyto(dst, src)
+    else:
+        dst.set(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape))
 
 
 class DeviceError(ValueError):
@@ -75,11 +101,7 @@ class Backend:
 
     def to_host(self, array, out: np.ndarray | None = None) -> np.ndarray:
         """Device -> host numpy (blocks until copied); on cpu `array` itself unless `out` given."""
-        if self.name != "cpu":
-            return array.get(out=out)
-        if out is not None:
-            np.copyto(out, array)
-        return array if out is None else out
+        return host_array(array, out)
 
     def synchronize(self) -> None:
         """Wait for the work queued on the current CUDA stream; no-op on cpu."""
@@ -113,16 +135,16 @@ class Backend:
         """After the receive completed: copy the staged message into `array` (no-op otherwise)."""
         if not self.staging:
             return
-        host = self._staged[("recv", key)]
-        if self.name == "cpu":
-            np.copyto(array, host)
-        else:
-            array.set(host)  # queued on the current stream, ahead of the kernels that read it
+        # on a GPU the copy is queued on the current stream, ahead of the kernels that read it
+        copy_from_host(array, self._staged[("recv", key)])
 
     def describe(self) -> str:
         where = "cpu" if self.device_id is None else f"{self.name}:{self.device_id}"
         mode = " (host staging)" if self.staging else " (CUDA-aware MPI)" if self.cuda_aware else ""
         return where + mode
+
+
+CPU = Backend("cpu", np, None, cuda_aware=False, staging=False)  # numpy: MPI sees the arrays
 
 
 def local_rank(world: MPI.Comm) -> tuple[int, int]:
@@ -227,7 +249,7 @@ def select_backend(
         if cuda_aware != "auto" and not isinstance(cuda_aware, bool):
             raise DeviceError(f"grid.cuda_aware must be 'auto', true or false; got {cuda_aware!r}")
         if device == "cpu":
-            backend = Backend("cpu", np, None, cuda_aware=False, staging=False)
+            backend = CPU
         else:
             backend = _setup_cuda(cuda_aware, world, import_cupy)
     except DeviceError as exc:

@@ -8,7 +8,9 @@ Weight gradients are accumulated (`+=`) into the bound gradient views, so micro-
 sum without extra buffers; whoever owns the buffers zeroes them once per step.
 
 Parameters live elsewhere (one flat buffer per stage, see model.py): a layer only gets
-views of them through `bind`. Everything is computed in the input's dtype.
+views of them through `bind`. Everything is computed in the input's dtype, with the input's
+array module: numpy, or CuPy for arrays on a GPU (`np.` ufuncs and functions dispatch to CuPy;
+whatever creates an array asks `array_module(x)`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from mpihybrid.device import array_module
 
 # B = rows (all leading dimensions flattened), C = features, K = classes
 
@@ -247,9 +251,10 @@ class SoftmaxCrossEntropy:
     """
 
     def forward(self, logits: np.ndarray, targets: np.ndarray) -> tuple[float, object]:
+        xp = array_module(logits)
         probs = _rows(logits)
-        t = np.asarray(targets).reshape(-1)
-        rows = np.arange(probs.shape[0])
+        t = targets.reshape(-1)
+        rows = xp.arange(probs.shape[0])
         # subtracting the row max keeps exp() from overflowing; softmax is unchanged by it
         probs -= probs.max(axis=1, keepdims=True)
         target_logit = probs[rows, t]
@@ -263,7 +268,7 @@ class SoftmaxCrossEntropy:
         """Gradient of `scale * loss` with respect to the logits (overwrites the cache)."""
         probs, t, shape = cache
         dlogits = probs
-        dlogits[np.arange(t.shape[0]), t] -= 1.0
+        dlogits[array_module(probs).arange(t.shape[0]), t] -= 1.0
         dlogits *= probs.dtype.type(scale / t.shape[0])
         return dlogits.reshape(shape)
 

@@ -172,18 +172,29 @@ class Stage:
         self.flat_params = np.zeros(self.num_params, dtype=dtype)
         self.flat_grads = np.zeros(self.num_params, dtype=dtype)
 
-        offset = 0
+        self._bind()
         for g, block in zip(self.block_range, blocks, strict=True):
             rng = np.random.default_rng([seed, g])
             for layer in block:
-                params, grads = {}, {}
-                for name, shape in layer.param_shapes().items():
-                    size = math.prod(shape)
-                    params[name] = self.flat_params[offset : offset + size].reshape(shape)
-                    grads[name] = self.flat_grads[offset : offset + size].reshape(shape)
-                    offset += size
-                layer.bind(params, grads)
-                layer.init_params(params, rng)
+                layer.init_params(layer.params, rng)
+
+    def _bind(self) -> None:
+        """Hand every layer its views of the flat parameter and gradient buffers."""
+        offset = 0
+        for layer in self.layers:
+            params, grads = {}, {}
+            for name, shape in layer.param_shapes().items():
+                size = math.prod(shape)
+                params[name] = self.flat_params[offset : offset + size].reshape(shape)
+                grads[name] = self.flat_grads[offset : offset + size].reshape(shape)
+                offset += size
+            layer.bind(params, grads)
+
+    def to_device(self, asarray) -> None:
+        """Move the flat buffers (initialised on the host) with `asarray`, e.g. to the GPU."""
+        self.flat_params = asarray(self.flat_params)
+        self.flat_grads = asarray(self.flat_grads)
+        self._bind()
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
         # the caches keep references to their inputs (x included): a caller must not
@@ -230,10 +241,12 @@ class Stage:
         stack = [cache]
         while stack:
             item = stack.pop()
-            if isinstance(item, np.ndarray):
-                seen.add((item.__array_interface__["data"][0], item.nbytes))
-            elif isinstance(item, (list, tuple)):
+            if isinstance(item, (list, tuple)):
                 stack.extend(item)
+            elif isinstance(item, np.ndarray):
+                seen.add((item.__array_interface__["data"][0], item.nbytes))
+            elif hasattr(item, "__cuda_array_interface__"):  # a CuPy array
+                seen.add((item.__cuda_array_interface__["data"][0], item.nbytes))
         return sum(nbytes for _, nbytes in seen)
 
 

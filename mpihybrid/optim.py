@@ -1,8 +1,14 @@
-"""Optimizers over one flat fp32 parameter buffer per stage: in place, no per-layer loop."""
+"""Optimizers over one flat fp32 parameter buffer per stage: in place, no per-layer loop.
+
+The buffers may live on a GPU (CuPy): state is made like the parameters, and `np.` ufuncs
+dispatch to the parameters' array module.
+"""
 
 from __future__ import annotations
 
 import numpy as np
+
+from mpihybrid.device import array_module
 
 
 class SGD:
@@ -34,7 +40,8 @@ class AdamW:
 
     The update walks the buffers in blocks of BLOCK elements: the dozen in-place passes of
     one block stay in the CPU cache instead of streaming every buffer from memory a dozen
-    times (about 3x faster on a 6M-parameter stage).
+    times (about 3x faster on a 6M-parameter stage). On a GPU each pass is one kernel over the
+    whole buffer instead.
     """
 
     BLOCK = 1 << 14
@@ -51,7 +58,9 @@ class AdamW:
         self.beta1, self.beta2 = betas
         self.m = np.zeros_like(params)
         self.v = np.zeros_like(params)
-        self.tmp = np.empty(min(self.BLOCK, params.size), params.dtype)
+        xp = array_module(params)
+        self.block = self.BLOCK if xp is np else max(params.size, 1)
+        self.tmp = xp.empty(min(self.block, params.size), params.dtype)
         self.step_count = 0
 
     def step(self, grads: np.ndarray) -> None:
@@ -63,8 +72,8 @@ class AdamW:
         # p -= lr * m_hat / (sqrt(v_hat) + eps), with the bias corrections folded into scalars
         inv_c2 = f(1.0 / np.sqrt(1 - self.beta2**t))
         step = f(self.lr / (1 - self.beta1**t))
-        for lo in range(0, self.params.size, self.BLOCK):
-            hi = min(lo + self.BLOCK, self.params.size)
+        for lo in range(0, self.params.size, self.block):
+            hi = min(lo + self.block, self.params.size)
             p, g, m, v = self.params[lo:hi], grads[lo:hi], self.m[lo:hi], self.v[lo:hi]
             tmp = self.tmp[: hi - lo]
             if self.weight_decay:

@@ -8,7 +8,9 @@
 
 Every receive of the step is posted up front into a preallocated buffer, so a send never waits on
 the receiver reaching its RECV: deadlock-freedom does not rest on MPI's eager buffering, which the
-sync mode (Issend everywhere) demonstrates. Tensors go through uppercase buffer calls only.
+sync mode (Issend everywhere) demonstrates. Tensors go through uppercase buffer calls only, and
+through the backend's MPI buffers: on a GPU without CUDA-aware MPI those are persistent host
+copies (device.Backend), and a received tensor is copied to the device when its RECV completes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from mpihybrid.device import CPU, Backend
 from mpihybrid.layers import SoftmaxCrossEntropy
 from mpihybrid.schedules import Action, stage_rank
 from mpihybrid.trace import KIND, Recorder
@@ -54,6 +57,7 @@ class PipelineRuntime:
         boundary_shapes: list[tuple[int, ...]],  # input shape of stage s, for s in 0..num_stages-1
         recorder: Recorder,
         sync_sends: bool = False,
+        backend: Backend = CPU,
     ):
         self.comm = pp_comm
         self.pp_rank, self.pp_size = pp_comm.Get_rank(), pp_comm.Get_size()
@@ -61,6 +65,9 @@ class PipelineRuntime:
         self.num_stages, self.num_microbatches = num_stages, num_microbatches
         self.v = num_stages // self.pp_size
         self.recorder = recorder
+        self.backend = backend
+        # a GPU queues kernels: wait for them so the trace times the work, not its launch
+        self.settle = backend.synchronize if backend.name != "cpu" else None
         self.isend = pp_comm.Issend if sync_sends else pp_comm.Isend
         self.loss_fn = SoftmaxCrossEntropy()
         self.bytes_sent = {"activation": 0, "activation_grad": 0}
@@ -84,7 +91,9 @@ class PipelineRuntime:
                 shape = boundary_shapes[a.stage + 1]
             else:
                 continue
-            self.recv_buffers[(a.kind[-1], a.stage, a.microbatch)] = np.empty(shape, np.float32)
+            self.recv_buffers[(a.kind[-1], a.stage, a.microbatch)] = backend.empty(
+                shape, np.float32
+            )
 
     def _is_local(self, stage: int) -> bool:
         return (
@@ -94,7 +103,7 @@ class PipelineRuntime:
     def run_step(self, step: int, batches: list[tuple[np.ndarray, np.ndarray]]) -> StepResult:
         """Run my action list once over `batches` (my replica's M micro-batches)."""
         M, last = self.num_microbatches, self.num_stages - 1
-        rec, clock = self.recorder, Recorder.clock
+        rec, clock, backend, settle = self.recorder, Recorder.clock, self.backend, self.settle
         scale = 1.0 / M  # each micro-batch's mean loss counts 1/M of the step's loss
         # Post every receive of the step before computing anything.
         pending_recv = {}
@@ -103,7 +112,9 @@ class PipelineRuntime:
             src_stage = stage - 1 if kind == "F" else stage + 1
             src = stage_rank(src_stage, self.pp_size, self.v)
             pending_recv[key] = self.comm.Irecv(
-                [buf, MPI.FLOAT], source=src, tag=tag_for(kind, src_stage, mb, M)
+                [backend.mpi_recv_buffer(buf, key), MPI.FLOAT],
+                source=src,
+                tag=tag_for(kind, src_stage, mb, M),
             )
         inbox: dict[tuple[str, int, int], np.ndarray] = {}  # tensors ready to consume
         outbox: dict[tuple[str, int, int], np.ndarray] = {}  # tensors produced, not yet sent
@@ -134,6 +145,8 @@ class PipelineRuntime:
                 peak_bytes = max(peak_bytes, live_bytes)
                 inflight[s] += 1
                 peak[s] = max(peak[s], inflight[s])
+                if settle:
+                    settle()
                 rec.record(KIND["forward"], step, s, mb, t0, clock(), nbytes)
             elif kind == "B":
                 dy = inbox.pop(("B", s, mb))
@@ -147,25 +160,31 @@ class PipelineRuntime:
                     live_bytes -= activation_bytes.pop((s, mb))
                 if s > 0:
                     (inbox if self._is_local(s - 1) else outbox)[("B", s - 1, mb)] = dx
+                if settle:
+                    settle()
                 rec.record(KIND["backward"], step, s, mb, t0, clock())
             elif kind == "W":
                 wcache = wcaches.pop((s, mb))
                 self.stages[s].backward_weight(wcache)
                 inflight[s] -= 1
                 live_bytes -= activation_bytes.pop((s, mb))
+                if settle:
+                    settle()
                 rec.record(KIND["weight"], step, s, mb, t0, clock())
             elif kind in ("SEND_F", "SEND_B"):
                 fb = kind[-1]
                 dst_stage = s + 1 if fb == "F" else s - 1
                 buf = outbox.pop((fb, dst_stage, mb))
                 tag = tag_for(fb, s, mb, M)
-                send_requests.append(self.isend([buf, MPI.FLOAT], dest=a.peer, tag=tag))
+                wire = backend.mpi_send_buffer(buf, (fb, s, mb))
+                send_requests.append(self.isend([wire, MPI.FLOAT], dest=a.peer, tag=tag))
                 self.bytes_sent["activation" if fb == "F" else "activation_grad"] += buf.nbytes
                 peer = self.world_rank[a.peer]
                 rec.record(KIND["send"], step, s, mb, t0, clock(), buf.nbytes, peer)
             elif kind in ("RECV_F", "RECV_B"):
                 key = (kind[-1], s, mb)
                 pending_recv.pop(key).Wait()
+                backend.finish_recv(self.recv_buffers[key], key)
                 inbox[key] = self.recv_buffers[key]
                 peer = self.world_rank[a.peer]
                 rec.record(KIND["recv"], step, s, mb, t0, clock(), inbox[key].nbytes, peer)
@@ -187,6 +206,7 @@ def forward_only(
     num_stages: int,
     x: np.ndarray,
     boundary_shapes: list[tuple[int, ...]],
+    backend: Backend = CPU,
 ) -> np.ndarray | None:
     """Push one batch through the whole pipeline (evaluation); the last stage's rank gets logits."""
     pp_rank, pp_size = pp_comm.Get_rank(), pp_comm.Get_size()
@@ -198,12 +218,16 @@ def forward_only(
         if s > 0:
             prev = stage_rank(s - 1, pp_size, v)
             if prev != pp_rank:
-                x = np.empty(boundary_shapes[s], np.float32)
-                pp_comm.Recv([x, MPI.FLOAT], source=prev, tag=s)
+                x = backend.empty(boundary_shapes[s], np.float32)
+                key = ("eval", s, x.shape)  # a staging buffer per boundary and piece size
+                pp_comm.Recv([backend.mpi_recv_buffer(x, key), MPI.FLOAT], source=prev, tag=s)
+                backend.finish_recv(x, key)
         x, _ = stages[s].forward(x)
         if s < num_stages - 1:
             nxt = stage_rank(s + 1, pp_size, v)
             if nxt != pp_rank:
-                pp_comm.Send([np.ascontiguousarray(x), MPI.FLOAT], dest=nxt, tag=s + 1)
+                x = backend.xp.ascontiguousarray(x)
+                wire = backend.mpi_send_buffer(x, ("eval", s + 1, x.shape))
+                pp_comm.Send([wire, MPI.FLOAT], dest=nxt, tag=s + 1)
     last_owner = stage_rank(num_stages - 1, pp_size, v)
     return x if pp_rank == last_owner else None

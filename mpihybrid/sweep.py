@@ -221,6 +221,7 @@ def run_sweep(
     repeats: int,
     warmup_steps: int,
     echo: Callable[[str], None],
+    backend=None,
 ) -> list[dict] | None:
     """Train every cell `repeats` times (repeat-major, so drift spreads over all cells); rank 0
     returns one row per run, the other ranks None."""
@@ -229,7 +230,7 @@ def run_sweep(
     rows, total = [], repeats * len(cells)
     for repeat in range(repeats):
         for cell, job in cells:
-            summary = train(job, world, quiet=True)
+            summary = train(job, world, quiet=True, backend=backend)
             if summary is None:
                 continue
             row = measure(summary, job, cell, repeat, warmup_steps)
@@ -386,7 +387,9 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
     echo = click.echo if world.rank == 0 else (lambda _text: None)
     # Every rank checks the same inputs (rank 0 also the file system) and all agree on the first
     # error, so a bad sweep stops everywhere before any training message is sent.
-    error, cells, notes = None, [], []
+    from mpihybrid.device import DeviceError, select_backend
+
+    error, cells, notes, backend = None, [], [], None
     try:
         names = parse_schedules(schedules)
         ms = parse_microbatches(microbatches)
@@ -402,6 +405,8 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
         cells, notes = plan(job, names, ms, virtual, world.Get_size())
         if not cells:
             raise ConfigError("every combination was rejected: " + "; ".join(notes))
+        # collective, reached by every rank alike: each has passed the same checks so far
+        backend = select_backend(job.grid.device, job.comm.cuda_aware, world)
         if world.rank == 0:
             check_output(Path(output), overwrite)
             if plots:
@@ -409,7 +414,7 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
 
                 import_pyplot()
                 make_directory(Path(plots))
-    except ConfigError as exc:
+    except (ConfigError, DeviceError) as exc:
         error = str(exc)
     from mpihybrid.cli import exit_on_any_error
 
@@ -418,7 +423,7 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
     for note in notes:
         echo(f"note: {note}")
     try:
-        rows = run_sweep(world, cells, repeats, warmup_steps, echo)
+        rows = run_sweep(world, cells, repeats, warmup_steps, echo, backend)
         if rows is not None:
             write_csv(Path(output), rows, overwrite)
             echo("")

@@ -23,6 +23,7 @@ from mpihybrid.allreduce import RingAllreduce
 from mpihybrid.codecs import get_codec
 from mpihybrid.config import Job, to_toml
 from mpihybrid.data import build_task, microbatches
+from mpihybrid.device import Backend, copy_from_host, host_array, select_backend
 from mpihybrid.grid import ProcessGrid
 from mpihybrid.model import boundary_shapes, build_stage
 from mpihybrid.optim import build_optimizer
@@ -66,6 +67,7 @@ def train(
     quiet: bool = False,
     collect_params: bool = False,
     resume_from: str | None = None,
+    backend: Backend | None = None,
 ) -> Summary | None:
     """Run the job on every rank of `world`; rank 0 gets the Summary, the others None.
 
@@ -74,8 +76,14 @@ def train(
 
     collect_params: also bring replica 0's final parameters of every stage to rank 0
     (Summary.params, in stage order) -- what the equivalence tests compare.
+
+    backend: where arrays live; None selects it from grid.device (collective; DeviceError on
+    every rank alike when that fails).
     """
     g, t, c = job.grid, job.train, job.comm
+    if backend is None:
+        backend = select_backend(g.device, c.cuda_aware, world)
+    on_host = backend.xp is np
     grid = ProcessGrid.build(world, g.pp, g.dp, g.order)
     task = build_task(job.data)
     M, v = t.microbatches, t.virtual_stages
@@ -88,11 +96,14 @@ def train(
         for s in range(num_stages)
         if stage_rank(s, g.pp, v) == grid.pp_rank
     }
+    if not on_host:
+        for st in stages.values():
+            st.to_device(backend.asarray)  # initialised on the host: the same draws everywhere
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, mb_size)
     recorder_cls = Recorder if job.trace.events else StepRecorder
     recorder = recorder_cls(world.rank, grid.dp_rank, capacity=(len(actions) + 8) * max(t.steps, 1))
     runtime = PipelineRuntime(
-        grid.pp_comm, stages, actions, num_stages, M, shapes, recorder, c.sync_sends
+        grid.pp_comm, stages, actions, num_stages, M, shapes, recorder, c.sync_sends, backend
     )
     codec = get_codec(c.codec, c.block)
     rings = {
@@ -100,6 +111,12 @@ def train(
         for s, st in stages.items()
     }
     optimizers = {s: build_optimizer(t, st.flat_params) for s, st in stages.items()}
+    # the ring (numpy codecs) runs on host copies of device gradients; dp = 1 moves nothing
+    host_grads = {
+        s: np.empty(st.num_params, np.float32)
+        for s, st in stages.items()
+        if not on_host and grid.dp_size > 1
+    }
     ring_peer = grid.world_rank_of(grid.pp_rank, (grid.dp_rank + 1) % grid.dp_size, g.order)
 
     start, losses, accuracies = 0, [], []
@@ -121,14 +138,22 @@ def train(
         for st in stages.values():
             st.zero_grad()
         x, y = task.global_batch(step, t.global_batch)
-        result = runtime.run_step(step, microbatches(x, y, grid.dp_rank, grid.dp_size, M))
+        batches = microbatches(x, y, grid.dp_rank, grid.dp_size, M)
+        if not on_host:
+            batches = [(backend.asarray(bx), backend.asarray(by)) for bx, by in batches]
+        result = runtime.run_step(step, batches)
         for s, st in stages.items():
             t0 = Recorder.clock()
-            nbytes = rings[s](st.flat_grads)
+            if s in host_grads:
+                nbytes = rings[s](backend.to_host(st.flat_grads, out=host_grads[s]))
+                copy_from_host(st.flat_grads, host_grads[s])
+            else:
+                nbytes = rings[s](st.flat_grads)
             recorder.record(KIND["allreduce"], step, s, -1, t0, Recorder.clock(), nbytes, ring_peer)
         for s, st in stages.items():
             t0 = Recorder.clock()
             optimizers[s].step(st.flat_grads)
+            backend.synchronize()
             recorder.record(KIND["optimizer"], step, s, -1, t0, Recorder.clock())
         recorder.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
         for s, n in result.peak_inflight.items():
@@ -155,7 +180,7 @@ def train(
     # rank 0's own step durations; NaN for steps run before a resume
     step_times = np.concatenate([np.full(start, np.nan), step_rows["end"] - step_rows["start"]])
 
-    test_accuracy = _evaluate(world, grid, stages, num_stages, task, job.model)
+    test_accuracy = _evaluate(world, grid, stages, num_stages, task, job.model, backend)
     replica_diff = _replica_check(world, grid, stages)
     bytes_sent = _bytes_sent(world, runtime, rings)
     peaks = world.gather(peak_inflight, root=0)
@@ -263,7 +288,7 @@ def _restore(world, grid, job, path, stages, optimizers, rings):
 EVAL_LOGITS = 1 << 22  # logits held at once by the evaluation (16 MiB of float32)
 
 
-def _evaluate(world, grid, stages, num_stages, task, model_cfg) -> float:
+def _evaluate(world, grid, stages, num_stages, task, model_cfg, backend) -> float:
     """Held-out accuracy (gpt: of every next token), computed by replica 0's pipeline in
     pieces of at most EVAL_LOGITS logits; returned on world rank 0."""
     accuracy = -1.0
@@ -276,9 +301,11 @@ def _evaluate(world, grid, stages, num_stages, task, model_cfg) -> float:
             shapes = boundary_shapes(
                 model_cfg, task.in_features, task.num_classes, num_stages, len(x)
             )
-            logits = forward_only(grid.pp_comm, stages, num_stages, x, shapes)
+            x = x if backend.xp is np else backend.asarray(x)
+            logits = forward_only(grid.pp_comm, stages, num_stages, x, shapes, backend)
             if logits is not None:
-                correct += int(np.count_nonzero(np.argmax(logits, axis=-1) == y))
+                predicted = backend.to_host(logits.argmax(axis=-1))
+                correct += int(np.count_nonzero(predicted == y))
         if stage_rank(num_stages - 1, grid.pp_size, num_stages // grid.pp_size) == grid.pp_rank:
             accuracy = correct / task.test_y.size
     return float(world.allreduce(accuracy, op=MPI.MAX))
@@ -288,9 +315,10 @@ def _replica_check(world, grid, stages) -> dict[int, float]:
     """max |w - w_replica0| for every stage (0.0 means the replicas are bit-identical)."""
     local = {}
     for s, st in stages.items():
-        reference = st.flat_params.copy()
+        mine = host_array(st.flat_params)
+        reference = mine.copy()
         grid.dp_comm.Bcast([reference, MPI.FLOAT], root=0)
-        diff = float(np.max(np.abs(st.flat_params - reference))) if st.num_params else 0.0
+        diff = float(np.max(np.abs(mine - reference))) if st.num_params else 0.0
         local[s] = grid.dp_comm.allreduce(diff, op=MPI.MAX)
     gathered = world.gather(local if grid.dp_rank == 0 else {}, root=0)
     return {s: d for part in gathered or [] for s, d in part.items()}
@@ -302,7 +330,7 @@ def gather_parameters(world, grid, stages, num_stages) -> list[np.ndarray] | Non
     sizes = world.gather(mine, root=0)
     if grid.dp_rank == 0 and world.rank != 0:
         for s in sorted(stages):
-            world.Send([stages[s].flat_params, MPI.FLOAT], dest=0, tag=s)
+            world.Send([host_array(stages[s].flat_params), MPI.FLOAT], dest=0, tag=s)
     if world.rank != 0:
         return None
     owners = {s: (r, n) for r, part in enumerate(sizes) for s, n in part.items()}
@@ -310,7 +338,7 @@ def gather_parameters(world, grid, stages, num_stages) -> list[np.ndarray] | Non
     for s in range(num_stages):
         owner, n = owners[s]
         if owner == 0:
-            params.append(stages[s].flat_params.copy())
+            params.append(np.array(host_array(stages[s].flat_params)))
         else:
             buf = np.empty(n, np.float32)
             world.Recv([buf, MPI.FLOAT], source=owner, tag=s)

@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from mpihybrid.device import array_module
 from mpihybrid.layers import Layer
 
 GPT_INIT_STD = 0.02  # GPT-2's initialisation of embeddings and linear weights
@@ -56,7 +57,7 @@ class Embedding(Layer):
     def backward_weight(self, wcache: object) -> None:
         tokens, dy = wcache
         rows = dy.reshape(-1, self.dim)
-        np.add.at(self.grads["tokens"], tokens.reshape(-1), rows)
+        array_module(dy).add.at(self.grads["tokens"], tokens.reshape(-1), rows)
         self.grads["positions"][: tokens.shape[-1]] += dy.reshape(-1, *dy.shape[-2:]).sum(axis=0)
 
 
@@ -74,8 +75,16 @@ class CausalAttention(Layer):
         self.dim, self.heads, self.seq_len = dim, heads, seq_len
         self.head_dim = dim // heads
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        # added to the scores: -inf above the diagonal, so position t sees only 0..t
-        self._mask = np.triu(np.full((seq_len, seq_len), -np.inf, np.float32), k=1)
+        self._masks: dict[tuple, object] = {}  # (array module, dtype) -> causal mask
+
+    def _mask(self, like, t: int):
+        """(T, T) added to the scores: -inf above the diagonal, so position t sees only 0..t."""
+        xp = array_module(like)
+        key = (xp.__name__, like.dtype)
+        if key not in self._masks:
+            full = np.full((self.seq_len, self.seq_len), -np.inf, like.dtype)
+            self._masks[key] = xp.asarray(np.triu(full, k=1))
+        return self._masks[key][:t, :t]
 
     def __repr__(self) -> str:
         return f"CausalAttention(dim={self.dim}, heads={self.heads}, seq_len={self.seq_len})"
@@ -91,12 +100,12 @@ class CausalAttention(Layer):
         q, k, v = self._split(x)
         scores = q @ k.transpose(0, 1, 3, 2)  # (b, h, T, T)
         scores *= x.dtype.type(self.scale)
-        scores += self._mask[:t, :t].astype(x.dtype, copy=False)
+        scores += self._mask(x, t)
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores, out=scores)
         probs /= probs.sum(axis=-1, keepdims=True)
         out = probs @ v  # (b, h, T, d)
-        y = np.ascontiguousarray(out.transpose(0, 2, 1, 3)).reshape(b, t, self.dim)
+        y = array_module(x).ascontiguousarray(out.transpose(0, 2, 1, 3)).reshape(b, t, self.dim)
         return y, (x, probs)
 
     def backward_input(
@@ -106,7 +115,7 @@ class CausalAttention(Layer):
         b, t = x.shape[0], x.shape[1]
         q, k, v = self._split(x)
         dout = dy.reshape(b, t, self.heads, self.head_dim).transpose(0, 2, 1, 3)  # (b, h, T, d)
-        dx = np.empty((b, t, 3, self.heads, self.head_dim), dy.dtype)
+        dx = array_module(dy).empty((b, t, 3, self.heads, self.head_dim), dy.dtype)
         dparts = dx.transpose(2, 0, 3, 1, 4)  # (3, b, h, T, d) views into dx
         np.matmul(probs.transpose(0, 1, 3, 2), dout, out=dparts[2])  # dv
         dprobs = dout @ v.transpose(0, 1, 3, 2)  # (b, h, T, T)

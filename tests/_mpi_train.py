@@ -3,6 +3,8 @@
     mpiexec -n 4 python tests/_mpi_train.py --schedules gpipe,1f1b --set grid.pp=2 ...
 
 With --serial, rank 0 also trains the serial reference and reports the largest difference.
+With --fake-gpu, arrays live on tests/fakegpu's strict stand-in for a GPU, and MPI reaches them
+through host staging (grid.device = "cuda", comm.cuda_aware = false, without a GPU).
 """
 
 from __future__ import annotations
@@ -36,15 +38,22 @@ parser.add_argument("--job", default=None)
 parser.add_argument("--schedules", default="1f1b")
 parser.add_argument("--set", dest="overrides", action="append", default=[])
 parser.add_argument("--serial", action="store_true")
+parser.add_argument("--fake-gpu", action="store_true")
 args = parser.parse_args()
 
 world = MPI.COMM_WORLD
+backend = None
+if args.fake_gpu:
+    from mpihybrid.device import select_backend
+    from tests import fakegpu
+
+    backend = select_backend("cuda", False, world, _import_cupy=lambda: fakegpu)
 for name in args.schedules.split(","):
     overrides = [*args.overrides, f"train.schedule={name}"]
     if name == "interleaved-1f1b":
         overrides.append("train.virtual_stages=2")
     job = load_job(args.job, overrides, world.Get_size())
-    summary = train(job, world, quiet=True, collect_params=args.serial)
+    summary = train(job, world, quiet=True, collect_params=args.serial, backend=backend)
     if world.rank != 0:
         continue
     out = {
@@ -54,7 +63,10 @@ for name in args.schedules.split(","):
         "replica_max_diff": max(summary.replica_max_diff.values()),
         "bytes_sent": summary.bytes_sent,
         "peak_inflight": summary.peak_inflight,
+        "device": backend.describe() if backend else "cpu",
     }
+    if args.fake_gpu:
+        out["copies"] = dict(fakegpu.counts)
     if args.serial:
         hybrid = np.concatenate(summary.params)
         serial, serial_losses = train_serial(job)
