@@ -117,19 +117,28 @@ class CausalAttention(Layer):
         dout = dy.reshape(b, t, self.heads, self.head_dim).transpose(0, 2, 1, 3)  # (b, h, T, d)
         dx = array_module(dy).empty((b, t, 3, self.heads, self.head_dim), dy.dtype)
         dparts = dx.transpose(2, 0, 3, 1, 4)  # (3, b, h, T, d) views into dx
-        np.matmul(probs.transpose(0, 1, 3, 2), dout, out=dparts[2])  # dv
+        _matmul_into(probs.transpose(0, 1, 3, 2), dout, dparts[2])  # dv
         dprobs = dout @ v.transpose(0, 1, 3, 2)  # (b, h, T, T)
         # softmax backward: ds = p * (dp - sum_j dp_j p_j); the masked entries have p = 0
         dprobs -= np.einsum("bhij,bhij->bhi", dprobs, probs)[..., None]
         dscores = np.multiply(dprobs, probs, out=dprobs)
         dscores *= dy.dtype.type(self.scale)
-        np.matmul(dscores, k, out=dparts[0])  # dq
-        np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dparts[1])  # dk
+        _matmul_into(dscores, k, dparts[0])  # dq
+        _matmul_into(dscores.transpose(0, 1, 3, 2), q, dparts[1])  # dk
         return dx.reshape(b, t, 3 * self.dim), None
 
     def flops(self, batch: int) -> int:
         # q k^T and probs v over the full T x T square (the causal half is masked, not skipped)
         return 4 * batch * self.seq_len * self.dim
+
+
+def _matmul_into(a, b, out) -> None:
+    """out[...] = a @ b; numpy writes straight into the strided view, CuPy's matmul is given
+    no strided `out` (it asks for a contiguous one) and its result is copied in."""
+    if array_module(out) is np:
+        np.matmul(a, b, out=out)
+    else:
+        out[...] = a @ b
 
 
 class Residual(Layer):
