@@ -18,6 +18,7 @@ import numpy as np
 
 from mpihybrid.config import load_job
 from mpihybrid.data import build_task, microbatches
+from mpihybrid.device import keep_freed_host_memory
 from mpihybrid.model import build_stage
 from mpihybrid.optim import build_optimizer
 from mpihybrid.transformer import Residual
@@ -48,6 +49,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    keep_freed_host_memory()  # as train() does
     job = load_job(args.job, [], job_world(args.job))
     task = build_task(job.data)
     chunks = job.grid.pp * job.train.virtual_stages

@@ -146,6 +146,28 @@ class Backend:
 
 CPU = Backend("cpu", np, None, cuda_aware=False, staging=False)  # numpy: MPI sees the arrays
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_host_memory(mmap_below: int = 32 << 20, trim_above: int = 1 << 30) -> bool:
+    """Let glibc's malloc reuse freed memory instead of handing it back to the kernel.
+
+    numpy allocates a fresh array for every temporary; with glibc's defaults each one of a
+    megabyte or so is a new mmap (or the heap top is trimmed after it is freed), so every pass
+    first page-faults its output in: a GELU over (128, 2048) floats took 1.2 ms instead of
+    0.45 ms. Arrays below `mmap_below` bytes now come from the heap, which keeps up to
+    `trim_above` bytes free for the next step. The process keeps its high-water mark, which a
+    training step reaches every step anyway. Returns False where the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_below) and mallopt(_M_TRIM_THRESHOLD, trim_above))
+
 
 def local_rank(world: MPI.Comm) -> tuple[int, int]:
     """(my rank among the ranks on my node, ranks on my node); collective over `world`."""

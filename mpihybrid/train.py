@@ -23,7 +23,13 @@ from mpihybrid.allreduce import RingAllreduce
 from mpihybrid.codecs import get_codec
 from mpihybrid.config import Job, to_toml
 from mpihybrid.data import build_task, microbatches
-from mpihybrid.device import Backend, copy_from_host, host_array, select_backend
+from mpihybrid.device import (
+    Backend,
+    copy_from_host,
+    host_array,
+    keep_freed_host_memory,
+    select_backend,
+)
 from mpihybrid.grid import ProcessGrid
 from mpihybrid.model import boundary_shapes, build_stage
 from mpihybrid.optim import build_optimizer
@@ -81,6 +87,7 @@ def train(
     every rank alike when that fails).
     """
     g, t, c = job.grid, job.train, job.comm
+    keep_freed_host_memory()  # numpy's temporaries reuse memory instead of page-faulting it in
     if backend is None:
         backend = select_backend(g.device, c.cuda_aware, world)
     on_host = backend.xp is np
