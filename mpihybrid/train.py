@@ -91,6 +91,8 @@ def train(
     if backend is None:
         backend = select_backend(g.device, c.cuda_aware, world)
     on_host = backend.xp is np
+    if not on_host and not quiet:
+        log.info("rank %d: %s", world.rank, backend.describe())  # which GPU, which MPI path
     grid = ProcessGrid.build(world, g.pp, g.dp, g.order)
     task = build_task(job.data)
     M, v = t.microbatches, t.virtual_stages
@@ -386,6 +388,7 @@ def layout_attrs(job: Job, world_size: int) -> dict:
         "microbatches": job.train.microbatches,
         "virtual_stages": job.train.virtual_stages,
         "codec": job.comm.codec,
+        "device": job.grid.device,
     }
 
 
