@@ -66,8 +66,6 @@ class PipelineRuntime:
         self.v = num_stages // self.pp_size
         self.recorder = recorder
         self.backend = backend
-        # a GPU queues kernels: wait for them so the trace times the work, not its launch
-        self.settle = backend.synchronize if backend.name != "cpu" else None
         self.isend = pp_comm.Issend if sync_sends else pp_comm.Isend
         self.loss_fn = SoftmaxCrossEntropy()
         self.bytes_sent = {"activation": 0, "activation_grad": 0}
@@ -103,7 +101,9 @@ class PipelineRuntime:
     def run_step(self, step: int, batches: list[tuple[np.ndarray, np.ndarray]]) -> StepResult:
         """Run my action list once over `batches` (my replica's M micro-batches)."""
         M, last = self.num_microbatches, self.num_stages - 1
-        rec, clock, backend, settle = self.recorder, Recorder.clock, self.backend, self.settle
+        rec, clock, backend = self.recorder, Recorder.clock, self.backend
+        # a GPU queues kernels: wait for them so the trace times the work, not its launch
+        settle = backend.synchronize  # a no-op on the CPU
         scale = 1.0 / M  # each micro-batch's mean loss counts 1/M of the step's loss
         # Post every receive of the step before computing anything.
         pending_recv = {}
@@ -145,8 +145,7 @@ class PipelineRuntime:
                 peak_bytes = max(peak_bytes, live_bytes)
                 inflight[s] += 1
                 peak[s] = max(peak[s], inflight[s])
-                if settle:
-                    settle()
+                settle()
                 rec.record(KIND["forward"], step, s, mb, t0, clock(), nbytes)
             elif kind == "B":
                 dy = inbox.pop(("B", s, mb))
@@ -160,16 +159,14 @@ class PipelineRuntime:
                     live_bytes -= activation_bytes.pop((s, mb))
                 if s > 0:
                     (inbox if self._is_local(s - 1) else outbox)[("B", s - 1, mb)] = dx
-                if settle:
-                    settle()
+                settle()
                 rec.record(KIND["backward"], step, s, mb, t0, clock())
             elif kind == "W":
                 wcache = wcaches.pop((s, mb))
                 self.stages[s].backward_weight(wcache)
                 inflight[s] -= 1
                 live_bytes -= activation_bytes.pop((s, mb))
-                if settle:
-                    settle()
+                settle()
                 rec.record(KIND["weight"], step, s, mb, t0, clock())
             elif kind in ("SEND_F", "SEND_B"):
                 fb = kind[-1]
