@@ -14,6 +14,7 @@ step), so the step is all the RNG state a resume needs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -24,6 +25,8 @@ import h5py
 import numpy as np
 
 from mpihybrid.device import copy_from_host, host_array
+
+log = logging.getLogger("mpihybrid")
 
 FORMAT = "mpihybrid-checkpoint"
 VERSION = 1
@@ -189,3 +192,39 @@ def load_rank(path: Path, s: int, dp_rank: int, same_dp: bool, stage, optimizer,
             ring.residual[...] = res["residual"]
         else:  # each replica's quantisation error is its own; a new dp starts them afresh
             ring.residual[...] = 0.0
+
+
+def save_all(world, dp_rank, job, step, stages, optimizers, rings, losses, accuracies) -> str:
+    """Collective: every rank writes its share into one partial directory; rank 0 commits it.
+    Returns the committed checkpoint's path on every rank."""
+    root = Path(job.checkpoint.dir)
+    partial = world.bcast(str(new_partial(root, step)) if world.rank == 0 else None)
+    for s, st in stages.items():
+        save_rank(Path(partial), s, dp_rank, st, optimizers[s], rings[s], step)
+    world.Barrier()  # every file is in place before the manifest says so
+    path = None
+    if world.rank == 0:
+        manifest = manifest_for(job, step, losses, accuracies)
+        path = str(commit(root, Path(partial), step, manifest, job.checkpoint.keep))
+        log.info("checkpoint: %s", path)
+    return world.bcast(path, root=0)
+
+
+def restore_all(world, dp_rank, job, path, stages, optimizers, rings):
+    """Collective: load every stage of this rank; all ranks agree on success (or raise the
+    first rank's CheckpointError) before training goes on. Returns (step, losses, accuracies)."""
+    error = None
+    try:
+        manifest = read_manifest(Path(path))
+        check_compatible(manifest, job, Path(path))
+        same = manifest["dp"] == job.grid.dp and manifest["codec"] == job.comm.codec
+        for s, st in stages.items():
+            load_rank(Path(path), s, dp_rank, same, st, optimizers[s], rings[s])
+    except CheckpointError as exc:
+        error = str(exc)
+    errors = [e for e in world.allgather(error) if e is not None]
+    if errors:
+        raise CheckpointError(errors[0])
+    if world.rank == 0:
+        log.info("resumed from %s (step %d)", path, manifest["step"])
+    return manifest["step"], list(manifest["losses"]), list(manifest["accuracies"])

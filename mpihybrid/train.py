@@ -13,7 +13,6 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -130,8 +129,8 @@ def train(
 
     start, losses, accuracies = 0, [], []
     if resume_from is not None:
-        start, losses, accuracies = _restore(
-            world, grid, job, resume_from, stages, optimizers, rings
+        start, losses, accuracies = checkpoint.restore_all(
+            world, grid.dp_rank, job, resume_from, stages, optimizers, rings
         )
     preempt = _PreemptionFlag(enabled=bool(job.checkpoint.dir))
 
@@ -180,7 +179,9 @@ def train(
             )  # fmt: skip
         every = job.checkpoint.every
         if step_sums[3] or (every and (step + 1) % every == 0):
-            path = _save(world, grid, job, step + 1, stages, optimizers, rings, losses, accuracies)
+            path = checkpoint.save_all(
+                world, grid.dp_rank, job, step + 1, stages, optimizers, rings, losses, accuracies
+            )
             if step_sums[3]:
                 raise Preempted(step + 1, path)
     preempt.restore()
@@ -258,40 +259,6 @@ class _PreemptionFlag:
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-
-
-def _save(world, grid, job, step, stages, optimizers, rings, losses, accuracies) -> str:
-    """Collective: every rank writes its share into one partial directory; rank 0 commits it."""
-    root = Path(job.checkpoint.dir)
-    partial = world.bcast(str(checkpoint.new_partial(root, step)) if world.rank == 0 else None)
-    for s, st in stages.items():
-        checkpoint.save_rank(Path(partial), s, grid.dp_rank, st, optimizers[s], rings[s], step)
-    world.Barrier()  # every file is in place before the manifest says so
-    path = None
-    if world.rank == 0:
-        manifest = checkpoint.manifest_for(job, step, losses, accuracies)
-        path = str(checkpoint.commit(root, Path(partial), step, manifest, job.checkpoint.keep))
-        log.info("checkpoint: %s", path)
-    return world.bcast(path, root=0)
-
-
-def _restore(world, grid, job, path, stages, optimizers, rings):
-    """Load every stage of this rank; all ranks agree on success before training goes on."""
-    error = None
-    try:
-        manifest = checkpoint.read_manifest(Path(path))
-        checkpoint.check_compatible(manifest, job, Path(path))
-        same = manifest["dp"] == job.grid.dp and manifest["codec"] == job.comm.codec
-        for s, st in stages.items():
-            checkpoint.load_rank(Path(path), s, grid.dp_rank, same, st, optimizers[s], rings[s])
-    except checkpoint.CheckpointError as exc:
-        error = str(exc)
-    errors = [e for e in world.allgather(error) if e is not None]
-    if errors:
-        raise checkpoint.CheckpointError(errors[0])
-    if world.rank == 0:
-        log.info("resumed from %s (step %d)", path, manifest["step"])
-    return manifest["step"], list(manifest["losses"]), list(manifest["accuracies"])
 
 
 EVAL_LOGITS = 1 << 22  # logits held at once by the evaluation (16 MiB of float32)
