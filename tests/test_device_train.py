@@ -172,6 +172,14 @@ def cuda_gpus() -> str | None:
     return None if count > 0 else "no CUDA GPU"
 
 
+@pytest.fixture
+def real_gpu() -> None:
+    """Skips the test, saying why, unless CuPy and a CUDA GPU are here."""
+    reason = cuda_gpus()
+    if reason:
+        pytest.skip(reason)
+
+
 @pytest.mark.mpi
 def test_cuda_without_a_gpu_or_cupy_is_one_clear_error():
     if cuda_gpus() is None:
@@ -186,10 +194,7 @@ def test_cuda_without_a_gpu_or_cupy_is_one_clear_error():
 
 @pytest.mark.mpi
 @pytest.mark.gpu
-def test_cuda_hybrid_equals_serial_on_a_real_gpu():
-    reason = cuda_gpus()
-    if reason:
-        pytest.skip(reason)
+def test_cuda_hybrid_equals_serial_on_a_real_gpu(real_gpu):
     argv = ["--serial", "--schedules", "1f1b,zb-h1"]
     for o in ("grid.device=cuda", "grid.pp=2", "grid.dp=2", "train.steps=5", "model.depth=8",
               "model.hidden=32", "train.microbatches=4", "train.global_batch=32"):  # fmt: skip
@@ -205,10 +210,7 @@ def test_cuda_hybrid_equals_serial_on_a_real_gpu():
 
 @pytest.mark.mpi
 @pytest.mark.gpu
-def test_cuda_seed_job_on_a_real_gpu():
-    reason = cuda_gpus()
-    if reason:
-        pytest.skip(reason)
+def test_cuda_seed_job_on_a_real_gpu(real_gpu):
     job = str(Path("jobs/seed_k3_d4.toml"))
     proc = run_mpi(12, "tests/_mpi_train.py", "--job", job, "--set", "grid.device=cuda",
                    timeout=600)  # fmt: skip
