@@ -2,6 +2,7 @@
 
     python benchmarks/stage_profile.py jobs/gpt_bench.toml            # chunk 0 of pp
     python benchmarks/stage_profile.py jobs/gpt_bench.toml --chunk 1
+    python benchmarks/stage_profile.py jobs/gpt_bench.toml --default-malloc  # without mallopt
 
 Runs M micro-batches of forward, then backward_input + backward_weight, as a pipeline stage
 does (activations of all M alive at once), a few times, on one core; prints ms per micro-batch
@@ -48,8 +49,14 @@ def main() -> None:
     parser.add_argument("job")
     parser.add_argument("--chunk", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's malloc as it is (train() tells it to keep freed memory)",
+    )
     args = parser.parse_args()
-    keep_freed_host_memory()  # as train() does
+    if not args.default_malloc:
+        keep_freed_host_memory()  # as train() does
     job = load_job(args.job, [], job_world(args.job))
     task = build_task(job.data)
     chunks = job.grid.pp * job.train.virtual_stages
