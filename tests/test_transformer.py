@@ -9,7 +9,7 @@ import pytest
 
 from mpihybrid.layers import GELU, Layer, LayerNorm, Linear
 from mpihybrid.transformer import CausalAttention, Embedding, Residual
-from tests.test_layers import bound, numeric_grad
+from tests.test_layers import assert_weight_grads_accumulate, bound, numeric_grad
 
 # b = sequences, T = tokens per sequence, C = width, h = heads, V = vocabulary
 b, T, C, H, V = 2, 5, 8, 2, 11
@@ -108,23 +108,8 @@ def test_backward_equals_input_then_weight(name):
 
 @pytest.mark.parametrize("name", WITH_WEIGHTS)
 def test_weight_gradients_accumulate(name):
-    layer = make(name)
     rng = np.random.default_rng(4)
-    x1, x2 = inputs(name, rng), inputs(name, rng)
-    y1, cache1 = layer.forward(x1)
-    y2, cache2 = layer.forward(x2)
-    dy1, dy2 = rng.standard_normal(y1.shape), rng.standard_normal(y2.shape)
-
-    layer.backward(dy2, cache2)
-    only_second = {k: g.copy() for k, g in layer.grads.items()}
-    for g in layer.grads.values():
-        g[...] = 0
-    layer.backward(dy1, cache1)
-    only_first = {k: g.copy() for k, g in layer.grads.items()}
-    layer.backward(dy2, cache2)
-    for k, g in layer.grads.items():
-        assert np.abs(only_second[k]).max() > 0, k
-        np.testing.assert_allclose(g, only_first[k] + only_second[k], rtol=1e-12, atol=1e-15)
+    assert_weight_grads_accumulate(make(name), inputs(name, rng), inputs(name, rng), rng)
 
 
 def test_embedding_is_a_lookup_plus_position():
