@@ -140,14 +140,16 @@ def bubble_summary(
     num_microbatches: int,
     virtual_stages: int = 1,
     skip_steps: int = 1,
+    early_grad_send: bool = False,
 ) -> dict:
     """Idle fraction of the pipeline phase, measured from the events and predicted by simulate().
 
     measured: per step and replica, the phase spans the earliest F/B/W start to the latest F/B/W
     end over that replica's ranks; a rank's idle = phase - its F+B+W time. The mean of idle/phase
     over ranks and steps (the first `skip_steps` are warm-up and left out while later ones exist).
-    predicted: simulate() of the schedule with each stage's measured mean F, B, W and the measured
-    message latency (message_latency) on every cross-rank dependency.
+    predicted: simulate() of the schedule as the run executed it (early_grad_send) with each
+    stage's measured mean F, B, W and the measured message latency (message_latency) on every
+    cross-rank dependency.
     Returns {"measured", "predicted", "per_rank": {rank: measured}, "costs", "steps"}.
     """
     from mpihybrid.schedules import build_schedule
@@ -174,7 +176,7 @@ def bubble_summary(
     num_stages = pp * virtual_stages
     costs = stage_costs(compute, num_stages)
     costs["send"] = message_latency(events[np.isin(events["step"], steps)])
-    actions = build_schedule(schedule, pp, num_microbatches, virtual_stages)
+    actions = build_schedule(schedule, pp, num_microbatches, virtual_stages, early_grad_send)
     sim = simulate(actions, Costs(**costs), virtual_stages)
     return {
         "measured": measured,
@@ -293,6 +295,7 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     pp, dp = int(attrs["pp"]), int(attrs["dp"])
     schedule, m = str(attrs["schedule"]), int(attrs["microbatches"])
     v = int(attrs.get("virtual_stages", 1))
+    early = bool(attrs.get("early_grad_send", False))  # traces from before the option: off
     num_stages = pp * v
     of = {name: ev[ev["kind"] == KIND[name]] for name in KINDS}
     step_rows = of["step"]
@@ -310,14 +313,14 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
         row["busy"] = row["forward"] + row["backward"] + row["weight"] + row["optimizer"]
         ranks.append(row)
 
-    bubble = bubble_summary(ev, schedule, pp, m, v, skip_steps)
+    bubble = bubble_summary(ev, schedule, pp, m, v, skip_steps, early)
     bubble["formula"] = bubble_formula(schedule, pp, m, v)
     bubble["formula_text"] = BUBBLE_FORMULAS[schedule]
     for row in ranks:
         row["bubble"] = bubble["per_rank"].get(row["rank"])
 
     peak_count, peak_bytes = _peak_activations(ev, num_stages)
-    predicted_peak = peak_inflight(build_schedule(schedule, pp, m, v), num_stages)
+    predicted_peak = peak_inflight(build_schedule(schedule, pp, m, v, early), num_stages)
     stages = []
     for s in range(num_stages):
         row = {"stage": s}
@@ -363,6 +366,7 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
             "dp": dp,
             "microbatches": m,
             "virtual_stages": v,
+            "early_grad_send": early,
             "codec": attrs.get("codec", config.get("comm.codec")),
             "world_size": int(attrs.get("world_size", len(ranks))),
             "steps": len(per_step),

@@ -36,6 +36,7 @@ def format_analysis(result: dict) -> str:
     n = max(run["steps"], 1)
     ms = lambda seconds: f"{1e3 * seconds / n:.2f}"  # noqa: E731  per step
     v = f", v={run['virtual_stages']}" if run["virtual_stages"] > 1 else ""
+    v += ", gradients sent before W" if run.get("early_grad_send") else ""
     measured_steps = bubble["steps"]
     span = f"steps {measured_steps[0]}-{measured_steps[-1]}" if measured_steps else "no steps"
     if len(measured_steps) == 1:

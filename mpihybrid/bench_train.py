@@ -204,6 +204,7 @@ def bench_train(job: Job, world: MPI.Comm, warmup: int, steps: int, repeats: int
             "dp": job.grid.dp,
             "schedule": job.train.schedule,
             "microbatches": job.train.microbatches,
+            "early_grad_send": job.train.early_grad_send,
             "model": job.model.kind,
             "tokens_per_step": per_step,
         },
@@ -216,6 +217,7 @@ def bench_train(job: Job, world: MPI.Comm, warmup: int, steps: int, repeats: int
         "step_time": statistics.median(step_times),
         "bubble": report["bubble"]["measured"],
         "bubble_predicted": report["bubble"]["formula"],
+        "bubble_simulated": report["bubble"]["predicted"],
         "flops_per_token": flops_per_token,
         "achieved_flops": achieved,
         "gemm_rate_per_rank": [float(r) for r in rates],
@@ -236,15 +238,17 @@ def format_bench(result: dict) -> str:
     g = 1e9
     lines = [
         f"== bench train: {j['model']}, pp={j['pp']} x dp={j['dp']}, {j['schedule']}, "
-        f"M={j['microbatches']}, {j['tokens_per_step']} {unit}/step; "
-        f"{result['repeats']} repeats of {result['warmup_steps']} warm-up + "
+        f"M={j['microbatches']}, {j['tokens_per_step']} {unit}/step"
+        + (", gradients sent before W; " if j["early_grad_send"] else "; ")
+        + f"{result['repeats']} repeats of {result['warmup_steps']} warm-up + "
         f"{result['measured_steps']} measured steps",
         f"throughput     {result['throughput']:,.0f} {unit}/s (median; repeats: "
         + ", ".join(f"{t:,.0f}" for t in result["throughputs"])
         + ")",
         f"step time      {1e3 * result['step_time']:.1f} ms (median)",
-        f"bubble         {result['bubble']:.3f} measured, {result['bubble_predicted']:.3f} "
-        "predicted by the schedule",
+        f"bubble         {result['bubble']:.3f} measured, {result['bubble_simulated']:.3f} "
+        f"simulated with the measured F/B/W, {result['bubble_predicted']:.3f} by the schedule's "
+        "formula",
         f"{'FLOPs/' + unit[:-1]:<15}{result['flops_per_token'] / 1e6:,.1f} M (training: forward + "
         "backward matmuls)",
         f"achieved       {result['achieved_flops'] / g:.1f} GFLOP/s",

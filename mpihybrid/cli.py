@@ -194,7 +194,13 @@ def schedule() -> None:
     help="Model chunks per rank (interleaved-1f1b; default 2).",
 )
 @click.option("--all", "show_all", is_flag=True, help="Compare every schedule in one table.")
-def schedule_show(name, pp, microbatches, virtual, show_all) -> None:
+@click.option(
+    "--early-grad-send",
+    is_flag=True,
+    help="As training runs it (train.early_grad_send): a backward whose gradient goes to "
+    "another rank is B, send, then W.",
+)
+def schedule_show(name, pp, microbatches, virtual, show_all, early_grad_send) -> None:
     """Print a schedule's step x rank grid, predicted bubble and peak activations."""
     from mpihybrid.schedules import ScheduleError, compare, describe
 
@@ -203,7 +209,7 @@ def schedule_show(name, pp, microbatches, virtual, show_all) -> None:
             click.echo(compare(pp, microbatches, virtual or 2))
         else:
             v = virtual if virtual is not None else (2 if name == "interleaved-1f1b" else 1)
-            click.echo(describe(name, pp, microbatches, v))
+            click.echo(describe(name, pp, microbatches, v, early_grad_send))
     except ScheduleError as exc:
         _fail(str(exc).splitlines()[0])
 

@@ -79,6 +79,7 @@ class TrainConfig:
     microbatches: int = 4  # M, per replica per step
     schedule: str = "1f1b"
     virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b)
+    early_grad_send: bool = True  # a backward sends its input gradient before the weight gradient
     optimizer: str = "sgd"
     lr: float = 0.01
     momentum: float = 0.9  # sgd

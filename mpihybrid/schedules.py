@@ -147,9 +147,17 @@ def check_config(name: str, pp: int, num_microbatches: int, virtual_stages: int)
 
 
 def build_schedule(
-    name: str, pp: int, num_microbatches: int, virtual_stages: int = 1
+    name: str,
+    pp: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    early_grad_send: bool = False,
 ) -> dict[int, list[Action]]:
-    """The compute actions (F, B, W) of every pp rank, checked by validate()."""
+    """The compute actions (F, B, W) of every pp rank, checked by validate().
+
+    early_grad_send: split the backwards whose gradient crosses ranks (send_grads_early), as
+    training runs them by default; without it, the schedule as its paper draws it.
+    """
     check_config(name, pp, num_microbatches, virtual_stages)
     m = num_microbatches
     if name == "interleaved-1f1b":
@@ -157,8 +165,32 @@ def build_schedule(
     else:
         make = {"naive": _naive, "gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}[name]
         actions = {r: make(pp, m, r) for r in range(pp)}
+    if early_grad_send:
+        actions = send_grads_early(actions, pp, virtual_stages)
     validate(actions, pp, m, virtual_stages)
     return actions
+
+
+def send_grads_early(
+    compute: dict[int, list[Action]], pp: int, virtual_stages: int = 1
+) -> dict[int, list[Action]]:
+    """Every whole backward whose input gradient goes to another rank becomes B then W.
+
+    Lowered, that is B (input gradient), SEND_B, W: the gradient leaves before the weight
+    gradient is computed, so the previous stage's backward starts a W earlier. Order and memory
+    are the schedule's own (W follows its B at once). Backwards already split (zero-bubble) and
+    those whose gradient stays on the rank or goes nowhere (stage 0) are left whole.
+    """
+    out: dict[int, list[Action]] = {}
+    for rank, actions in compute.items():
+        split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+        out[rank] = []
+        for a in actions:
+            out[rank].append(a)
+            crosses = a.stage > 0 and stage_rank(a.stage - 1, pp, virtual_stages) != rank
+            if a.kind == "B" and crosses and (a.stage, a.microbatch) not in split:
+                out[rank].append(Action(a.stage, "W", a.microbatch))
+    return out
 
 
 def lower(

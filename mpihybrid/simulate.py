@@ -189,14 +189,15 @@ def render_grid(actions: dict[int, list[Action]], virtual_stages: int | None = N
     return "\n".join(lines)
 
 
-def describe(name: str, pp: int, m: int, v: int = 1) -> str:
+def describe(name: str, pp: int, m: int, v: int = 1, early_grad_send: bool = False) -> str:
     """Grid + predicted and simulated bubble + peak activations per stage, for one schedule."""
-    actions = build_schedule(name, pp, m, v)
+    actions = build_schedule(name, pp, m, v, early_grad_send)
     result = simulate(actions, _unit_costs(actions), v)
     peaks = " ".join(f"s{s}:{n}" for s, n in enumerate(result.peak_inflight))
+    early = ", gradients sent before W" if early_grad_send else ""
     return "\n".join(
         [
-            f"{name}: pp={pp} num_microbatches={m} virtual_stages={v} (one step per action)",
+            f"{name}: pp={pp} num_microbatches={m} virtual_stages={v} (one step per action{early})",
             render_grid(actions, v),
             f"bubble: predicted {BUBBLE_FORMULAS[name]} = {bubble_formula(name, pp, m, v):.3f}, "
             f"simulated {result.bubble_fraction:.3f}",

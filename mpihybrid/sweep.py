@@ -171,9 +171,10 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
     g, t = job.grid, job.train
     name, m, v = cell.schedule, cell.microbatches, cell.virtual_stages
     step_s = statistics.median(step_times(summary.events, warmup_steps))
-    bubble = bubble_summary(summary.events, name, g.pp, m, v, skip_steps=warmup_steps)
+    early = t.early_grad_send
+    bubble = bubble_summary(summary.events, name, g.pp, m, v, warmup_steps, early)
     costs = bubble["costs"]
-    predicted_peaks = peak_inflight(build_schedule(name, g.pp, m, v), g.pp * v)
+    predicted_peaks = peak_inflight(build_schedule(name, g.pp, m, v, early), g.pp * v)
     measured_peaks = [summary.peak_inflight[s] for s in sorted(summary.peak_inflight)]
     return {
         "schedule": name,

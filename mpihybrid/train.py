@@ -98,7 +98,8 @@ def train(
     num_stages = g.pp * v
     mb_size = t.global_batch // (g.dp * M)
 
-    actions = lower(build_schedule(t.schedule, g.pp, M, v), g.pp, v)[grid.pp_rank]
+    compute = build_schedule(t.schedule, g.pp, M, v, t.early_grad_send)
+    actions = lower(compute, g.pp, v)[grid.pp_rank]
     stages = {
         s: build_stage(job.model, task.in_features, task.num_classes, s, num_stages, t.seed)
         for s in range(num_stages)
@@ -354,6 +355,7 @@ def layout_attrs(job: Job, world_size: int) -> dict:
         "schedule": job.train.schedule,
         "microbatches": job.train.microbatches,
         "virtual_stages": job.train.virtual_stages,
+        "early_grad_send": job.train.early_grad_send,
         "codec": job.comm.codec,
         "device": job.grid.device,
     }

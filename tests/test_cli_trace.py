@@ -140,9 +140,14 @@ def test_timeline_ascii_is_the_grid_of_what_ran(trace_path):
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("step 1, replica 0") and "rank 0" in lines[1]
     cells = " ".join(lines[2:]).split()
+    any_w = any("W" in c for c in cells)  # then a whole backward takes two cells (B + W)
     for s in range(PP * V):
         for mb in range(M):
-            assert cells.count(f"{s}F{mb}") == 1 and cells.count(f"{s}B{mb}") == 1
+            split = cells.count(f"{s}W{mb}") == 1
+            assert cells.count(f"{s}F{mb}") == 1
+            assert cells.count(f"{s}B{mb}") == (2 if any_w and not split else 1)
+    # gradients leave before W: every stage but the first splits its backward
+    assert any_w and all(f"{s}W0" in cells for s in range(1, PP * V))
 
 
 def test_timeline_without_matplotlib_says_how_to_get_it(trace_path, tmp_path):
@@ -210,7 +215,9 @@ def test_export_csv_has_a_row_per_event(trace_path, tmp_path):
         rows[0]
     )
     assert sum(int(r["bytes"]) for r in rows) == int(events["bytes"].sum())
-    assert sum(r["kind"] == "weight" for r in rows) == 0 and rows[0]["kind"] in KIND
+    # every stage but the first sends its gradient before its weight gradient: a W each
+    assert sum(r["kind"] == "weight" for r in rows) == (PP * V - 1) * M * STEPS * DP
+    assert rows[0]["kind"] in KIND
 
 
 def test_export_refuses_to_overwrite(trace_path, tmp_path):

@@ -553,6 +553,36 @@ def test_gpt_hybrid_equals_serial(pp, dp, depth, partition, data, optimizer):
 
 
 @pytest.mark.mpi
+def test_early_grad_send_changes_timing_not_numbers():
+    # each W still follows its own B at once: every gradient sums in the same order
+    settings = [*TINY_GPT, "grid.pp=3", "grid.dp=1", "data.kind=markov"]
+    settings += ["train.microbatches=6", "train.global_batch=12"]
+    settings += ["train.optimizer=adamw", "train.lr=1e-4"]
+    argv = [arg for s in settings for arg in ("--set", s)]
+    schedules = ("--schedules", "1f1b,interleaved-1f1b")
+    runs = {
+        early: results(
+            run_mpi(
+                3,
+                "tests/_mpi_train.py",
+                "--serial",
+                *schedules,
+                *argv,
+                "--set",
+                f"train.early_grad_send={early}",
+                "--set",
+                "model.depth=6",
+                timeout=60,
+            )  # fmt: skip
+        )
+        for early in ("true", "false")
+    }
+    for on, off in zip(runs["true"], runs["false"], strict=True):
+        assert on["losses"] == off["losses"] and on["max_abs_diff"] == off["max_abs_diff"]
+        assert on["max_abs_diff"] < 1e-5 and on["peak_inflight"] == off["peak_inflight"]
+
+
+@pytest.mark.mpi
 def test_learnable_job_learns():
     """jobs/gpt_learn.toml: the loss starts near the unigram entropy (ln 64 = 4.16) and must end
     below 1.0, close to the Markov chain's entropy rate ln 2 = 0.69 (a couple of seconds)."""

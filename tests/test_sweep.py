@@ -211,7 +211,7 @@ def test_tiny_sweep_writes_one_sane_row_per_run(tiny_sweep):
         assert r["peak_inflight_per_stage"] == r["peak_inflight_predicted_per_stage"] == expected
         assert float(r["peak_activation_mib"]) > 0
         assert float(r["forward_ms"]) > 0 and float(r["backward_ms"]) > 0
-        assert float(r["weight_ms"]) == 0.0  # no schedule here splits the backward
+        assert float(r["weight_ms"]) > 0.0  # the last stage sends its gradient before W
         assert math.isfinite(float(r["final_loss"]))
         gpipe = next(g for g in rows if g["schedule"] == "gpipe" and g["microbatches"] == str(m))
         speedup = float(gpipe["step_ms"]) / float(r["step_ms"])
