@@ -140,30 +140,50 @@ def _busy(events: np.ndarray, first: int, wall: float) -> tuple[dict, dict]:
     return per_rank, per_stage
 
 
-def bench_train(job: Job, world: MPI.Comm, warmup: int, steps: int, repeats: int) -> dict | None:
-    """Run the benchmark on every rank; rank 0 gets the results."""
-    from mpihybrid.analysis import analyze
-    from mpihybrid.train import train
-
-    job = dataclasses.replace(
+def _bench_job(job: Job, steps: int) -> Job:
+    return dataclasses.replace(
         job,
-        train=dataclasses.replace(job.train, steps=warmup + steps),
+        train=dataclasses.replace(job.train, steps=steps),
         trace=dataclasses.replace(job.trace, path="", events=True),
         checkpoint=dataclasses.replace(job.checkpoint, every=0, dir=""),
     )
+
+
+def bench_train(
+    job: Job,
+    world: MPI.Comm,
+    warmup: int,
+    steps: int,
+    repeats: int,
+    against: tuple[Job, list[str]] | None = None,
+) -> dict | None:
+    """Run the benchmark on every rank; rank 0 gets the results.
+
+    against: (another job, the overrides that made it): each repeat also runs that job, right
+    after this one, so the two are compared pair by pair under the same machine drift.
+    """
+    from mpihybrid.analysis import analyze
+    from mpihybrid.train import train
+
+    job = _bench_job(job, warmup + steps)
+    other = _bench_job(against[0], warmup + steps) if against else None
     in_features, num_classes = task_dims(job.data)
     tokens = job.data.seq_len if job.data.kind != "teacher" else 1
     blocks = build_blocks(job.model, in_features, num_classes)
     rows = job.train.global_batch // (job.grid.dp * job.train.microbatches) * tokens
     gemms = model_gemms(blocks, rows)
 
-    runs = []
+    runs, other_walls = [], []
     for _ in range(repeats):
         summary = train(job, world, quiet=True)
         if world.rank == 0:
             wall, step_times = _measured_wall(summary.events, warmup)
             report = analyze(_as_trace(job, summary, world.size), skip_steps=warmup)
             runs.append((wall, step_times, report, summary.events))
+        if other is not None:
+            summary = train(other, world, quiet=True)
+            if world.rank == 0:
+                other_walls.append(_measured_wall(summary.events, warmup)[0])
 
     # the roofline: every rank measures at the same time, as every core is busy in training
     world.Barrier()
@@ -228,6 +248,22 @@ def bench_train(job: Job, world: MPI.Comm, warmup: int, steps: int, repeats: int
         "stages": stages,
         "peak_rss_bytes": [int(b) for b in peak_rss],
         "final_loss": float(summary.losses[-1]) if summary.losses else None,
+        "against": _against(against, other_walls, throughputs, steps * per_step),
+    }
+
+
+def _against(against, walls: list[float], throughputs: list[float], units: float) -> dict | None:
+    """The other job's throughput per repeat, and this job's over it, repeat by repeat."""
+    if against is None:
+        return None
+    theirs = [units / wall for wall in walls]
+    ratios = [mine / other for mine, other in zip(throughputs, theirs, strict=True)]
+    return {
+        "overrides": against[1],
+        "throughput": statistics.median(theirs),
+        "throughputs": theirs,
+        "ratios": ratios,
+        "ratio": statistics.median(ratios),
     }
 
 
@@ -269,6 +305,15 @@ def format_bench(result: dict) -> str:
         "peak memory    "
         + ", ".join(f"rank {r} {human_bytes(b)}" for r, b in enumerate(result["peak_rss_bytes"])),
     ]
+    other = result["against"]
+    if other:
+        lines += [
+            f"against        {' '.join(other['overrides'])}: {other['throughput']:,.0f} {unit}/s "
+            "(median; repeats: " + ", ".join(f"{t:,.0f}" for t in other["throughputs"]) + ")",
+            f"this / that    {other['ratio']:.3f} (median of the repeats paired in time: "
+            + ", ".join(f"{r:.3f}" for r in other["ratios"])
+            + ")",
+        ]
     return "\n".join(lines)
 
 

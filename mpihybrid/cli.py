@@ -263,20 +263,29 @@ def bench_allreduce(sizes, codecs, repeats) -> None:
 @click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True,
               help="Measured steps per repeat.")  # fmt: skip
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--against",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Also run the job with this override (repeatable), right after each repeat, and "
+    "print the throughput ratio repeat by repeat.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def bench_train(job_file, overrides, warmup, steps, repeats, as_json) -> None:
+def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json) -> None:
     """Training throughput of JOB_FILE: tokens/s, busy fractions, FLOPs, roofline, memory."""
     from mpi4py import MPI
 
     from mpihybrid.config import ConfigError, load_job
 
     world = MPI.COMM_WORLD
-    error, job = None, None
+    error, job, other = None, None, None
     try:
         job = load_job(job_file, list(overrides), world.Get_size())
-        if job.grid.device != "cpu":
+        if against:
+            other = (load_job(job_file, [*overrides, *against], world.Get_size()), list(against))
+        for device in {job.grid.device, other[0].grid.device if other else "cpu"} - {"cpu"}:
             raise ConfigError(
-                f"grid.device = {job.grid.device!r}: bench train measures the CPU's matmul "
+                f"grid.device = {device!r}: bench train measures the CPU's matmul "
                 "roofline; use grid.device = 'cpu' (or mpihybrid train for a GPU run)"
             )
     except ConfigError as exc:
@@ -286,7 +295,7 @@ def bench_train(job_file, overrides, warmup, steps, repeats, as_json) -> None:
     from mpihybrid.bench_train import format_bench
 
     try:
-        result = run(job, world, warmup, steps, repeats)
+        result = run(job, world, warmup, steps, repeats, other)
     except Exception:
         sys.stderr.write(f"[rank {world.rank}] benchmark failed:\n{traceback.format_exc()}")
         sys.stderr.flush()

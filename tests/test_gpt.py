@@ -609,11 +609,19 @@ def test_bench_train_reports_consistent_figures():
         "3",
         "--repeats",
         "2",
+        "--against",
+        "train.schedule=gpipe",
         "--json",
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
+    other = out["against"]  # gpipe, run right after each 1f1b repeat
+    assert other["overrides"] == ["train.schedule=gpipe"] and len(other["throughputs"]) == 2
+    assert other["ratios"] == pytest.approx(
+        [a / b for a, b in zip(out["throughputs"], other["throughputs"], strict=True)]
+    )
+    assert min(other["ratios"]) <= other["ratio"] <= max(other["ratios"])
     assert out["unit"] == "tokens" and out["job"]["tokens_per_step"] == 16 * 32
     assert len(out["throughputs"]) == 2 and out["throughput"] > 0
     # throughput and step time describe the same runs
@@ -635,3 +643,7 @@ def test_bench_train_bad_job_exits_2_on_every_rank(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("mpihybrid: error:") == 1
     assert "not divisible by model.heads(5)" in proc.stderr
+    proc = run_mpi(2, "-m", "mpihybrid", "bench", "train", "jobs/gpt_learn.toml",
+                   "--against", "train.schedule=zb-h2", timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("mpihybrid: error:") == 1
+    assert "zb-h2" in proc.stderr
