@@ -245,34 +245,35 @@ class LayerNorm(Layer):
 class SoftmaxCrossEntropy:
     """Mean cross-entropy of softmax(logits (..., K)) against integer targets (...).
 
-    Works in place: `forward` turns the logits it is given into probabilities (a GPT's
+    Works in place: `forward` turns the logits it is given into exp(logits - row max) (a GPT's
     logits are the largest array of a step) and `backward` turns those into the gradient,
-    so call `correct` before `backward`.
+    normalising and scaling in one pass, so call `correct` before `backward`.
     """
 
     def forward(self, logits: np.ndarray, targets: np.ndarray) -> tuple[float, object]:
         xp = array_module(logits)
-        probs = _rows(logits)
+        exps = _rows(logits)
         t = targets.reshape(-1)
-        rows = xp.arange(probs.shape[0])
+        rows = xp.arange(exps.shape[0])
         # subtracting the row max keeps exp() from overflowing; softmax is unchanged by it
-        probs -= probs.max(axis=1, keepdims=True)
-        target_logit = probs[rows, t]
-        np.exp(probs, out=probs)
-        total = probs.sum(axis=1, keepdims=True)
+        exps -= exps.max(axis=1, keepdims=True)
+        target_logit = exps[rows, t]
+        np.exp(exps, out=exps)
+        total = exps.sum(axis=1, keepdims=True)
         loss = float(np.mean(np.log(total[:, 0]) - target_logit))
-        probs /= total
-        return loss, (probs, t, logits.shape)
+        return loss, (exps, total, t, logits.shape)
 
     def backward(self, cache: object, scale: float = 1.0) -> np.ndarray:
-        """Gradient of `scale * loss` with respect to the logits (overwrites the cache)."""
-        probs, t, shape = cache
-        dlogits = probs
-        dlogits[array_module(probs).arange(t.shape[0]), t] -= 1.0
-        dlogits *= probs.dtype.type(scale / t.shape[0])
+        """Gradient of `scale * loss` with respect to the logits (overwrites the cache):
+        (softmax - onehot) * scale / rows."""
+        exps, total, t, shape = cache
+        per_row = exps.dtype.type(scale / t.shape[0])
+        np.divide(per_row, total, out=total)
+        dlogits = np.multiply(exps, total, out=exps)
+        dlogits[array_module(exps).arange(t.shape[0]), t] -= per_row
         return dlogits.reshape(shape)
 
     def correct(self, cache: object) -> int:
         """Rows whose largest logit is the target's (before `backward`)."""
-        probs, t, _ = cache
-        return int(np.count_nonzero(probs.argmax(axis=1) == t))
+        exps, _, t, _ = cache
+        return int(np.count_nonzero(exps.argmax(axis=1) == t))
