@@ -44,7 +44,11 @@ def test_limit_sets_every_variable_only_before_numpy(monkeypatch):
 
 
 def _thread_vars_in_two_ranks(env: dict) -> list[str]:
-    code = "import os, mpihybrid._threads as t; print(*(os.environ.get(k) for k in t.THREAD_VARS))"
+    code = (
+        "import os, mpihybrid._threads as t; from mpi4py import MPI\n"
+        "lines = MPI.COMM_WORLD.gather(' '.join(str(os.environ.get(k)) for k in t.THREAD_VARS))\n"
+        "if lines: print(*lines, sep='\\n')"  # rank 0 prints for both: no interleaved output
+    )
     proc = subprocess.run(
         mpi_command(2, "-c", code), capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
     )
