@@ -2,6 +2,7 @@
 
     mpiexec -n 2 mpihybrid bench train jobs/gpt_bench.toml
     mpiexec -n 2 mpihybrid bench train jobs/gpt_bench.toml --set train.schedule=1f1b --json
+    mpiexec -n 2 mpihybrid bench train jobs/gpt_bench.toml --against train.schedule=zb-h1
 
 Each repeat trains the job from scratch for `warmup + steps` steps and measures the last
 `steps` (rank 0's clock, from the start of the first measured step to the end of the last,
@@ -19,6 +20,9 @@ the per-step metrics collective included). Reported:
                    repeated on the same operands (the best a core can do).
     memory         peak resident set per rank; peak activations per stage, measured and
                    predicted by the schedule
+    against        (--against KEY=VALUE) the job with those overrides, run right after each
+                   repeat: its tokens/s, and this job's over it repeat by repeat (pairs in time
+                   cancel most of a drifting machine's noise)
 """
 
 from __future__ import annotations
@@ -248,15 +252,17 @@ def bench_train(
         "stages": stages,
         "peak_rss_bytes": [int(b) for b in peak_rss],
         "final_loss": float(summary.losses[-1]) if summary.losses else None,
-        "against": _against(against, other_walls, throughputs, steps * per_step),
+        "against": _against(against, other_walls, throughputs, steps),
     }
 
 
-def _against(against, walls: list[float], throughputs: list[float], units: float) -> dict | None:
+def _against(against, walls: list[float], throughputs: list[float], steps: int) -> dict | None:
     """The other job's throughput per repeat, and this job's over it, repeat by repeat."""
     if against is None:
         return None
-    theirs = [units / wall for wall in walls]
+    other = against[0]
+    tokens = other.data.seq_len if other.data.kind != "teacher" else 1
+    theirs = [steps * other.train.global_batch * tokens / wall for wall in walls]
     ratios = [mine / other for mine, other in zip(throughputs, theirs, strict=True)]
     return {
         "overrides": against[1],
