@@ -144,6 +144,11 @@ def _busy(events: np.ndarray, first: int, wall: float) -> tuple[dict, dict]:
     return per_rank, per_stage
 
 
+def _units_per_sample(job: Job) -> int:
+    """What throughput counts in one sample: its tokens (token data), or the sample itself."""
+    return job.data.seq_len if job.data.kind != "teacher" else 1
+
+
 def _bench_job(job: Job, steps: int) -> Job:
     return dataclasses.replace(
         job,
@@ -172,7 +177,7 @@ def bench_train(
     job = _bench_job(job, warmup + steps)
     other = _bench_job(against[0], warmup + steps) if against else None
     in_features, num_classes = task_dims(job.data)
-    tokens = job.data.seq_len if job.data.kind != "teacher" else 1
+    tokens = _units_per_sample(job)
     blocks = build_blocks(job.model, in_features, num_classes)
     rows = job.train.global_batch // (job.grid.dp * job.train.microbatches) * tokens
     gemms = model_gemms(blocks, rows)
@@ -261,8 +266,7 @@ def _against(against, walls: list[float], throughputs: list[float], steps: int) 
     if against is None:
         return None
     other = against[0]
-    tokens = other.data.seq_len if other.data.kind != "teacher" else 1
-    theirs = [steps * other.train.global_batch * tokens / wall for wall in walls]
+    theirs = [steps * other.train.global_batch * _units_per_sample(other) / wall for wall in walls]
     ratios = [mine / other for mine, other in zip(throughputs, theirs, strict=True)]
     return {
         "overrides": against[1],

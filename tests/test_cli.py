@@ -31,6 +31,15 @@ def test_schedule_show_prints_grid_bubble_and_memory():
     assert "s0:4" in result.output  # 1F1B keeps min(pp, M) activations on stage 0
 
 
+def test_schedule_show_early_grad_send_draws_the_split_backward():
+    args = ["schedule", "show", "--pp", "2", "-m", "4", "--early-grad-send"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "gradients sent before W" in result.output and "W3" in result.output
+    assert "simulated 0.143" in result.output  # 14 steps, 4 of them idle on the two ranks
+    assert "s0:2 s1:1" in result.output  # the schedule's own memory
+
+
 def test_schedule_show_all_compares_every_schedule():
     result = CliRunner().invoke(main, ["schedule", "show", "--all", "--pp", "4", "-m", "8"])
     assert result.exit_code == 0, result.output
