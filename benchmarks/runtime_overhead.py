@@ -20,12 +20,12 @@ import time
 from mpi4py import MPI
 
 from mpihybrid.config import load_job
-from mpihybrid.data import build_task, microbatches
-from mpihybrid.layers import SoftmaxCrossEntropy
-from mpihybrid.model import boundary_shapes, build_stage
-from mpihybrid.runtime import PipelineRuntime
-from mpihybrid.schedules import build_schedule, lower, stage_rank
-from mpihybrid.trace import KIND, Recorder
+from mpihybrid.nn.data import build_task, microbatches
+from mpihybrid.nn.layers import SoftmaxCrossEntropy
+from mpihybrid.nn.model import boundary_shapes, build_stage
+from mpihybrid.pipeline.runtime import PipelineRuntime
+from mpihybrid.pipeline.schedules import build_schedule, lower, stage_rank
+from mpihybrid.trace.recorder import KIND, Recorder
 
 TINY = [
     "model.kind='gpt'",

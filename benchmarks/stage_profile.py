@@ -17,12 +17,12 @@ import time
 
 import numpy as np
 
+from mpihybrid.comm.device import keep_freed_host_memory
 from mpihybrid.config import load_job
-from mpihybrid.data import build_task, microbatches
-from mpihybrid.device import keep_freed_host_memory
-from mpihybrid.model import build_stage
-from mpihybrid.optim import build_optimizer
-from mpihybrid.transformer import Residual
+from mpihybrid.nn.data import build_task, microbatches
+from mpihybrid.nn.model import build_stage
+from mpihybrid.nn.optim import build_optimizer
+from mpihybrid.nn.transformer import Residual
 
 
 def timed(layer, totals: dict) -> None:

@@ -16,8 +16,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid.config import load_job
-from mpihybrid.trace import KIND
-from mpihybrid.train import train
+from mpihybrid.trace.recorder import KIND
+from mpihybrid.train.loop import train
 
 
 def median_step_time(events: np.ndarray, skip: int = 1) -> float:

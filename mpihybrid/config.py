@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from mpihybrid.device import DEVICES
+from mpihybrid.comm.device import DEVICES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -283,7 +283,7 @@ def validate(job: Job) -> None:
         raise ConfigError(
             f"train.global_batch({t.global_batch}) > data.train_samples({d.train_samples})"
         )
-    from mpihybrid.schedules import ScheduleError, check_config
+    from mpihybrid.pipeline.schedules import ScheduleError, check_config
 
     try:
         check_config(t.schedule, g.pp, t.microbatches, t.virtual_stages)
@@ -295,7 +295,7 @@ def validate(job: Job) -> None:
 
 
 def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:
-    from mpihybrid.model import check_counts
+    from mpihybrid.nn.model import check_counts
 
     chunks = pp * virtual_stages
     formula = f"pp({pp}) * virtual_stages({virtual_stages}) = {chunks}"

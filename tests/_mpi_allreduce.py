@@ -24,8 +24,8 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.allreduce import RingAllreduce
-from mpihybrid.codecs import CODECS, get_codec
+from mpihybrid.comm.allreduce import RingAllreduce
+from mpihybrid.comm.codecs import CODECS, get_codec
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

@@ -45,7 +45,7 @@ class FakeCupy:
 
 
 def outcome(call) -> dict:
-    from mpihybrid.device import DeviceError
+    from mpihybrid.comm.device import DeviceError
 
     try:
         return call()
@@ -54,7 +54,7 @@ def outcome(call) -> dict:
 
 
 def select(device: str, cuda_aware, world, cupy: FakeCupy | None = None) -> dict:
-    from mpihybrid.device import select_backend
+    from mpihybrid.comm.device import select_backend
 
     def call() -> dict:
         b = select_backend(device, cuda_aware, world, _import_cupy=cupy and (lambda: cupy))
@@ -72,7 +72,7 @@ def ping_pong(world, rounds: int = 3) -> dict:
     """Even rank r sends to r + 1, which sends the message back, through forced host staging."""
     from mpi4py import MPI
 
-    from mpihybrid.device import Backend
+    from mpihybrid.comm.device import Backend
 
     backend = Backend("cpu", np, None, cuda_aware=False, staging=True)
     rank = world.Get_rank()
@@ -102,7 +102,7 @@ def ping_pong(world, rounds: int = 3) -> dict:
 def main() -> None:
     from mpi4py import MPI
 
-    from mpihybrid.device import detect_cuda_aware, local_rank
+    from mpihybrid.comm.device import detect_cuda_aware, local_rank
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()

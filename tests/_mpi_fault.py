@@ -9,7 +9,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mpi4py import MPI  # noqa: E402
 
-from mpihybrid import cli, model  # noqa: E402
+from mpihybrid import cli  # noqa: E402
+from mpihybrid.nn import model  # noqa: E402
 
 if MPI.COMM_WORLD.rank == 1:
     original = model.Stage.forward

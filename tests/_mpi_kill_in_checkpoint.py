@@ -10,7 +10,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mpi4py import MPI  # noqa: E402
 
-from mpihybrid import checkpoint, cli  # noqa: E402
+from mpihybrid import cli  # noqa: E402
+from mpihybrid.train import checkpoint  # noqa: E402
 
 if MPI.COMM_WORLD.rank == 1:
     original = checkpoint.save_rank

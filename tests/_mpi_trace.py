@@ -13,7 +13,8 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.trace import KINDS, Recorder, clock_offset, gather_events, load, write_trace
+from mpihybrid.trace.file import load, write_trace
+from mpihybrid.trace.recorder import KINDS, Recorder, clock_offset, gather_events
 
 
 def num_events(rank: int) -> int:

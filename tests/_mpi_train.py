@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from mpihybrid.config import load_job  # noqa: E402
-from mpihybrid.train import train  # noqa: E402
+from mpihybrid.train.loop import train  # noqa: E402
 from tests.serial_reference import train_serial  # noqa: E402
 
 
@@ -44,7 +44,7 @@ args = parser.parse_args()
 world = MPI.COMM_WORLD
 backend = None
 if args.fake_gpu:
-    from mpihybrid.device import select_backend
+    from mpihybrid.comm.device import select_backend
     from tests import fakegpu
 
     backend = select_backend("cuda", False, world, _import_cupy=lambda: fakegpu)

@@ -10,7 +10,7 @@ dispatch) hand back a plain host array, so the next operation that mixes it with
 raises: a call that would fail on CuPy fails here too.
 Copies between the two go through `.get()` / `.set()` / `asarray`, as with CuPy. The module
 itself is the array module (`xp`): `empty`, `zeros`, `arange`, ... make device arrays, and
-`cuda` has just enough of CuPy's CUDA namespace for mpihybrid.device. `counts` tallies the
+`cuda` has just enough of CuPy's CUDA namespace for mpihybrid.comm.device. `counts` tallies the
 host <-> device copies, so a test can see the staging path was taken.
 """
 
@@ -50,7 +50,7 @@ def _wrap(result):
 class DeviceArray(np.ndarray):
     """An array "on the GPU": numpy storage, CuPy's rules about the host."""
 
-    __module__ = __name__  # what mpihybrid.device.array_module looks up
+    __module__ = __name__  # what mpihybrid.comm.device.array_module looks up
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if "out" in kwargs:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpihybrid.data import build_task
-from mpihybrid.layers import SoftmaxCrossEntropy
-from mpihybrid.model import build_stage
-from mpihybrid.optim import build_optimizer
+from mpihybrid.nn.data import build_task
+from mpihybrid.nn.layers import SoftmaxCrossEntropy
+from mpihybrid.nn.model import build_stage
+from mpihybrid.nn.optim import build_optimizer
 
 
 def train_serial(job) -> tuple[np.ndarray, list[float]]:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from mpihybrid.codecs import CODECS, get_codec
+from mpihybrid.comm.codecs import CODECS, get_codec
 from tests.mpirun import run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -71,7 +71,7 @@ def test_ring_allreduce(dp: int) -> None:
 
 
 def test_bench_runs_every_codec_against_mpi() -> None:
-    argv = "-m mpihybrid.bench --sizes 4K,64K --repeats 2 --warmup 1".split()
+    argv = "-m mpihybrid.cli.bench --sizes 4K,64K --repeats 2 --warmup 1".split()
     proc = run_mpi(2, *argv, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [
@@ -89,7 +89,7 @@ def test_bench_runs_every_codec_against_mpi() -> None:
 
 
 def test_bench_table_and_sizes() -> None:
-    from mpihybrid.bench import format_table, parse_size
+    from mpihybrid.cli.bench import format_table, parse_size
 
     sizes = {"4096": 4096, "4K": 4096, "16M": 16 * 2**20, "1G": 2**30, "64KiB": 65536}
     assert {text: parse_size(text) for text in sizes} == sizes

@@ -9,13 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-from mpihybrid.analysis import analyze, bubble_summary, match_messages
-from mpihybrid.analysis_report import format_analysis
+from mpihybrid.analysis.metrics import analyze, bubble_summary, match_messages
+from mpihybrid.analysis.report import format_analysis
 from mpihybrid.config import load_job
-from mpihybrid.model import build_stage
-from mpihybrid.schedules import build_schedule, lower, stage_rank
-from mpihybrid.simulate import Costs, bubble_formula, peak_inflight, simulate
-from mpihybrid.trace import EVENT_DTYPE, KIND, Trace, load
+from mpihybrid.nn.model import build_stage
+from mpihybrid.pipeline.schedules import build_schedule, lower, stage_rank
+from mpihybrid.pipeline.simulate import Costs, bubble_formula, peak_inflight, simulate
+from mpihybrid.trace.file import Trace, load
+from mpihybrid.trace.recorder import EVENT_DTYPE, KIND
 from tests.mpirun import ROOT, run_mpi
 
 PP, DP, M, STEPS = 2, 2, 4, 3
@@ -169,7 +170,8 @@ def test_format_and_json(run):
 def test_importable_without_mpi():
     code = (
         "import sys; sys.modules['mpi4py'] = None\n"
-        "import mpihybrid.analysis, mpihybrid.timeline, mpihybrid.export, mpihybrid.cli_trace\n"
+        "import mpihybrid.analysis.metrics, mpihybrid.analysis.timeline\n"
+        "import mpihybrid.analysis.export, mpihybrid.cli.trace\n"
         "print('ok')"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

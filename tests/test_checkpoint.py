@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpihybrid import checkpoint
-from mpihybrid.trace import load
+from mpihybrid.trace.file import load
+from mpihybrid.train import checkpoint
 from tests.mpirun import ROOT, mpi_command, mpi_env, run_mpi
 
 pytestmark = pytest.mark.mpi

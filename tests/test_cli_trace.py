@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mpihybrid.analysis import analyze
+from mpihybrid.analysis.metrics import analyze
 from mpihybrid.cli import main
-from mpihybrid.trace import KIND, load, write_trace
+from mpihybrid.trace.file import load, write_trace
+from mpihybrid.trace.recorder import KIND
 from tests.mpirun import ROOT, run_mpi
 
 PP, DP, M, V, STEPS = 2, 2, 4, 2, 3  # interleaved: one stage sends both ways to the same peer

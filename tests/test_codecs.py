@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpihybrid.codecs import CODECS, get_codec
+from mpihybrid.comm.codecs import CODECS, get_codec
 
 
 def roundtrip(name: str, x: np.ndarray, **kw) -> tuple[np.ndarray, np.ndarray]:

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mpihybrid import device
-from mpihybrid.device import CUPY_MISSING, Backend
+from mpihybrid.comm import device
+from mpihybrid.comm.device import CUPY_MISSING, Backend
 from tests.mpirun import run_mpi
 
 

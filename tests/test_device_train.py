@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mpihybrid import checkpoint
 from mpihybrid.config import ConfigError, load_job
-from mpihybrid.layers import SoftmaxCrossEntropy
-from mpihybrid.model import build_stage
-from mpihybrid.optim import build_optimizer
+from mpihybrid.nn.layers import SoftmaxCrossEntropy
+from mpihybrid.nn.model import build_stage
+from mpihybrid.nn.optim import build_optimizer
+from mpihybrid.train import checkpoint
 from tests import fakegpu
 from tests.mpirun import run_mpi
 
@@ -70,7 +70,7 @@ def _one_step(job, stage, xp_asarray, x, y) -> tuple[float, int]:
 )
 def test_a_stage_on_the_device_matches_numpy_bit_for_bit(job_file, overrides):
     job = load_job(job_file, [*overrides, "train.weight_decay=0.01"], 1)
-    from mpihybrid.data import task_dims
+    from mpihybrid.nn.data import task_dims
 
     in_features, num_classes = task_dims(job.data)
     rng = np.random.default_rng(0)
@@ -94,7 +94,7 @@ def test_a_stage_on_the_device_matches_numpy_bit_for_bit(job_file, overrides):
 
 def test_checkpoint_of_device_arrays_round_trips(tmp_path):
     job = load_job("jobs/gpt_learn.toml", ["grid.pp=1", "model.depth=1"], 1)
-    from mpihybrid.data import task_dims
+    from mpihybrid.nn.data import task_dims
 
     dims = task_dims(job.data)
     saved = build_stage(job.model, *dims, 0, 1, seed=0)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from mpihybrid.config import ConfigError, DataConfig, build_job, load_job, parse_override, resolve
-from mpihybrid.data import TokenTask, build_task, microbatches, task_dims
-from mpihybrid.layers import GELU, LayerNorm, Linear, SoftmaxCrossEntropy
-from mpihybrid.model import (
+from mpihybrid.nn.data import TokenTask, build_task, microbatches, task_dims
+from mpihybrid.nn.layers import GELU, LayerNorm, Linear, SoftmaxCrossEntropy
+from mpihybrid.nn.model import (
     Stage,
     block_costs,
     boundary_shapes,
@@ -24,7 +24,7 @@ from mpihybrid.model import (
     check_counts,
     chunk_ranges,
 )
-from mpihybrid.transformer import GPT_INIT_STD, CausalAttention, Embedding, Residual
+from mpihybrid.nn.transformer import GPT_INIT_STD, CausalAttention, Embedding, Residual
 from tests.mpirun import run_mpi
 from tests.test_layers import numeric_grad
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from mpihybrid.layers import GELU, Layer, LayerNorm, Linear, ReLU, SoftmaxCrossEntropy
+from mpihybrid.nn.layers import GELU, Layer, LayerNorm, Linear, ReLU, SoftmaxCrossEntropy
 
 # B = rows, C = features, K = classes
 B, C_IN, C_OUT = 4, 5, 3

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mpihybrid.layers import GELU, LayerNorm, Linear, ReLU, SoftmaxCrossEntropy
-from mpihybrid.model import (
+from mpihybrid.nn.layers import GELU, LayerNorm, Linear, ReLU, SoftmaxCrossEntropy
+from mpihybrid.nn.model import (
     Stage,
     block_num_params,
     build_blocks,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mpihybrid.schedules import (
+from mpihybrid.pipeline.schedules import (
     SCHEDULES,
     Action,
     ScheduleError,
@@ -19,7 +19,14 @@ from mpihybrid.schedules import (
     stage_rank,
     validate,
 )
-from mpihybrid.simulate import Costs, bubble_formula, compare, describe, render_grid, simulate
+from mpihybrid.pipeline.simulate import (
+    Costs,
+    bubble_formula,
+    compare,
+    describe,
+    render_grid,
+    simulate,
+)
 from tests.mpirun import ROOT
 
 EQUAL = Costs(forward=1.0, backward=1.0, weight=1.0)  # F = B = W; an unsplit B costs 2
@@ -286,6 +293,6 @@ def test_describe_and_compare():
 
 
 def test_simulator_names_import_from_schedules_in_either_order():
-    for first in ("mpihybrid.simulate", "mpihybrid.schedules"):
-        code = f"import {first}; from mpihybrid.schedules import describe, render_grid, Costs"
+    for first in ("mpihybrid.pipeline.simulate", "mpihybrid.pipeline.schedules"):
+        code = f"import {first}; from mpihybrid.pipeline.schedules import describe, render_grid, Costs"
         subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=30)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from mpihybrid.config import load_job
-from mpihybrid.trace import load
+from mpihybrid.trace.file import load
 from tests.mpirun import ROOT, run_mpi
 from tests.slurm_cluster import slurm_cluster, unavailable_reason
 
@@ -46,7 +46,7 @@ def test_a100_jobs_validate_for_16_ranks():
 def test_a100_gpt_job_fits_an_a100_per_rank():
     """The sizes its comment states: 780 M parameters, at most 221 M on one stage (3.5 GB of
     parameters, gradient and AdamW moments), on the GPU."""
-    from mpihybrid.model import block_num_params, build_blocks, chunk_ranges
+    from mpihybrid.nn.model import block_num_params, build_blocks, chunk_ranges
 
     job = load_job(ROOT / "jobs" / "a100_gpt.toml", [], 16)
     assert (job.grid.pp, job.grid.dp, job.grid.device) == (4, 4, "cuda")

@@ -10,9 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from mpihybrid.config import ConfigError, build_job, resolve
-from mpihybrid.simulate import bubble_formula
-from mpihybrid.sweep import (
+from mpihybrid.cli.sweep import (
     COLUMNS,
     PLOTS,
     Cell,
@@ -26,7 +24,9 @@ from mpihybrid.sweep import (
     step_times,
     write_csv,
 )
-from mpihybrid.trace import EVENT_DTYPE, KIND
+from mpihybrid.config import ConfigError, build_job, resolve
+from mpihybrid.pipeline.simulate import bubble_formula
+from mpihybrid.trace.recorder import EVENT_DTYPE, KIND
 from tests.mpirun import run_mpi
 
 TINY_JOB = """

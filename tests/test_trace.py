@@ -8,17 +8,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mpihybrid.trace import (
-    EVENT_DTYPE,
-    KIND,
-    KINDS,
-    SCHEMA_VERSION,
-    Recorder,
-    TraceError,
-    check_writable,
-    load,
-    write_trace,
-)
+from mpihybrid.trace.file import SCHEMA_VERSION, TraceError, check_writable, load, write_trace
+from mpihybrid.trace.recorder import EVENT_DTYPE, KIND, KINDS, Recorder
 from tests.mpirun import run_mpi
 
 CONFIG = '[grid]\npp = 2\ndp = 2\n\n[train]\nschedule = "1f1b"\nsteps = 3\n'

@@ -7,7 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from mpihybrid.trace import KIND, load
+from mpihybrid.trace.file import load
+from mpihybrid.trace.recorder import KIND
 from tests.mpirun import run_mpi
 
 pytestmark = pytest.mark.mpi

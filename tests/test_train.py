@@ -122,7 +122,8 @@ def test_seed_job_learns_and_int8_tracks_fp32():
 
 
 def test_trace_holds_every_event_the_schedule_implies(tmp_path):
-    from mpihybrid.trace import KIND, load
+    from mpihybrid.trace.file import load
+    from mpihybrid.trace.recorder import KIND
 
     path = tmp_path / "run.h5"
     steps, m, pp, dp = 3, 4, 2, 2

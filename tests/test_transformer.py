@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from mpihybrid.layers import GELU, Layer, LayerNorm, Linear
-from mpihybrid.transformer import CausalAttention, Embedding, Residual
+from mpihybrid.nn.layers import GELU, Layer, LayerNorm, Linear
+from mpihybrid.nn.transformer import CausalAttention, Embedding, Residual
 from tests.test_layers import assert_weight_grads_accumulate, bound, numeric_grad
 
 # b = sequences, T = tokens per sequence, C = width, h = heads, V = vocabulary

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mpihybrid.cli.sweep import medians, row_label
 from mpihybrid.config import ConfigError
-from mpihybrid.sweep import medians, row_label
 
 
 def import_pyplot():

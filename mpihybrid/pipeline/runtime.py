@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.device import CPU, Backend
-from mpihybrid.layers import SoftmaxCrossEntropy
-from mpihybrid.schedules import Action, stage_rank
-from mpihybrid.trace import KIND, Recorder
+from mpihybrid.comm.device import CPU, Backend
+from mpihybrid.nn.layers import SoftmaxCrossEntropy
+from mpihybrid.pipeline.schedules import Action, stage_rank
+from mpihybrid.trace.recorder import KIND, Recorder
 
 # b = micro-batch size; shapes of the tensors crossing each stage boundary come from the model
 

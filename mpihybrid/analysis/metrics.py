@@ -18,7 +18,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from mpihybrid.trace import KIND, KINDS, Trace
+from mpihybrid.trace.file import Trace
+from mpihybrid.trace.recorder import KIND, KINDS
 
 COMPUTE = {KIND["forward"]: "F", KIND["backward"]: "B", KIND["weight"]: "W"}
 # the columns of the time split, in table order; "recv" is time blocked waiting for a message
@@ -152,8 +153,8 @@ def bubble_summary(
     cross-rank dependency.
     Returns {"measured", "predicted", "per_rank": {rank: measured}, "costs", "steps"}.
     """
-    from mpihybrid.schedules import build_schedule
-    from mpihybrid.simulate import Costs, simulate
+    from mpihybrid.pipeline.schedules import build_schedule
+    from mpihybrid.pipeline.simulate import Costs, simulate
 
     compute = events[np.isin(events["kind"], list(COMPUTE))]
     steps = _measured_steps(compute, skip_steps)
@@ -208,8 +209,8 @@ def flat_config(trace: Trace) -> dict[str, object]:
 def _stage_param_counts(trace: Trace, num_stages: int) -> list[int] | None:
     """Parameters of every stage, rebuilt from the job (the all-reduce moves them as fp32)."""
     from mpihybrid.config import ConfigError, build_job
-    from mpihybrid.data import task_dims
-    from mpihybrid.model import block_num_params, build_blocks, chunk_ranges
+    from mpihybrid.nn.data import task_dims
+    from mpihybrid.nn.model import block_num_params, build_blocks, chunk_ranges
 
     try:
         table = tomllib.loads(trace.config)
@@ -287,8 +288,8 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     Times are seconds summed over the whole run (stage rows: over all replicas of the stage);
     step time, bubble, costs and all-reduce bandwidth leave out the first `skip_steps` steps.
     """
-    from mpihybrid.schedules import build_schedule
-    from mpihybrid.simulate import BUBBLE_FORMULAS, bubble_formula, peak_inflight
+    from mpihybrid.pipeline.schedules import build_schedule
+    from mpihybrid.pipeline.simulate import BUBBLE_FORMULAS, bubble_formula, peak_inflight
 
     ev, attrs = trace.events, trace.attrs
     config = flat_config(trace)

@@ -17,31 +17,26 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid import __version__, checkpoint
-from mpihybrid.allreduce import RingAllreduce
-from mpihybrid.codecs import get_codec
-from mpihybrid.config import Job, to_toml
-from mpihybrid.data import build_task, microbatches
-from mpihybrid.device import (
+from mpihybrid import __version__
+from mpihybrid.comm.allreduce import RingAllreduce
+from mpihybrid.comm.codecs import get_codec
+from mpihybrid.comm.device import (
     Backend,
     copy_from_host,
     host_array,
     keep_freed_host_memory,
     select_backend,
 )
-from mpihybrid.grid import ProcessGrid
-from mpihybrid.model import boundary_shapes, build_stage
-from mpihybrid.optim import build_optimizer
-from mpihybrid.runtime import PipelineRuntime, forward_only
-from mpihybrid.schedules import build_schedule, lower, stage_rank
-from mpihybrid.trace import (
-    KIND,
-    Recorder,
-    StepRecorder,
-    clock_offset,
-    gather_events,
-    write_trace,
-)
+from mpihybrid.comm.grid import ProcessGrid
+from mpihybrid.config import Job, to_toml
+from mpihybrid.nn.data import build_task, microbatches
+from mpihybrid.nn.model import boundary_shapes, build_stage
+from mpihybrid.nn.optim import build_optimizer
+from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
+from mpihybrid.pipeline.schedules import build_schedule, lower, stage_rank
+from mpihybrid.trace.file import write_trace
+from mpihybrid.trace.recorder import KIND, Recorder, StepRecorder, clock_offset, gather_events
+from mpihybrid.train import checkpoint
 
 log = logging.getLogger("mpihybrid")
 
@@ -340,8 +335,8 @@ def _bytes_sent(world, runtime, rings) -> dict[str, int]:
 
 def grid_as_run(events: np.ndarray, pp: int, v: int, step: int) -> str:
     """The step x rank grid of what actually ran in `step` (replica 0), ordered by start time."""
-    from mpihybrid.schedules import render_grid
-    from mpihybrid.timeline import actions_as_run
+    from mpihybrid.analysis.timeline import actions_as_run
+    from mpihybrid.pipeline.schedules import render_grid
 
     return render_grid(actions_as_run(events, pp, v, step), v)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpihybrid.device import array_module
+from mpihybrid.comm.device import array_module
 
 
 class SGD:

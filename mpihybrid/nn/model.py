@@ -23,8 +23,8 @@ import math
 
 import numpy as np
 
-from mpihybrid.layers import GELU, Layer, LayerNorm, Linear, ReLU
-from mpihybrid.transformer import GPT_INIT_STD, CausalAttention, Embedding, Residual
+from mpihybrid.nn.layers import GELU, Layer, LayerNorm, Linear, ReLU
+from mpihybrid.nn.transformer import GPT_INIT_STD, CausalAttention, Embedding, Residual
 
 # B = rows of a micro-batch, C = features, K = classes; gpt: T = tokens per sequence
 

@@ -37,10 +37,10 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid.config import Job, to_toml
-from mpihybrid.data import task_dims
-from mpihybrid.layers import Layer, Linear
-from mpihybrid.model import block_costs, build_blocks
-from mpihybrid.transformer import CausalAttention, Residual
+from mpihybrid.nn.data import task_dims
+from mpihybrid.nn.layers import Layer, Linear
+from mpihybrid.nn.model import block_costs, build_blocks
+from mpihybrid.nn.transformer import CausalAttention, Residual
 
 # a GEMM: (batch, m, k, n) = `batch` products of (m, k) @ (k, n)
 Gemm = tuple[int, int, int, int]
@@ -107,8 +107,8 @@ def hot_gemm_rate(gemm: Gemm, seconds: float = 0.3) -> float:
 
 def _as_trace(job: Job, summary, world_size: int):
     """The run as an in-memory Trace, so the analysis of `mpihybrid analyze` applies as is."""
-    from mpihybrid.trace import Trace
-    from mpihybrid.train import layout_attrs
+    from mpihybrid.trace.file import Trace
+    from mpihybrid.train.loop import layout_attrs
 
     steps = {"loss": np.array(summary.losses), "accuracy": np.array(summary.accuracies)}
     return Trace(summary.events, steps, to_toml(job), layout_attrs(job, world_size))
@@ -116,7 +116,7 @@ def _as_trace(job: Job, summary, world_size: int):
 
 def _measured_wall(events: np.ndarray, first: int) -> tuple[float, list[float]]:
     """Rank 0's wall time from the start of step `first` to the end of the last step."""
-    from mpihybrid.trace import KIND
+    from mpihybrid.trace.recorder import KIND
 
     rows = events[(events["kind"] == KIND["step"]) & (events["rank"] == 0)]
     rows = rows[rows["step"] >= first]
@@ -130,7 +130,7 @@ def _measured_wall(events: np.ndarray, first: int) -> tuple[float, list[float]]:
 def _busy(events: np.ndarray, first: int, wall: float) -> tuple[dict, dict]:
     """Compute time (forward, backward, weight, optimizer) of the measured steps / wall time,
     per rank and per stage (a stage's replicas summed)."""
-    from mpihybrid.trace import KIND
+    from mpihybrid.trace.recorder import KIND
 
     kinds = [KIND[k] for k in ("forward", "backward", "weight", "optimizer")]
     rows = events[np.isin(events["kind"], kinds) & (events["step"] >= first)]
@@ -171,8 +171,8 @@ def bench_train(
     against: (another job, the overrides that made it): each repeat also runs that job, right
     after this one, so the two are compared pair by pair under the same machine drift.
     """
-    from mpihybrid.analysis import analyze
-    from mpihybrid.train import train
+    from mpihybrid.analysis.metrics import analyze
+    from mpihybrid.train.loop import train
 
     job = _bench_job(job, warmup + steps)
     other = _bench_job(against[0], warmup + steps) if against else None
@@ -278,7 +278,7 @@ def _against(against, walls: list[float], throughputs: list[float], steps: int) 
 
 
 def format_bench(result: dict) -> str:
-    from mpihybrid.report import human_bytes
+    from mpihybrid.train.report import human_bytes
 
     j, unit = result["job"], result["unit"]
     g = 1e9

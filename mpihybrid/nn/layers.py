@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from mpihybrid.device import array_module
+from mpihybrid.comm.device import array_module
 
 # B = rows (all leading dimensions flattened), C = features, K = classes
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.codecs import Codec
+from mpihybrid.comm.codecs import Codec
 
 # the ring's message tags on dp_comm (its own communicator: no clash with pipeline tags)
 TAG_REDUCE_SCATTER = 101

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from mpihybrid.cli import EXIT_USAGE
+from mpihybrid.cli.commands import EXIT_USAGE
 
 # keys every run has its own value for: not a difference worth a row
 _NOT_COMPARED = ("trace.path", "trace.overwrite")
@@ -25,7 +25,7 @@ def _fail(message: str) -> None:
 
 
 def _load(path: str):
-    from mpihybrid.trace import TraceError, load
+    from mpihybrid.trace.file import TraceError, load
 
     try:
         return load(path)
@@ -34,8 +34,8 @@ def _load(path: str):
 
 
 def _analyze(trace, path: str) -> dict:
-    from mpihybrid.analysis import analyze as run_analysis
-    from mpihybrid.schedules import ScheduleError
+    from mpihybrid.analysis.metrics import analyze as run_analysis
+    from mpihybrid.pipeline.schedules import ScheduleError
 
     try:
         return run_analysis(trace)
@@ -59,7 +59,7 @@ def analyze(run, as_json) -> None:
     bubble measured vs predicted, bytes, all-reduce algbw/busbw, throughput, activation memory."""
     import json
 
-    from mpihybrid.analysis_report import format_analysis
+    from mpihybrid.analysis.report import format_analysis
 
     result = _analyze(_load(run), run)
     if as_json:
@@ -79,7 +79,7 @@ def analyze(run, as_json) -> None:
 def timeline(run, output, step, step_span, as_ascii, replica, overwrite) -> None:
     """Gantt chart of RUN.h5: one row per rank, a colour per event kind, micro-batch numbers on
     the F/B/W bars; or, with --ascii, the step x rank grid of the order each rank ran."""
-    from mpihybrid.timeline import ascii_timeline, step_range, write_png
+    from mpihybrid.analysis.timeline import ascii_timeline, step_range, write_png
 
     if step is not None and step_span is not None:
         _fail("give --step or --steps, not both")
@@ -120,7 +120,7 @@ def timeline(run, output, step, step_span, as_ascii, replica, overwrite) -> None
 def export(run, fmt, output, overwrite) -> None:
     """Export RUN.h5 for other tools: Chrome/Perfetto JSON (a process per rank, flow arrows from
     each send to its receive) or CSV."""
-    from mpihybrid.export import export as write_export
+    from mpihybrid.analysis.export import export as write_export
 
     if Path(output).exists() and not overwrite:
         _fail(f"{output} already exists (--overwrite replaces it)")
@@ -134,9 +134,9 @@ def export(run, fmt, output, overwrite) -> None:
 def compare(runs) -> None:
     """Compare runs side by side: the settings that differ, then step time, bubble, bytes,
     throughput and accuracy, each with its ratio to the first run."""
-    from mpihybrid.analysis import flat_config
-    from mpihybrid.analysis_report import table
-    from mpihybrid.report import human_bytes
+    from mpihybrid.analysis.metrics import flat_config
+    from mpihybrid.analysis.report import table
+    from mpihybrid.train.report import human_bytes
 
     if len(runs) < 2:
         _fail("compare needs at least two traces")

@@ -31,11 +31,11 @@ class LazyGroup(click.Group):
     """Commands living in other modules load on first use (keeps `--help` and `train` fast)."""
 
     lazy = {
-        "analyze": "mpihybrid.cli_trace:analyze",
-        "timeline": "mpihybrid.cli_trace:timeline",
-        "export": "mpihybrid.cli_trace:export",
-        "compare": "mpihybrid.cli_trace:compare",
-        "sweep": "mpihybrid.sweep:sweep",
+        "analyze": "mpihybrid.cli.trace:analyze",
+        "timeline": "mpihybrid.cli.trace:timeline",
+        "export": "mpihybrid.cli.trace:export",
+        "compare": "mpihybrid.cli.trace:compare",
+        "sweep": "mpihybrid.cli.sweep:sweep",
     }
 
     def list_commands(self, ctx):
@@ -76,9 +76,9 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume) -> None:
     """Train JOB_FILE (TOML; the embedded default job when omitted) on every rank of mpiexec."""
     from mpi4py import MPI
 
-    from mpihybrid.checkpoint import CheckpointError
+    from mpihybrid.comm.device import DeviceError
     from mpihybrid.config import ConfigError, load_job
-    from mpihybrid.device import DeviceError
+    from mpihybrid.train.checkpoint import CheckpointError
 
     world = MPI.COMM_WORLD
     overrides = list(overrides)
@@ -92,7 +92,7 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume) -> None:
     try:
         job = load_job(job_file, overrides, world.Get_size())
         if world.rank == 0 and job.trace.path:
-            from mpihybrid.trace import check_writable
+            from mpihybrid.trace.file import check_writable
 
             check_writable(job.trace.path, job.trace.overwrite)
         if world.rank == 0:
@@ -106,9 +106,9 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume) -> None:
     exit_on_any_error(world, error)
 
     _setup_logging(world.rank, quiet)
-    from mpihybrid.report import format_report
-    from mpihybrid.train import Preempted
-    from mpihybrid.train import train as run_training
+    from mpihybrid.train.loop import Preempted
+    from mpihybrid.train.loop import train as run_training
+    from mpihybrid.train.report import format_report
 
     resume_from = world.bcast(resume_from, root=0)
     try:
@@ -144,7 +144,7 @@ def _find_checkpoint(job, required: bool) -> str | None:
     """The newest complete checkpoint to resume from, checked against the job (rank 0)."""
     from pathlib import Path
 
-    from mpihybrid import checkpoint
+    from mpihybrid.train import checkpoint
 
     root = job.checkpoint.dir
     path = checkpoint.latest(root) if root else None
@@ -202,7 +202,7 @@ def schedule() -> None:
 )
 def schedule_show(name, pp, microbatches, virtual, show_all, early_grad_send) -> None:
     """Print a schedule's step x rank grid, predicted bubble and peak activations."""
-    from mpihybrid.schedules import ScheduleError, compare, describe
+    from mpihybrid.pipeline.schedules import ScheduleError, compare, describe
 
     try:
         if show_all:
@@ -232,9 +232,9 @@ def bench_allreduce(sizes, codecs, repeats) -> None:
     """Hand-written ring vs MPI's own Allreduce: time, algbw, busbw, bytes on the wire."""
     from mpi4py import MPI
 
-    from mpihybrid.bench import bench_allreduce as run
-    from mpihybrid.bench import format_table, parse_size
-    from mpihybrid.codecs import CODECS
+    from mpihybrid.cli.bench import bench_allreduce as run
+    from mpihybrid.cli.bench import format_table, parse_size
+    from mpihybrid.comm.codecs import CODECS
 
     rank = MPI.COMM_WORLD.rank
     try:
@@ -291,8 +291,8 @@ def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json) -
     except ConfigError as exc:
         error = str(exc)
     exit_on_any_error(world, error)
-    from mpihybrid.bench_train import bench_train as run
-    from mpihybrid.bench_train import format_bench
+    from mpihybrid.cli.bench_train import bench_train as run
+    from mpihybrid.cli.bench_train import format_bench
 
     try:
         result = run(job, world, warmup, steps, repeats, other)

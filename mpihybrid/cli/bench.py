@@ -1,7 +1,7 @@
 """All-reduce benchmark: the hand-written ring (each codec) against MPI's own Allreduce.
 
-    mpiexec -n 4 python -m mpihybrid.bench
-    mpiexec -n 4 python -m mpihybrid.bench --sizes 1M,16M --codecs fp32,int8 --repeats 10
+    mpiexec -n 4 python -m mpihybrid.cli.bench
+    mpiexec -n 4 python -m mpihybrid.cli.bench --sizes 1M,16M --codecs fp32,int8 --repeats 10
 
 Both sum the same float32 buffer in the same process. Definitions follow nccl-tests:
     time   median over repeats of the slowest rank's time for one call
@@ -21,8 +21,8 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.allreduce import RingAllreduce
-from mpihybrid.codecs import CODECS, get_codec
+from mpihybrid.comm.allreduce import RingAllreduce
+from mpihybrid.comm.codecs import CODECS, get_codec
 
 DEFAULT_SIZES = [4096 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB
 
@@ -151,7 +151,7 @@ def parse_size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m mpihybrid.bench", description="ring all-reduce vs MPI Allreduce"
+        prog="python -m mpihybrid.cli.bench", description="ring all-reduce vs MPI Allreduce"
     )
     parser.add_argument("--sizes", default=None, help="comma list, e.g. 4K,1M,64M")
     parser.add_argument("--codecs", default=",".join(CODECS), help="comma list of codecs")

@@ -20,8 +20,8 @@ import math
 
 import numpy as np
 
-from mpihybrid.device import array_module
-from mpihybrid.layers import Layer
+from mpihybrid.comm.device import array_module
+from mpihybrid.nn.layers import Layer
 
 GPT_INIT_STD = 0.02  # GPT-2's initialisation of embeddings and linear weights
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import click
 import numpy as np
 
+from mpihybrid.analysis.export import write_atomic
 from mpihybrid.config import SCHEDULES, ConfigError, Job, load_job, resolve
-from mpihybrid.export import write_atomic
-from mpihybrid.trace import KIND
+from mpihybrid.trace.recorder import KIND
 
 PLOTS = ("throughput.png", "speedup.png", "bubble.png", "memory.png")
 COLUMNS = (
@@ -164,9 +164,9 @@ def peak_activation_bytes(events: np.ndarray, step: int) -> int:
 
 def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> dict:
     """One CSV row from a finished run's Summary."""
-    from mpihybrid.analysis import bubble_summary
-    from mpihybrid.schedules import build_schedule
-    from mpihybrid.simulate import bubble_formula, peak_inflight
+    from mpihybrid.analysis.metrics import bubble_summary
+    from mpihybrid.pipeline.schedules import build_schedule
+    from mpihybrid.pipeline.simulate import bubble_formula, peak_inflight
 
     g, t = job.grid, job.train
     name, m, v = cell.schedule, cell.microbatches, cell.virtual_stages
@@ -226,7 +226,7 @@ def run_sweep(
 ) -> list[dict] | None:
     """Train every cell `repeats` times (repeat-major, so drift spreads over all cells); rank 0
     returns one row per run, the other ranks None."""
-    from mpihybrid.train import train
+    from mpihybrid.train.loop import train
 
     rows, total = [], repeats * len(cells)
     for repeat in range(repeats):
@@ -388,7 +388,7 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
     echo = click.echo if world.rank == 0 else (lambda _text: None)
     # Every rank checks the same inputs (rank 0 also the file system) and all agree on the first
     # error, so a bad sweep stops everywhere before any training message is sent.
-    from mpihybrid.device import DeviceError, select_backend
+    from mpihybrid.comm.device import DeviceError, select_backend
 
     error, cells, notes, backend = None, [], [], None
     try:
@@ -411,13 +411,13 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
         if world.rank == 0:
             check_output(Path(output), overwrite)
             if plots:
-                from mpihybrid.sweep_plots import import_pyplot, make_directory
+                from mpihybrid.cli.sweep_plots import import_pyplot, make_directory
 
                 import_pyplot()
                 make_directory(Path(plots))
     except (ConfigError, DeviceError) as exc:
         error = str(exc)
-    from mpihybrid.cli import exit_on_any_error
+    from mpihybrid.cli.commands import exit_on_any_error
 
     exit_on_any_error(world, error)
 
@@ -431,7 +431,7 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
             echo(format_table(rows))
             echo(f"\n{len(rows)} runs -> {output}")
             if plots:
-                from mpihybrid.sweep_plots import write_plots
+                from mpihybrid.cli.sweep_plots import write_plots
 
                 for path in write_plots(rows, Path(plots)):
                     echo(f"plot -> {path}")

@@ -24,7 +24,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from mpihybrid.device import copy_from_host, host_array
+from mpihybrid.comm.device import copy_from_host, host_array
 
 log = logging.getLogger("mpihybrid")
 

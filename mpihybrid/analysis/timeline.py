@@ -14,10 +14,11 @@ import os
 
 import numpy as np
 
-from mpihybrid.analysis import COMPUTE
-from mpihybrid.export import write_atomic
-from mpihybrid.schedules import Action, stage_rank
-from mpihybrid.trace import KIND, Trace
+from mpihybrid.analysis.export import write_atomic
+from mpihybrid.analysis.metrics import COMPUTE
+from mpihybrid.pipeline.schedules import Action, stage_rank
+from mpihybrid.trace.file import Trace
+from mpihybrid.trace.recorder import KIND
 
 WIDTH_PX, HEADER_PX, ROW_PX, DPI = 1400, 150, 50, 100
 COLOURS = {
@@ -175,7 +176,7 @@ def actions_as_run(
 def ascii_timeline(trace: Trace, step: int, replica: int = 0) -> str:
     """The step x rank grid of what replica `replica` ran in `step`: each pp rank's F/B/W in
     the order they started, drawn by schedules.render_grid (one grid step per action)."""
-    from mpihybrid.simulate import render_grid
+    from mpihybrid.pipeline.simulate import render_grid
 
     pp = int(trace.attrs.get("pp", 1))
     v = int(trace.attrs.get("virtual_stages", 1))

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mpihybrid.schedules import (
+from mpihybrid.pipeline.schedules import (
     SCHEDULES,
     Action,
     ScheduleError,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpihybrid.analysis import SPLIT
+from mpihybrid.analysis.metrics import SPLIT
 
 
 def _rate(bytes_per_s: float | None) -> str:
@@ -30,7 +30,7 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def format_analysis(result: dict) -> str:
     """analyze()'s result as text tables (times per step in ms unless marked)."""
-    from mpihybrid.report import human_bytes
+    from mpihybrid.train.report import human_bytes
 
     run, st, bubble = result["run"], result["step_time"], result["bubble"]
     n = max(run["steps"], 1)

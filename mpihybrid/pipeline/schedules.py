@@ -407,7 +407,7 @@ _SIMULATE_NAMES |= {"render_grid", "describe", "compare"}
 def __getattr__(name: str):
     # the timing model lives in simulate.py, which imports this module; one import path for callers
     if name in _SIMULATE_NAMES:
-        from mpihybrid import simulate
+        from mpihybrid.pipeline import simulate
 
         return getattr(simulate, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mpihybrid.analysis import COMPUTE, match_messages
-from mpihybrid.trace import KIND, KINDS, Trace
+from mpihybrid.analysis.metrics import COMPUTE, match_messages
+from mpihybrid.trace.file import Trace
+from mpihybrid.trace.recorder import KIND, KINDS
 
 # tid 0 carries the work (compute, messages, all-reduce, optimizer), tid 1 the whole steps:
 # complete events on one thread must nest, and a step encloses everything its rank did
