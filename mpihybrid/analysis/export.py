@@ -12,14 +12,13 @@ import csv
 import io
 import json
 import os
-import secrets
-from pathlib import Path
 
 import numpy as np
 
-from mpihybrid.analysis.metrics import COMPUTE, match_messages
+from mpihybrid.analysis.metrics import match_messages
+from mpihybrid.files import write_atomic
 from mpihybrid.trace.file import Trace
-from mpihybrid.trace.recorder import KIND, KINDS
+from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS
 
 # tid 0 carries the work (compute, messages, all-reduce, optimizer), tid 1 the whole steps:
 # complete events on one thread must nest, and a step encloses everything its rank did
@@ -28,31 +27,6 @@ CSV_COLUMNS = (
     "rank", "stage", "replica", "kind", "step", "microbatch", "start", "end", "duration", "bytes",
     "peer",
 )  # fmt: skip
-
-
-def write_atomic(path: str | os.PathLike, data: bytes | str, overwrite: bool = False) -> None:
-    """Write `data` to `path` through a temporary file and os.replace(): all or nothing.
-
-    FileExistsError when `path` exists and overwrite is False (nothing is touched then).
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"{path} is a directory")
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} already exists (--overwrite replaces it)")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
-    payload = data.encode() if isinstance(data, str) else data
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        with open(tmp, "xb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def event_name(e: np.void, direction: str | None = None, chunks: bool = False) -> str:

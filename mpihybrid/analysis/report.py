@@ -3,16 +3,7 @@
 from __future__ import annotations
 
 from mpihybrid.analysis.metrics import SPLIT
-
-
-def _rate(bytes_per_s: float | None) -> str:
-    if bytes_per_s is None:
-        return "-"
-    for unit in ("B/s", "KB/s", "MB/s", "GB/s"):
-        if bytes_per_s < 1000 or unit == "GB/s":
-            return f"{bytes_per_s:.1f} {unit}"
-        bytes_per_s /= 1000
-    return "-"  # pragma: no cover
+from mpihybrid.units import human_bytes, human_rate
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -30,8 +21,6 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def format_analysis(result: dict) -> str:
     """analyze()'s result as text tables (times per step in ms unless marked)."""
-    from mpihybrid.train.report import human_bytes
-
     run, st, bubble = result["run"], result["step_time"], result["bubble"]
     n = max(run["steps"], 1)
     ms = lambda seconds: f"{1e3 * seconds / n:.2f}"  # noqa: E731  per step
@@ -111,8 +100,8 @@ def format_analysis(result: dict) -> str:
                 str(a["ranks"]),
                 human_bytes(a["size_bytes"]) if a["size_bytes"] is not None else "-",
                 f"{1e6 * a['seconds']:.0f}",
-                _rate(a["algbw"]),
-                _rate(a["busbw"]),
+                human_rate(a["algbw"]),
+                human_rate(a["busbw"]),
                 human_bytes(a["wire_bytes"]),
             ]
             for a in result["allreduce"]

@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 
-from mpihybrid.analysis.export import write_atomic
 from mpihybrid.analysis.metrics import COMPUTE
+from mpihybrid.files import write_atomic
 from mpihybrid.pipeline.schedules import Action, stage_rank
 from mpihybrid.trace.file import Trace
 from mpihybrid.trace.recorder import KIND

@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from mpihybrid.comm.allreduce import RingAllreduce
 from mpihybrid.comm.codecs import CODECS, get_codec
+from mpihybrid.units import human_bytes
 
 DEFAULT_SIZES = [4096 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB
 
@@ -99,14 +100,6 @@ def bench_allreduce(
     return rows
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def _human_time(seconds: float) -> str:
     if seconds < 1e-3:
         return f"{seconds * 1e6:.1f} us"
@@ -122,13 +115,13 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         table.append(
             (
-                _human_bytes(r["size"]),
+                human_bytes(r["size"], 1),
                 r["impl"],
                 r["codec"],
                 _human_time(r["time"]),
                 f"{r['algbw'] / 1e9:.3f}",
                 f"{r['busbw'] / 1e9:.3f}",
-                "-" if r["wire_bytes"] is None else _human_bytes(r["wire_bytes"]),
+                "-" if r["wire_bytes"] is None else human_bytes(r["wire_bytes"], 1),
                 f"{r['ratio']:.2f}",
             )
         )

@@ -278,7 +278,7 @@ def _against(against, walls: list[float], throughputs: list[float], steps: int) 
 
 
 def format_bench(result: dict) -> str:
-    from mpihybrid.train.report import human_bytes
+    from mpihybrid.units import human_bytes
 
     j, unit = result["job"], result["unit"]
     g = 1e9

@@ -25,8 +25,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from mpihybrid.analysis.export import write_atomic
 from mpihybrid.config import SCHEDULES, ConfigError, Job, load_job, resolve
+from mpihybrid.files import write_atomic
 from mpihybrid.trace.recorder import KIND
 
 PLOTS = ("throughput.png", "speedup.png", "bubble.png", "memory.png")
@@ -320,7 +320,7 @@ def check_output(path: Path, overwrite: bool) -> None:
 
 
 def write_csv(path: Path, rows: list[dict], overwrite: bool = False) -> None:
-    """Atomically: a temporary file in the same directory, then os.replace()."""
+    """All or nothing (files.write_atomic)."""
     check_output(path, overwrite)
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")

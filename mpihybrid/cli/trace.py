@@ -136,7 +136,7 @@ def compare(runs) -> None:
     throughput and accuracy, each with its ratio to the first run."""
     from mpihybrid.analysis.metrics import flat_config
     from mpihybrid.analysis.report import table
-    from mpihybrid.train.report import human_bytes
+    from mpihybrid.units import human_bytes
 
     if len(runs) < 2:
         _fail("compare needs at least two traces")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from mpihybrid.files import atomic_path
 from mpihybrid.trace.recorder import EVENT_DTYPE, KIND, KINDS
 
 SCHEMA_VERSION = 1
@@ -59,7 +59,7 @@ def write_trace(
     attrs: dict[str, Any],
     overwrite: bool = False,
 ) -> None:
-    """Write one trace atomically: a temporary file in the same directory, then os.replace()."""
+    """Write one trace all or nothing (files.atomic_path: temporary, fsync, rename)."""
     path = Path(path)
     check_writable(path, overwrite)
     if events.dtype != EVENT_DTYPE or events.ndim != 1:
@@ -68,41 +68,30 @@ def write_trace(
     if reserved:
         raise ValueError(f"attrs {reserved} are set by write_trace itself")
 
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    # O_EXCL: never clobber another writer's temporary; mode 0o666 lets the umask decide
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format"] = FORMAT
-            f.attrs["schema_version"] = SCHEMA_VERSION
-            f.attrs["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            f.attrs["complete"] = False  # turned True only once everything below is written
-            _write_attrs(f, attrs)
+    with atomic_path(path, overwrite) as tmp, h5py.File(tmp, "w") as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["schema_version"] = SCHEMA_VERSION
+        f.attrs["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        f.attrs["complete"] = False  # turned True only once everything below is written
+        _write_attrs(f, attrs)
 
-            ds = f.create_dataset(
-                "events",
-                data=events,
-                maxshape=(None,),
-                chunks=(max(1, min(len(events), 8192)),),
-                compression="gzip",
-                shuffle=True,
-            )
-            ds.attrs["kinds"] = list(KINDS)
-            ds.attrs["time_unit"] = "s"
+        ds = f.create_dataset(
+            "events",
+            data=events,
+            maxshape=(None,),
+            chunks=(max(1, min(len(events), 8192)),),
+            compression="gzip",
+            shuffle=True,
+        )
+        ds.attrs["kinds"] = list(KINDS)
+        ds.attrs["time_unit"] = "s"
 
-            group = f.create_group("steps")
-            for name, values in steps.items():
-                group.create_dataset(name, data=np.asarray(values))
+        group = f.create_group("steps")
+        for name, values in steps.items():
+            group.create_dataset(name, data=np.asarray(values))
 
-            f.create_dataset("config", data=config, dtype=h5py.string_dtype())
-            f.attrs["complete"] = True
-            f.flush()
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        f.create_dataset("config", data=config, dtype=h5py.string_dtype())
+        f.attrs["complete"] = True
 
 
 def _write_attrs(f: h5py.File, attrs: dict[str, Any]) -> None:

@@ -5,7 +5,8 @@
     DIR/step-000120/residual-s002-r001.h5  replica 1's error-feedback residual of stage 2
 
 A checkpoint is first written into `DIR/.step-000120.partial-<nonce>/` (each file itself through a
-temporary name), then rank 0 writes the manifest and renames the directory: a crash or a kill -9
+temporary name, fsynced), then rank 0 writes the manifest and renames the directory
+(files.commit_dir: the files and the directory fsynced, then the rename): a crash or a kill -9
 at any moment leaves the previous checkpoints untouched and at most a `.partial` directory that
 readers ignore. Training draws no random numbers after initialisation (the data are keyed by the
 step), so the step is all the RNG state a resume needs.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import uuid
 from dataclasses import asdict
@@ -25,6 +25,7 @@ import h5py
 import numpy as np
 
 from mpihybrid.comm.device import copy_from_host, host_array
+from mpihybrid.files import atomic_path, commit_dir, write_atomic
 
 log = logging.getLogger("mpihybrid")
 
@@ -41,14 +42,12 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def _write_h5(path: Path, arrays: dict[str, np.ndarray], attrs: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with h5py.File(tmp, "w") as f:
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         f.attrs["format"] = FORMAT
         for key, value in attrs.items():
             f.attrs[key] = value
         for name, array in arrays.items():
             f.create_dataset(name, data=array)
-    os.replace(tmp, path)
 
 
 def save_rank(partial: Path, s: int, dp_rank: int, stage, optimizer, ring, step: int) -> None:
@@ -81,10 +80,8 @@ def commit(root: Path, partial: Path, step: int, manifest: dict, keep: int) -> P
     final = step_dir(root, step)
     if final.exists():
         raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
-    tmp = partial / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, partial / "manifest.json")
-    os.replace(partial, final)
+    write_atomic(partial / "manifest.json", json.dumps(manifest, indent=1))
+    commit_dir(partial, final)  # every file fsynced, the directory renamed, its parent fsynced
     complete = sorted(p for p in root.glob("step-*") if (p / "manifest.json").is_file())
     for old in complete[: max(len(complete) - keep, 0)]:
         shutil.rmtree(old, ignore_errors=True)

@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from mpihybrid.config import Job
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"  # pragma: no cover
+from mpihybrid.units import human_bytes
 
 
 def format_report(job: Job, summary) -> str:
