@@ -16,15 +16,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
+from mpihybrid.pipeline.schedules import SCHEDULES
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-CODECS = ("fp32", "fp16", "bf16", "int8")
 OPTIMIZERS = ("sgd", "adamw")
 ORDERS = ("pipeline-inner", "data-inner")
 DATA_FOR_MODEL = {"mlp": ("teacher",), "gpt": ("random-tokens", "markov")}

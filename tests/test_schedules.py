@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -27,7 +25,6 @@ from mpihybrid.pipeline.simulate import (
     render_grid,
     simulate,
 )
-from tests.mpirun import ROOT
 
 EQUAL = Costs(forward=1.0, backward=1.0, weight=1.0)  # F = B = W; an unsplit B costs 2
 
@@ -290,9 +287,3 @@ def test_describe_and_compare():
     assert list(rows) == list(SCHEDULES)
     assert "not legal" in rows["interleaved-1f1b"]
     assert rows["1f1b"].split()[-1] == "4" and rows["gpipe"].split()[-1] == "6"
-
-
-def test_simulator_names_import_from_schedules_in_either_order():
-    for first in ("mpihybrid.pipeline.simulate", "mpihybrid.pipeline.schedules"):
-        code = f"import {first}; from mpihybrid.pipeline.schedules import describe, render_grid, Costs"
-        subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=30)

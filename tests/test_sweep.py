@@ -21,12 +21,11 @@ from mpihybrid.cli.sweep import (
     parse_schedules,
     peak_activation_bytes,
     plan,
-    step_times,
     write_csv,
 )
 from mpihybrid.config import ConfigError, build_job, resolve
 from mpihybrid.pipeline.simulate import bubble_formula
-from mpihybrid.trace.recorder import EVENT_DTYPE, KIND
+from mpihybrid.trace.recorder import EVENT_DTYPE, KIND, step_times
 from tests.mpirun import run_mpi
 
 TINY_JOB = """
@@ -97,7 +96,7 @@ def _events(rows):
     return out
 
 
-def test_step_times_span_all_ranks_and_skip_warmup():
+def test_step_times_span_all_ranks():
     events = _events(
         [
             (0, "step", 0, -1, -1, 0.0, 5.0, 0),
@@ -106,8 +105,8 @@ def test_step_times_span_all_ranks_and_skip_warmup():
             (1, "step", 1, -1, -1, 6.2, 10.0, 0),
         ]
     )
-    assert step_times(events, 0) == [6.0, 4.0]
-    assert step_times(events, 1) == [4.0]
+    assert step_times(events) == {0: 6.0, 1: 4.0}
+    assert step_times(events[events["rank"] == 1]) == pytest.approx({0: 5.5, 1: 3.8})  # its own
 
 
 def test_peak_activation_bytes_frees_at_b_or_at_w_when_split():

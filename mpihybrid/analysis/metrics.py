@@ -18,10 +18,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from mpihybrid.pipeline.liveness import replay_rows
 from mpihybrid.trace.file import Trace
-from mpihybrid.trace.recorder import KIND, KINDS
+from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS
 
-COMPUTE = {KIND["forward"]: "F", KIND["backward"]: "B", KIND["weight"]: "W"}
 # the columns of the time split, in table order; "recv" is time blocked waiting for a message
 SPLIT = ("forward", "backward", "weight", "recv", "send", "allreduce", "optimizer")
 
@@ -230,28 +230,14 @@ def _sum(rows: np.ndarray) -> float:
 
 def _peak_activations(events: np.ndarray, num_stages: int) -> tuple[list[int], list[int]]:
     """Most micro-batches alive at once per stage, and the most bytes they held, replaying each
-    (rank, step) in start order: F holds its activations (bytes = the forward row's bytes) until
-    the last backward action of that micro-batch (W when the backward is split, else B)."""
+    (rank, step) in start order (liveness.replay_rows)."""
     peak_count, peak_bytes = [0] * num_stages, [0] * num_stages
     compute = events[np.isin(events["kind"], list(COMPUTE))]
     for rank, step in {(int(e["rank"]), int(e["step"])) for e in compute}:
-        rows = compute[(compute["rank"] == rank) & (compute["step"] == step)]
-        rows = rows[np.argsort(rows["start"], kind="stable")]
-        split = {
-            (int(e["stage"]), int(e["microbatch"])) for e in rows if e["kind"] == KIND["weight"]
-        }
-        alive, held, live = [0] * num_stages, {}, [0] * num_stages
-        for e in rows:
-            s, mb, kind = int(e["stage"]), int(e["microbatch"]), int(e["kind"])
-            if kind == KIND["forward"]:
-                alive[s] += 1
-                held[(s, mb)] = int(e["bytes"])
-                live[s] += held[(s, mb)]
-                peak_count[s] = max(peak_count[s], alive[s])
-                peak_bytes[s] = max(peak_bytes[s], live[s])
-            elif kind == KIND["weight"] or (s, mb) not in split:
-                alive[s] -= 1
-                live[s] -= held.pop((s, mb), 0)
+        live = replay_rows(compute[(compute["rank"] == rank) & (compute["step"] == step)])
+        for s in range(num_stages):
+            peak_count[s] = max(peak_count[s], live.peak_count[s])
+            peak_bytes[s] = max(peak_bytes[s], live.peak_bytes[s])
     return peak_count, peak_bytes
 
 

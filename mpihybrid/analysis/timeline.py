@@ -14,11 +14,11 @@ import os
 
 import numpy as np
 
-from mpihybrid.analysis.metrics import COMPUTE
 from mpihybrid.files import write_atomic
-from mpihybrid.pipeline.schedules import Action, stage_rank
+from mpihybrid.pipeline.as_run import compute_rows, grid_as_run
+from mpihybrid.pipeline.schedules import stage_rank
 from mpihybrid.trace.file import Trace
-from mpihybrid.trace.recorder import KIND
+from mpihybrid.trace.recorder import COMPUTE, KIND
 
 WIDTH_PX, HEADER_PX, ROW_PX, DPI = 1400, 150, 50, 100
 COLOURS = {
@@ -153,41 +153,15 @@ def write_png(trace: Trace, path: str | os.PathLike, steps: range, overwrite: bo
     write_atomic(path, render_png(trace, steps), overwrite)
 
 
-def actions_as_run(
-    events: np.ndarray, pp: int, v: int, step: int, replica: int = 0
-) -> dict[int, list[Action]]:
-    """Each pp rank's F/B/W of `step` (one replica) as schedule actions, in the order they
-    started: what actually ran, ready for schedules.render_grid."""
-    rows = events[
-        (events["step"] == step)
-        & (events["replica"] == replica)
-        & np.isin(events["kind"], list(COMPUTE))
-    ]
-    rows = rows[np.argsort(rows["start"], kind="stable")]
-    per_rank: dict[int, list[Action]] = {r: [] for r in range(pp)}
-    for e in rows:
-        stage = int(e["stage"])
-        per_rank[stage_rank(stage, pp, v)].append(
-            Action(stage, COMPUTE[int(e["kind"])], int(e["microbatch"]))
-        )
-    return per_rank
-
-
 def ascii_timeline(trace: Trace, step: int, replica: int = 0) -> str:
     """The step x rank grid of what replica `replica` ran in `step`: each pp rank's F/B/W in
-    the order they started, drawn by schedules.render_grid (one grid step per action)."""
-    from mpihybrid.pipeline.simulate import render_grid
-
+    the order they started, drawn by simulate.render_grid (one grid step per action)."""
     pp = int(trace.attrs.get("pp", 1))
     v = int(trace.attrs.get("virtual_stages", 1))
-    ev = trace.events
-    per_rank = actions_as_run(ev, pp, v, step, replica)
-    if not any(per_rank.values()):
+    rows = compute_rows(trace.events, step, replica)
+    if not len(rows):
         raise ValueError(f"no F/B/W events for step {step}, replica {replica}")
-    rows = ev[
-        (ev["step"] == step) & (ev["replica"] == replica) & np.isin(ev["kind"], list(COMPUTE))
-    ]
     world = {stage_rank(int(e["stage"]), pp, v): int(e["rank"]) for e in rows}
     ranks = ", ".join(f"{p} = world {world[p]}" for p in sorted(world))
     head = f"step {step}, replica {replica}: F/B/W in the order they started (pp rank {ranks})"
-    return head + "\n" + render_grid(per_rank, v)
+    return head + "\n" + grid_as_run(trace.events, pp, v, step, replica)

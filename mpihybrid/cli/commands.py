@@ -202,7 +202,8 @@ def schedule() -> None:
 )
 def schedule_show(name, pp, microbatches, virtual, show_all, early_grad_send) -> None:
     """Print a schedule's step x rank grid, predicted bubble and peak activations."""
-    from mpihybrid.pipeline.schedules import ScheduleError, compare, describe
+    from mpihybrid.pipeline.schedules import ScheduleError
+    from mpihybrid.pipeline.simulate import compare, describe
 
     try:
         if show_all:

@@ -25,9 +25,11 @@ from pathlib import Path
 import click
 import numpy as np
 
-from mpihybrid.config import SCHEDULES, ConfigError, Job, load_job, resolve
+from mpihybrid.config import ConfigError, Job, load_job, resolve
 from mpihybrid.files import write_atomic
-from mpihybrid.trace.recorder import KIND
+from mpihybrid.pipeline.liveness import replay_rows
+from mpihybrid.pipeline.schedules import SCHEDULES
+from mpihybrid.trace.recorder import step_times
 
 PLOTS = ("throughput.png", "speedup.png", "bubble.png", "memory.png")
 COLUMNS = (
@@ -131,35 +133,12 @@ def plan(
 # ---------------------------------------------------------------- measurements (rank 0)
 
 
-def step_times(events: np.ndarray, skip_steps: int) -> list[float]:
-    """Seconds per step after warm-up: first start to last end of the "step" events of all ranks."""
-    rows = events[events["kind"] == KIND["step"]]
-    times = []
-    for step in np.unique(rows["step"]):
-        if step >= skip_steps:
-            mine = rows[rows["step"] == step]
-            times.append(float(mine["end"].max() - mine["start"].min()))
-    return times
-
-
 def peak_activation_bytes(events: np.ndarray, step: int) -> int:
     """Most activation bytes alive at once on one rank in `step` (replica 0): an F holds what its
-    cache keeps (the event's bytes) until the micro-batch's last backward action (W if split)."""
+    cache keeps (the event's bytes) while it is alive (liveness.replay_rows)."""
     rows = events[(events["step"] == step) & (events["replica"] == 0)]
-    weights = rows[rows["kind"] == KIND["weight"]]
-    split = set(zip(weights["stage"].tolist(), weights["microbatch"].tolist(), strict=True))
-    peak = 0
-    for rank in np.unique(rows["rank"]):
-        mine = rows[rows["rank"] == rank]
-        alive: dict[tuple[int, int], int] = {}
-        for e in mine[np.argsort(mine["start"], kind="stable")]:
-            key, kind = (int(e["stage"]), int(e["microbatch"])), int(e["kind"])
-            if kind == KIND["forward"]:
-                alive[key] = int(e["bytes"])
-                peak = max(peak, sum(alive.values()))
-            elif kind == KIND["weight"] or (kind == KIND["backward"] and key not in split):
-                alive.pop(key, None)
-    return peak
+    ranks = np.unique(rows["rank"])
+    return max((replay_rows(rows[rows["rank"] == r]).peak_total_bytes for r in ranks), default=0)
 
 
 def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> dict:
@@ -170,7 +149,8 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
 
     g, t = job.grid, job.train
     name, m, v = cell.schedule, cell.microbatches, cell.virtual_stages
-    step_s = statistics.median(step_times(summary.events, warmup_steps))
+    measured = [t for s, t in step_times(summary.events).items() if s >= warmup_steps]
+    step_s = statistics.median(measured)
     early = t.early_grad_send
     bubble = bubble_summary(summary.events, name, g.pp, m, v, warmup_steps, early)
     costs = bubble["costs"]
@@ -263,7 +243,7 @@ def medians(rows: list[dict]) -> list[dict]:
         groups.setdefault((r["schedule"], r["microbatches"]), []).append(r)
     out = []
     for _, group in sorted(groups.items(), key=lambda kv: (kv[0][1], schedule_order(kv[0][0]))):
-        med = dict(group[0], repeats=len(group))
+        med = dict(group[0], repeats=len(group), label=row_label(group[0]))
         for key in ("step_ms", "samples_per_s", "bubble_measured", "bubble_predicted"):
             med[key] = statistics.median(r[key] for r in group)
         med["peak_inflight"] = max(r["peak_inflight"] for r in group)
@@ -349,7 +329,7 @@ def _csv_value(value):
     "--schedules",
     default="all",
     show_default=True,
-    help="'all' or a comma list: naive,gpipe,1f1b,interleaved-1f1b,zb-h1.",
+    help=f"'all' or a comma list: {','.join(SCHEDULES)}.",
 )
 @click.option(
     "--microbatches",
@@ -433,7 +413,7 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
             if plots:
                 from mpihybrid.cli.sweep_plots import write_plots
 
-                for path in write_plots(rows, Path(plots)):
+                for path in write_plots(medians(rows), Path(plots)):
                     echo(f"plot -> {path}")
     except Exception:
         # One rank failing must end the whole job, never leave the others waiting.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mpihybrid.cli.sweep import medians, row_label
 from mpihybrid.config import ConfigError
 
 
@@ -29,15 +28,15 @@ def make_directory(path: Path) -> None:
         raise ConfigError(f"--plots {path}: cannot create the directory ({exc.strerror})") from None
 
 
-def write_plots(rows: list[dict], directory: Path) -> list[Path]:
-    """PNGs against M, one colour per schedule, medians over repeats; where a panel holds a
-    prediction it is dashed with open markers next to the measurement."""
+def write_plots(summary: list[dict], directory: Path) -> list[Path]:
+    """PNGs against M, one colour per schedule, from sweep.medians() rows (their "label" names
+    the series); where a panel holds a prediction it is dashed with open markers next to the
+    measurement."""
     plt = import_pyplot()
     make_directory(directory)
-    summary = medians(rows)
     series: dict[str, list[dict]] = {}
     for r in summary:
-        series.setdefault(row_label(r), []).append(r)
+        series.setdefault(r["label"], []).append(r)
     ticks = sorted({r["microbatches"] for r in summary})
     # file -> panels of (title, y label, measured key, predicted key or None)
     figures = {

@@ -15,13 +15,14 @@ copies (device.Backend), and a received tensor is copied to the device when its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from mpi4py import MPI
 
 from mpihybrid.comm.device import CPU, Backend
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
+from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.schedules import Action, stage_rank
 from mpihybrid.trace.recorder import KIND, Recorder
 
@@ -58,6 +59,7 @@ class PipelineRuntime:
         recorder: Recorder,
         sync_sends: bool = False,
         backend: Backend = CPU,
+        peer_ranks: list[int] | None = None,  # what the trace calls pp rank p; None: p itself
     ):
         self.comm = pp_comm
         self.pp_rank, self.pp_size = pp_comm.Get_rank(), pp_comm.Get_size()
@@ -69,11 +71,8 @@ class PipelineRuntime:
         self.isend = pp_comm.Issend if sync_sends else pp_comm.Isend
         self.loss_fn = SoftmaxCrossEntropy()
         self.bytes_sent = {"activation": 0, "activation_grad": 0}
-        # traces name peers by world rank
-        world_group, pp_group = MPI.COMM_WORLD.Get_group(), pp_comm.Get_group()
-        self.world_rank = pp_group.Translate_ranks(list(range(self.pp_size)), world_group)
-        pp_group.Free()
-        world_group.Free()
+        # traces name peers by world rank: the caller knows how its pp_comm sits in the world
+        self.peer_ranks = list(peer_ranks) if peer_ranks is not None else list(range(self.pp_size))
         self.cache_nbytes: dict[int, int] = {}  # stage -> bytes one forward cache holds
         self.split_backward = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
         top = tag_for("B", num_stages - 1, num_microbatches - 1, num_microbatches)
@@ -100,101 +99,120 @@ class PipelineRuntime:
 
     def run_step(self, step: int, batches: list[tuple[np.ndarray, np.ndarray]]) -> StepResult:
         """Run my action list once over `batches` (my replica's M micro-batches)."""
-        M, last = self.num_microbatches, self.num_stages - 1
-        rec, clock, backend = self.recorder, Recorder.clock, self.backend
-        # a GPU queues kernels: wait for them so the trace times the work, not its launch
-        settle = backend.synchronize  # a no-op on the CPU
-        scale = 1.0 / M  # each micro-batch's mean loss counts 1/M of the step's loss
-        # Post every receive of the step before computing anything.
-        pending_recv = {}
+        state = _Step(step, batches, self._post_receives(), Liveness(self.split_backward))
+        run = {"F": self._forward, "B": self._backward, "W": self._weight}
+        run |= dict.fromkeys(("SEND_F", "SEND_B"), self._send)
+        run |= dict.fromkeys(("RECV_F", "RECV_B"), self._recv)
+        for a in self.actions:
+            if a.kind not in run:
+                raise ValueError(f"unknown action {a}")
+            run[a.kind](a, state, Recorder.clock())
+        t0 = Recorder.clock()
+        MPI.Request.Waitall(state.send_requests)
+        if state.send_requests:
+            self.recorder.record(KIND["send"], step, -1, -1, t0, Recorder.clock())
+        assert not (state.pending_recv or state.caches or state.wcaches), "action list left work"
+        # what the accuracy counts: samples (mlp) or predicted tokens (gpt)
+        samples = sum(b[1].size for b in batches) if self.num_stages - 1 in self.stages else 0
+        peaks = {s: state.live.peak_count[s] for s in self.stages}
+        return StepResult(
+            state.loss_sum, state.correct, samples, peaks, state.live.peak_total_bytes
+        )
+
+    def _post_receives(self) -> dict:
+        """Post every receive of the step before computing anything."""
+        pending = {}
         for key, buf in self.recv_buffers.items():
             kind, stage, mb = key
             src_stage = stage - 1 if kind == "F" else stage + 1
-            src = stage_rank(src_stage, self.pp_size, self.v)
-            pending_recv[key] = self.comm.Irecv(
-                [backend.mpi_recv_buffer(buf, key), MPI.FLOAT],
-                source=src,
-                tag=tag_for(kind, src_stage, mb, M),
+            pending[key] = self.comm.Irecv(
+                [self.backend.mpi_recv_buffer(buf, key), MPI.FLOAT],
+                source=stage_rank(src_stage, self.pp_size, self.v),
+                tag=tag_for(kind, src_stage, mb, self.num_microbatches),
             )
-        inbox: dict[tuple[str, int, int], np.ndarray] = {}  # tensors ready to consume
-        outbox: dict[tuple[str, int, int], np.ndarray] = {}  # tensors produced, not yet sent
-        caches, wcaches, activation_bytes = {}, {}, {}
-        send_requests = []
-        loss_sum, correct = 0.0, 0
-        inflight = {s: 0 for s in self.stages}
-        peak = dict(inflight)
-        live_bytes = peak_bytes = 0
-        for a in self.actions:
-            s, mb, kind = a.stage, a.microbatch, a.kind
-            t0 = clock()
-            if kind == "F":
-                x = batches[mb][0] if s == 0 else inbox.pop(("F", s, mb))
-                y, cache = self.stages[s].forward(x)
-                if s == last:
-                    loss, lcache = self.loss_fn.forward(y, batches[mb][1])
-                    loss_sum += loss
-                    correct += self.loss_fn.correct(lcache)
-                    inbox[("B", s, mb)] = self.loss_fn.backward(lcache, scale)
-                else:
-                    (inbox if self._is_local(s + 1) else outbox)[("F", s + 1, mb)] = y
-                caches[(s, mb)] = cache
-                if s not in self.cache_nbytes:  # shapes are fixed: walk one cache per stage
-                    self.cache_nbytes[s] = self.stages[s].activation_nbytes(cache)
-                nbytes = activation_bytes[(s, mb)] = self.cache_nbytes[s]
-                live_bytes += nbytes
-                peak_bytes = max(peak_bytes, live_bytes)
-                inflight[s] += 1
-                peak[s] = max(peak[s], inflight[s])
-                settle()
-                rec.record(KIND["forward"], step, s, mb, t0, clock(), nbytes)
-            elif kind == "B":
-                dy = inbox.pop(("B", s, mb))
-                cache = caches.pop((s, mb))
-                need_dx = s > 0
-                if (s, mb) in self.split_backward:
-                    dx, wcaches[(s, mb)] = self.stages[s].backward_input(dy, cache, need_dx)
-                else:
-                    dx = self.stages[s].backward(dy, cache, need_dx)
-                    inflight[s] -= 1
-                    live_bytes -= activation_bytes.pop((s, mb))
-                if s > 0:
-                    (inbox if self._is_local(s - 1) else outbox)[("B", s - 1, mb)] = dx
-                settle()
-                rec.record(KIND["backward"], step, s, mb, t0, clock())
-            elif kind == "W":
-                wcache = wcaches.pop((s, mb))
-                self.stages[s].backward_weight(wcache)
-                inflight[s] -= 1
-                live_bytes -= activation_bytes.pop((s, mb))
-                settle()
-                rec.record(KIND["weight"], step, s, mb, t0, clock())
-            elif kind in ("SEND_F", "SEND_B"):
-                fb = kind[-1]
-                dst_stage = s + 1 if fb == "F" else s - 1
-                buf = outbox.pop((fb, dst_stage, mb))
-                tag = tag_for(fb, s, mb, M)
-                wire = backend.mpi_send_buffer(buf, (fb, s, mb))
-                send_requests.append(self.isend([wire, MPI.FLOAT], dest=a.peer, tag=tag))
-                self.bytes_sent["activation" if fb == "F" else "activation_grad"] += buf.nbytes
-                peer = self.world_rank[a.peer]
-                rec.record(KIND["send"], step, s, mb, t0, clock(), buf.nbytes, peer)
-            elif kind in ("RECV_F", "RECV_B"):
-                key = (kind[-1], s, mb)
-                pending_recv.pop(key).Wait()
-                backend.finish_recv(self.recv_buffers[key], key)
-                inbox[key] = self.recv_buffers[key]
-                peer = self.world_rank[a.peer]
-                rec.record(KIND["recv"], step, s, mb, t0, clock(), inbox[key].nbytes, peer)
-            else:
-                raise ValueError(f"unknown action {a}")
-        t0 = clock()
-        MPI.Request.Waitall(send_requests)
-        if send_requests:
-            rec.record(KIND["send"], step, -1, -1, t0, clock())
-        assert not pending_recv and not caches and not wcaches, "action list left work undone"
-        # what the accuracy counts: samples (mlp) or predicted tokens (gpt)
-        samples = sum(b[1].size for b in batches) if last in self.stages else 0
-        return StepResult(loss_sum, correct, samples, peak, peak_bytes)
+        return pending
+
+    def _done(self, kind: str, a: Action, state: _Step, t0: float, nbytes: int = 0) -> None:
+        # a GPU queues kernels: wait for them so the trace times the work, not its launch
+        self.backend.synchronize()  # a no-op on the CPU
+        self.recorder.record(
+            KIND[kind], state.step, a.stage, a.microbatch, t0, Recorder.clock(), nbytes
+        )
+
+    def _forward(self, a: Action, state: _Step, t0: float) -> None:
+        s, mb = a.stage, a.microbatch
+        x = state.batches[mb][0] if s == 0 else state.inbox.pop(("F", s, mb))
+        y, cache = self.stages[s].forward(x)
+        if s == self.num_stages - 1:
+            loss, lcache = self.loss_fn.forward(y, state.batches[mb][1])
+            state.loss_sum += loss
+            state.correct += self.loss_fn.correct(lcache)
+            # each micro-batch's mean loss counts 1/M of the step's loss
+            state.inbox[("B", s, mb)] = self.loss_fn.backward(lcache, 1.0 / self.num_microbatches)
+        else:
+            (state.inbox if self._is_local(s + 1) else state.outbox)[("F", s + 1, mb)] = y
+        state.caches[(s, mb)] = cache
+        if s not in self.cache_nbytes:  # shapes are fixed: walk one cache per stage
+            self.cache_nbytes[s] = self.stages[s].activation_nbytes(cache)
+        state.live.step("F", s, mb, self.cache_nbytes[s])
+        self._done("forward", a, state, t0, self.cache_nbytes[s])
+
+    def _backward(self, a: Action, state: _Step, t0: float) -> None:
+        s, mb = a.stage, a.microbatch
+        dy = state.inbox.pop(("B", s, mb))
+        cache = state.caches.pop((s, mb))
+        if (s, mb) in self.split_backward:
+            dx, state.wcaches[(s, mb)] = self.stages[s].backward_input(dy, cache, s > 0)
+        else:
+            dx = self.stages[s].backward(dy, cache, s > 0)
+        state.live.step("B", s, mb)
+        if s > 0:
+            (state.inbox if self._is_local(s - 1) else state.outbox)[("B", s - 1, mb)] = dx
+        self._done("backward", a, state, t0)
+
+    def _weight(self, a: Action, state: _Step, t0: float) -> None:
+        self.stages[a.stage].backward_weight(state.wcaches.pop((a.stage, a.microbatch)))
+        state.live.step("W", a.stage, a.microbatch)
+        self._done("weight", a, state, t0)
+
+    def _send(self, a: Action, state: _Step, t0: float) -> None:
+        s, mb, fb = a.stage, a.microbatch, a.kind[-1]
+        buf = state.outbox.pop((fb, s + 1 if fb == "F" else s - 1, mb))
+        tag = tag_for(fb, s, mb, self.num_microbatches)
+        wire = self.backend.mpi_send_buffer(buf, (fb, s, mb))
+        state.send_requests.append(self.isend([wire, MPI.FLOAT], dest=a.peer, tag=tag))
+        self.bytes_sent["activation" if fb == "F" else "activation_grad"] += buf.nbytes
+        peer = self.peer_ranks[a.peer]
+        self.recorder.record(
+            KIND["send"], state.step, s, mb, t0, Recorder.clock(), buf.nbytes, peer
+        )
+
+    def _recv(self, a: Action, state: _Step, t0: float) -> None:
+        key = (a.kind[-1], a.stage, a.microbatch)
+        state.pending_recv.pop(key).Wait()
+        self.backend.finish_recv(self.recv_buffers[key], key)
+        state.inbox[key] = self.recv_buffers[key]
+        nbytes, peer = state.inbox[key].nbytes, self.peer_ranks[a.peer]
+        self.recorder.record(
+            KIND["recv"], state.step, a.stage, a.microbatch, t0, Recorder.clock(), nbytes, peer
+        )
+
+
+@dataclass
+class _Step:
+    """What one run_step keeps between actions."""
+
+    step: int
+    batches: list[tuple[np.ndarray, np.ndarray]]
+    pending_recv: dict  # (F|B, stage, mb) -> the posted Irecv
+    live: Liveness
+    inbox: dict = field(default_factory=dict)  # tensors ready to consume
+    outbox: dict = field(default_factory=dict)  # tensors produced, not yet sent
+    caches: dict = field(default_factory=dict)  # (stage, mb) -> forward cache
+    wcaches: dict = field(default_factory=dict)  # (stage, mb) -> cache of a split backward's W
+    send_requests: list = field(default_factory=list)
+    loss_sum: float = 0.0
+    correct: int = 0
 
 
 def forward_only(

@@ -398,16 +398,3 @@ def dry_run(lowered: dict[int, list[Action]], pp: int, synchronous: bool = True)
     if stuck:
         mode = "rendezvous" if synchronous else "buffered"
         raise _stuck(lowered, stuck, f"deadlock with {mode} sends")
-
-
-_SIMULATE_NAMES = {"Costs", "SimResult", "simulate", "bubble_formula", "peak_inflight"}
-_SIMULATE_NAMES |= {"render_grid", "describe", "compare"}
-
-
-def __getattr__(name: str):
-    # the timing model lives in simulate.py, which imports this module; one import path for callers
-    if name in _SIMULATE_NAMES:
-        from mpihybrid.pipeline import simulate
-
-        return getattr(simulate, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -74,15 +75,11 @@ def _num_stages(actions: dict[int, list[Action]], virtual_stages: int | None) ->
 def peak_inflight(actions: dict[int, list[Action]], num_stages: int) -> list[int]:
     """Most micro-batches alive at once per stage: from F to its last backward action (B, or W)."""
     split = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
-    alive, peak = [0] * num_stages, [0] * num_stages
-    for acts in actions.values():
+    live = Liveness(split)
+    for acts in actions.values():  # a stage lives on one rank: its own list orders it
         for a in acts:
-            if a.kind == "F":
-                alive[a.stage] += 1
-                peak[a.stage] = max(peak[a.stage], alive[a.stage])
-            elif a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split):
-                alive[a.stage] -= 1
-    return peak
+            live.step(a.kind, a.stage, a.microbatch)
+    return [live.peak_count[s] for s in range(num_stages)]
 
 
 def simulate(

@@ -32,6 +32,7 @@ from mpihybrid.config import Job, to_toml
 from mpihybrid.nn.data import build_task, microbatches
 from mpihybrid.nn.model import boundary_shapes, build_stage
 from mpihybrid.nn.optim import build_optimizer
+from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
 from mpihybrid.pipeline.schedules import build_schedule, lower, stage_rank
 from mpihybrid.trace.file import write_trace
@@ -106,9 +107,11 @@ def train(
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, mb_size)
     recorder_cls = Recorder if job.trace.events else StepRecorder
     recorder = recorder_cls(world.rank, grid.dp_rank, capacity=(len(actions) + 8) * max(t.steps, 1))
+    peer_ranks = [grid.world_rank_of(p, grid.dp_rank, g.order) for p in range(g.pp)]
     runtime = PipelineRuntime(
-        grid.pp_comm, stages, actions, num_stages, M, shapes, recorder, c.sync_sends, backend
-    )
+        grid.pp_comm, stages, actions, num_stages, M, shapes, recorder, c.sync_sends, backend,
+        peer_ranks,
+    )  # fmt: skip
     codec = get_codec(c.codec, c.block)
     rings = {
         s: RingAllreduce(grid.dp_comm, st.num_params, codec, c.error_feedback)
@@ -331,14 +334,6 @@ def _bytes_sent(world, runtime, rings) -> dict[str, int]:
         for kind, n in part.items():
             total[kind] = total.get(kind, 0) + int(n)
     return total
-
-
-def grid_as_run(events: np.ndarray, pp: int, v: int, step: int) -> str:
-    """The step x rank grid of what actually ran in `step` (replica 0), ordered by start time."""
-    from mpihybrid.analysis.timeline import actions_as_run
-    from mpihybrid.pipeline.schedules import render_grid
-
-    return render_grid(actions_as_run(events, pp, v, step), v)
 
 
 def layout_attrs(job: Job, world_size: int) -> dict:

@@ -1,0 +1,124 @@
+"""The package's imports follow the flow: no cycles, and a module imports only from its own layer
+or a lower one. Every import counts, at module level or inside a function.
+
+The layer order (lowest first) is the map of the code the README draws.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mpihybrid"
+
+# lowest first; a module belongs to the longest prefix that names it
+LAYERS = (
+    ("mpihybrid", "mpihybrid._threads", "mpihybrid.files", "mpihybrid.units"),
+    ("mpihybrid.comm",),
+    ("mpihybrid.nn",),
+    ("mpihybrid.trace",),
+    ("mpihybrid.pipeline",),
+    ("mpihybrid.config",),
+    ("mpihybrid.train",),
+    ("mpihybrid.analysis",),
+    ("mpihybrid.cli", "mpihybrid.__main__"),
+)
+
+
+def modules(root: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted name -> file, for every module of the package (a package by its __init__)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        name = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules that `name` imports (from x import y counts x, and x.y if a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")
+                keep = len(parts) - node.level + (path.name == "__init__.py")
+                base = ".".join(parts[:keep] + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in known)
+    found.discard(name)
+    # a package's __init__ runs before its children anyway: child -> parent adds no edge
+    return {t for t in found if not name.startswith(t + ".")}
+
+
+def layer(name: str) -> int:
+    best, level = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+                best, level = len(prefix), i
+    if level is None:
+        raise AssertionError(f"{name} belongs to no layer: add it to LAYERS")
+    return level
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+        for a, targets in sorted(edges.items())
+        for b in sorted(targets)
+        if layer(b) > layer(a)
+    ]
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(edges[v]):
+            if state.get(w) == 1:
+                return path[path.index(w) :] + [w]
+            if w not in state and (cycle := visit(w)):
+                return cycle
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(edges):
+        if v not in state and (cycle := visit(v)):
+            return cycle
+    return None
+
+
+def test_every_module_has_a_layer():
+    for name in modules():
+        layer(name)
+
+
+def test_imports_only_downward():
+    wrong = upward_imports(graph())
+    assert not wrong, "imports against the flow:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import():
+    edges = {"mpihybrid.comm.a": {"mpihybrid.cli.b"}, "mpihybrid.cli.b": {"mpihybrid.comm.a"}}
+    assert find_cycle(edges) == ["mpihybrid.cli.b", "mpihybrid.comm.a", "mpihybrid.cli.b"]
+    assert upward_imports(edges) == ["mpihybrid.comm.a (layer 1) imports mpihybrid.cli.b (layer 8)"]
