@@ -46,13 +46,11 @@ def test_a100_jobs_validate_for_16_ranks():
 def test_a100_gpt_job_fits_an_a100_per_rank():
     """The sizes its comment states: 780 M parameters, at most 221 M on one stage (3.5 GB of
     parameters, gradient and AdamW moments), on the GPU."""
-    from mpihybrid.nn.model import block_num_params, build_blocks, chunk_ranges
+    from mpihybrid.nn.model import stage_num_params
 
     job = load_job(ROOT / "jobs" / "a100_gpt.toml", [], 16)
     assert (job.grid.pp, job.grid.dp, job.grid.device) == (4, 4, "cuda")
-    blocks = build_blocks(job.model, job.data.seq_len, job.data.vocab)
-    per_stage = [sum(block_num_params(blocks[i]) for i in r)
-                 for r in chunk_ranges(job.model, blocks, job.grid.pp)]  # fmt: skip
+    per_stage = stage_num_params(job.model, job.data.seq_len, job.data.vocab, job.grid.pp)
     assert round(sum(per_stage) / 1e6) == 780
     assert [round(n / 1e6) for n in per_stage] == [221, 170, 198, 191]
     assert max(per_stage) * 16 < 4e9

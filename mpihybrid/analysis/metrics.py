@@ -207,19 +207,18 @@ def flat_config(trace: Trace) -> dict[str, object]:
 
 
 def _stage_param_counts(trace: Trace, num_stages: int) -> list[int] | None:
-    """Parameters of every stage, rebuilt from the job (the all-reduce moves them as fp32)."""
+    """Parameters of every stage, counted from the job the trace stores (the all-reduce moves
+    them as fp32); None when the trace holds no readable job."""
     from mpihybrid.config import ConfigError, build_job
     from mpihybrid.nn.data import task_dims
-    from mpihybrid.nn.model import block_num_params, build_blocks, chunk_ranges
+    from mpihybrid.nn.model import stage_num_params
 
     try:
         table = tomllib.loads(trace.config)
         if not table:
             return None  # no job stored: the defaults would be a guess
         job = build_job(table)
-        blocks = build_blocks(job.model, *task_dims(job.data))
-        counts = [block_num_params(b) for b in blocks]
-        return [sum(counts[r.start : r.stop]) for r in chunk_ranges(job.model, blocks, num_stages)]
+        return stage_num_params(job.model, *task_dims(job.data), num_stages)
     except (tomllib.TOMLDecodeError, ConfigError, ValueError, TypeError):
         return None
 

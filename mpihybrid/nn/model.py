@@ -312,6 +312,13 @@ def stage_ranges(cfg, in_features: int, num_classes: int, num_chunks: int) -> li
     return chunk_ranges(cfg, build_blocks(cfg, in_features, num_classes), num_chunks)
 
 
+def stage_num_params(cfg, in_features: int, num_classes: int, num_chunks: int) -> list[int]:
+    """Parameters of each model chunk, from the model's description alone (no weights drawn)."""
+    blocks = build_blocks(cfg, in_features, num_classes)
+    counts = [block_num_params(b) for b in blocks]
+    return [sum(counts[r.start : r.stop]) for r in chunk_ranges(cfg, blocks, num_chunks)]
+
+
 def build_stage(
     cfg,
     in_features: int,

@@ -36,7 +36,14 @@ from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
 from mpihybrid.pipeline.schedules import build_schedule, lower, stage_rank
 from mpihybrid.trace.file import write_trace
-from mpihybrid.trace.recorder import KIND, Recorder, StepRecorder, clock_offset, gather_events
+from mpihybrid.trace.recorder import (
+    KIND,
+    Recorder,
+    StepRecorder,
+    clock_offset,
+    gather_events,
+    step_times,
+)
 from mpihybrid.train import checkpoint
 
 log = logging.getLogger("mpihybrid")
@@ -81,19 +88,59 @@ def train(
     backend: where arrays live; None selects it from grid.device (collective; DeviceError on
     every rank alike when that fails).
     """
-    g, t, c = job.grid, job.train, job.comm
     keep_freed_host_memory()  # numpy's temporaries reuse memory instead of page-faulting it in
     if backend is None:
-        backend = select_backend(g.device, c.cuda_aware, world)
-    on_host = backend.xp is np
-    if not on_host and not quiet:
+        backend = select_backend(job.grid.device, job.comm.cuda_aware, world)
+    if backend.xp is not np and not quiet:
         log.info("rank %d: %s", world.rank, backend.describe())  # which GPU, which MPI path
+    run = _build(job, world, backend)
+    if resume_from is not None:
+        run.start, run.losses, run.accuracies = checkpoint.restore_all(
+            world, run.grid.dp_rank, job, resume_from, run.stages, run.optimizers, run.rings
+        )
+    preempt = _PreemptionFlag(enabled=bool(job.checkpoint.dir))
+
+    offset = clock_offset(world)
+    world.Barrier()
+    t_start = Recorder.clock()
+    # Rank 0's clock at the start, for traces relative to the run's start.
+    t_origin = world.bcast(t_start + offset if world.rank == 0 else None, root=0)
+    for step in range(run.start, job.train.steps):
+        _train_step(job, world, run, step, preempt, quiet)
+    preempt.restore()
+    runtime_s = Recorder.clock() - t_start
+    return _finish(job, world, run, runtime_s, offset - t_origin, collect_params)
+
+
+@dataclass
+class _Run:
+    """What train() builds once on a rank and every step uses."""
+
+    grid: ProcessGrid
+    task: object
+    backend: Backend
+    stages: dict  # global stage -> Stage, the chunks this rank owns
+    recorder: Recorder
+    runtime: PipelineRuntime
+    rings: dict
+    optimizers: dict
+    host_grads: dict  # stage -> host copy of a device gradient, for the ring
+    ring_peer: int  # world rank the ring sends to (the trace's peer of an all-reduce)
+    start: int = 0  # first step to run (after a resume, the checkpoint's)
+    losses: list = field(default_factory=list)
+    accuracies: list = field(default_factory=list)
+    peak_inflight: dict = field(default_factory=dict)
+    step_sums: np.ndarray = field(default_factory=lambda: np.zeros(4))
+
+
+def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
+    """Grid, task, this rank's stages, its action list, runtime, rings and optimizers."""
+    g, t, c = job.grid, job.train, job.comm
+    on_host = backend.xp is np
     grid = ProcessGrid.build(world, g.pp, g.dp, g.order)
     task = build_task(job.data)
     M, v = t.microbatches, t.virtual_stages
     num_stages = g.pp * v
-    mb_size = t.global_batch // (g.dp * M)
-
     compute = build_schedule(t.schedule, g.pp, M, v, t.early_grad_send)
     actions = lower(compute, g.pp, v)[grid.pp_rank]
     stages = {
@@ -104,6 +151,7 @@ def train(
     if not on_host:
         for st in stages.values():
             st.to_device(backend.asarray)  # initialised on the host: the same draws everywhere
+    mb_size = t.global_batch // (g.dp * M)
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, mb_size)
     recorder_cls = Recorder if job.trace.events else StepRecorder
     recorder = recorder_cls(world.rank, grid.dp_rank, capacity=(len(actions) + 8) * max(t.steps, 1))
@@ -113,123 +161,144 @@ def train(
         peer_ranks,
     )  # fmt: skip
     codec = get_codec(c.codec, c.block)
-    rings = {
-        s: RingAllreduce(grid.dp_comm, st.num_params, codec, c.error_feedback)
-        for s, st in stages.items()
-    }
-    optimizers = {s: build_optimizer(t, st.flat_params) for s, st in stages.items()}
-    # the ring (numpy codecs) runs on host copies of device gradients; dp = 1 moves nothing
-    host_grads = {
-        s: np.empty(st.num_params, np.float32)
-        for s, st in stages.items()
-        if not on_host and grid.dp_size > 1
-    }
-    ring_peer = grid.world_rank_of(grid.pp_rank, (grid.dp_rank + 1) % grid.dp_size, g.order)
+    return _Run(
+        grid=grid,
+        task=task,
+        backend=backend,
+        stages=stages,
+        recorder=recorder,
+        runtime=runtime,
+        rings={
+            s: RingAllreduce(grid.dp_comm, st.num_params, codec, c.error_feedback)
+            for s, st in stages.items()
+        },
+        optimizers={s: build_optimizer(t, st.flat_params) for s, st in stages.items()},
+        # the ring (numpy codecs) runs on host copies of device gradients; dp = 1 moves nothing
+        host_grads={
+            s: np.empty(st.num_params, np.float32)
+            for s, st in stages.items()
+            if not on_host and grid.dp_size > 1
+        },
+        ring_peer=grid.world_rank_of(grid.pp_rank, (grid.dp_rank + 1) % grid.dp_size, g.order),
+        peak_inflight=dict.fromkeys(stages, 0),
+    )
 
-    start, losses, accuracies = 0, [], []
-    if resume_from is not None:
-        start, losses, accuracies = checkpoint.restore_all(
-            world, grid.dp_rank, job, resume_from, stages, optimizers, rings
-        )
-    preempt = _PreemptionFlag(enabled=bool(job.checkpoint.dir))
 
-    offset = clock_offset(world)
-    world.Barrier()
-    t_start = Recorder.clock()
-    # Rank 0's clock at the start, for traces relative to the run's start.
-    t_origin = world.bcast(t_start + offset if world.rank == 0 else None, root=0)
-    peak_inflight = {s: 0 for s in stages}
-    step_sums = np.zeros(4)  # loss_sum, correct, samples, preemption requests: over all ranks
-    for step in range(start, t.steps):
-        t_step = Recorder.clock()
-        for st in stages.values():
-            st.zero_grad()
-        x, y = task.global_batch(step, t.global_batch)
-        batches = microbatches(x, y, grid.dp_rank, grid.dp_size, M)
-        if not on_host:
-            batches = [(backend.asarray(bx), backend.asarray(by)) for bx, by in batches]
-        result = runtime.run_step(step, batches)
-        for s, st in stages.items():
-            t0 = Recorder.clock()
-            if s in host_grads:
-                nbytes = rings[s](backend.to_host(st.flat_grads, out=host_grads[s]))
-                copy_from_host(st.flat_grads, host_grads[s])
-            else:
-                nbytes = rings[s](st.flat_grads)
-            recorder.record(KIND["allreduce"], step, s, -1, t0, Recorder.clock(), nbytes, ring_peer)
-        for s, st in stages.items():
-            t0 = Recorder.clock()
-            optimizers[s].step(st.flat_grads)
-            backend.synchronize()
-            recorder.record(KIND["optimizer"], step, s, -1, t0, Recorder.clock())
-        recorder.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
-        for s, n in result.peak_inflight.items():
-            peak_inflight[s] = max(peak_inflight[s], n)
-        # One small collective per step: the metrics, and whether any rank was told to stop
-        # (agreed here, at a step boundary, never inside the signal handler).
-        mine = np.array([result.loss_sum, result.correct, result.samples, preempt.requested])
-        world.Allreduce(mine, step_sums, op=MPI.SUM)
-        losses.append(float(step_sums[0] / (g.dp * M)))
-        accuracies.append(float(step_sums[1] / max(step_sums[2], 1)))
-        if not quiet and world.rank == 0:
-            log.info(
-                "step %d/%d  loss %.4f  train acc %.3f  %.1f ms",
-                step + 1, t.steps, losses[-1], accuracies[-1], 1e3 * (Recorder.clock() - t_step),
-            )  # fmt: skip
-        every = job.checkpoint.every
-        if step_sums[3] or (every and (step + 1) % every == 0):
-            path = checkpoint.save_all(
-                world, grid.dp_rank, job, step + 1, stages, optimizers, rings, losses, accuracies
-            )
-            if step_sums[3]:
-                raise Preempted(step + 1, path)
-    preempt.restore()
-    runtime_s = Recorder.clock() - t_start
-    step_rows = recorder.events[recorder.events["kind"] == KIND["step"]]
-    # rank 0's own step durations; NaN for steps run before a resume
-    step_times = np.concatenate([np.full(start, np.nan), step_rows["end"] - step_rows["start"]])
+def _train_step(
+    job: Job, world: MPI.Comm, run: _Run, step: int, preempt: _PreemptionFlag, quiet: bool
+) -> None:
+    """One step on this rank: pipeline, all-reduce, optimizer, metrics; a checkpoint when due
+    (Preempted after it when a rank was told to stop)."""
+    g, t = job.grid, job.train
+    grid, backend, rec = run.grid, run.backend, run.recorder
+    t_step = Recorder.clock()
+    for st in run.stages.values():
+        st.zero_grad()
+    x, y = run.task.global_batch(step, t.global_batch)
+    batches = microbatches(x, y, grid.dp_rank, grid.dp_size, t.microbatches)
+    if backend.xp is not np:
+        batches = [(backend.asarray(bx), backend.asarray(by)) for bx, by in batches]
+    result = run.runtime.run_step(step, batches)
+    _reduce_and_update(run, step)
+    rec.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
+    for s, n in result.peak_inflight.items():
+        run.peak_inflight[s] = max(run.peak_inflight[s], n)
+    # One small collective per step: the metrics, and whether any rank was told to stop
+    # (agreed here, at a step boundary, never inside the signal handler).
+    mine = np.array([result.loss_sum, result.correct, result.samples, preempt.requested])
+    sums = run.step_sums
+    world.Allreduce(mine, sums, op=MPI.SUM)
+    run.losses.append(float(sums[0] / (g.dp * t.microbatches)))
+    run.accuracies.append(float(sums[1] / max(sums[2], 1)))
+    if not quiet and world.rank == 0:
+        log.info(
+            "step %d/%d  loss %.4f  train acc %.3f  %.1f ms",
+            step + 1, t.steps, run.losses[-1], run.accuracies[-1],
+            1e3 * (Recorder.clock() - t_step),
+        )  # fmt: skip
+    every = job.checkpoint.every
+    if sums[3] or (every and (step + 1) % every == 0):
+        path = checkpoint.save_all(
+            world, grid.dp_rank, job, step + 1, run.stages, run.optimizers, run.rings,
+            run.losses, run.accuracies,
+        )  # fmt: skip
+        if sums[3]:
+            raise Preempted(step + 1, path)
 
-    test_accuracy = _evaluate(world, grid, stages, num_stages, task, job.model, backend)
+
+def _reduce_and_update(run: _Run, step: int) -> None:
+    """Every stage's ring all-reduce of its gradient, then its optimizer step, each traced."""
+    rec = run.recorder
+    for s, st in run.stages.items():
+        t0 = Recorder.clock()
+        if s in run.host_grads:
+            nbytes = run.rings[s](run.backend.to_host(st.flat_grads, out=run.host_grads[s]))
+            copy_from_host(st.flat_grads, run.host_grads[s])
+        else:
+            nbytes = run.rings[s](st.flat_grads)
+        rec.record(KIND["allreduce"], step, s, -1, t0, Recorder.clock(), nbytes, run.ring_peer)
+    for s, st in run.stages.items():
+        t0 = Recorder.clock()
+        run.optimizers[s].step(st.flat_grads)
+        run.backend.synchronize()
+        rec.record(KIND["optimizer"], step, s, -1, t0, Recorder.clock())
+
+
+def _finish(
+    job: Job, world: MPI.Comm, run: _Run, runtime_s: float, to_run_start: float, collect: bool
+) -> Summary | None:
+    """Collectives after the last step (evaluation, replica check, bytes, events), then rank 0
+    builds the Summary and writes the trace."""
+    g, t = job.grid, job.train
+    grid, stages, num_stages = run.grid, run.stages, g.pp * t.virtual_stages
+    test_accuracy = _evaluate(world, grid, stages, num_stages, run.task, job.model, run.backend)
     replica_diff = _replica_check(world, grid, stages)
-    bytes_sent = _bytes_sent(world, runtime, rings)
-    peaks = world.gather(peak_inflight, root=0)
-    events = gather_events(world, recorder, offset - t_origin)
+    bytes_sent = _bytes_sent(world, run.runtime, run.rings)
+    peaks = world.gather(run.peak_inflight, root=0)
+    events = gather_events(world, run.recorder, to_run_start)
     hostnames = world.gather(socket.gethostname(), root=0)
     grid.free()  # a sweep calls train() many times in one process
-    params = gather_parameters(world, grid, stages, num_stages) if collect_params else None
+    params = gather_parameters(world, grid, stages, num_stages) if collect else None
     if world.rank != 0:
         return None
 
-    peak_by_stage = {s: n for d in peaks for s, n in d.items()}
+    ran = t.steps - run.start
     summary = Summary(
         steps=t.steps,
         runtime_s=runtime_s,
-        samples_per_s=(t.steps - start) * t.global_batch / runtime_s if runtime_s > 0 else 0.0,
-        losses=losses,
-        accuracies=accuracies,
+        samples_per_s=ran * t.global_batch / runtime_s if runtime_s > 0 else 0.0,
+        losses=run.losses,
+        accuracies=run.accuracies,
         test_accuracy=test_accuracy,
         bytes_sent=bytes_sent,
         replica_max_diff=replica_diff,
-        peak_inflight=dict(sorted(peak_by_stage.items())),
-        grid_as_run=grid_as_run(events, g.pp, v, t.steps - 1) if t.steps > start else "",
+        peak_inflight=dict(sorted({s: n for d in peaks for s, n in d.items()}.items())),
+        grid_as_run=grid_as_run(events, g.pp, t.virtual_stages, t.steps - 1) if ran > 0 else "",
         params=params,
         events=events,
     )
     if job.trace.path:
-        write_trace(
-            job.trace.path,
-            events=events,
-            steps={
-                "loss": np.array(losses),
-                "accuracy": np.array(accuracies),
-                "step_time": step_times,
-            },
-            config=to_toml(job),
-            attrs=_run_attrs(world, job, summary, hostnames),
-            overwrite=job.trace.overwrite,
-        )
-        summary.trace_path = job.trace.path
+        _write_trace(job, world, run, summary, hostnames)
     return summary
+
+
+def _write_trace(job: Job, world: MPI.Comm, run: _Run, summary: Summary, hostnames) -> None:
+    # rank 0's own step durations; NaN for steps run before a resume
+    own = step_times(run.recorder.events)
+    step_time = [own.get(step, np.nan) for step in range(job.train.steps)]
+    write_trace(
+        job.trace.path,
+        events=summary.events,
+        steps={
+            "loss": np.array(summary.losses),
+            "accuracy": np.array(summary.accuracies),
+            "step_time": np.array(step_time),
+        },
+        config=to_toml(job),
+        attrs=_run_attrs(world, job, summary, hostnames),
+        overwrite=job.trace.overwrite,
+    )
+    summary.trace_path = job.trace.path
 
 
 class Preempted(Exception):
