@@ -20,7 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from mpihybrid.pipeline.liveness import replay_rows
 from mpihybrid.trace.file import Trace
-from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS
+from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS, step_times
 
 # the columns of the time split, in table order; "recv" is time blocked waiting for a message
 SPLIT = ("forward", "backward", "weight", "recv", "send", "allreduce", "optimizer")
@@ -273,20 +273,68 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     Times are seconds summed over the whole run (stage rows: over all replicas of the stage);
     step time, bubble, costs and all-reduce bandwidth leave out the first `skip_steps` steps.
     """
-    from mpihybrid.pipeline.schedules import build_schedule
-    from mpihybrid.pipeline.simulate import BUBBLE_FORMULAS, bubble_formula, peak_inflight
+    from mpihybrid.pipeline.simulate import BUBBLE_FORMULAS, bubble_formula
 
     ev, attrs = trace.events, trace.attrs
     config = flat_config(trace)
-    pp, dp = int(attrs["pp"]), int(attrs["dp"])
-    schedule, m = str(attrs["schedule"]), int(attrs["microbatches"])
-    v = int(attrs.get("virtual_stages", 1))
-    early = bool(attrs.get("early_grad_send", False))  # traces from before the option: off
+    run = _run_info(attrs, config)
+    pp, dp, schedule, m = run["pp"], run["dp"], run["schedule"], run["microbatches"]
+    v, early = run["virtual_stages"], run["early_grad_send"]
     num_stages = pp * v
     of = {name: ev[ev["kind"] == KIND[name]] for name in KINDS}
-    step_rows = of["step"]
-    steps = _measured_steps(step_rows, skip_steps)
+    steps = _measured_steps(of["step"], skip_steps)
 
+    ranks = _rank_rows(ev)
+    bubble = bubble_summary(ev, schedule, pp, m, v, skip_steps, early)
+    bubble["formula"] = bubble_formula(schedule, pp, m, v)
+    bubble["formula_text"] = BUBBLE_FORMULAS[schedule]
+    for row in ranks:
+        row["bubble"] = bubble["per_rank"].get(row["rank"])
+
+    messages = match_messages(ev)
+    allreduce = []
+    if dp > 1:  # with one replica nothing travels
+        rows = of["allreduce"][np.isin(of["allreduce"]["step"], steps)]
+        allreduce = _allreduce_bandwidth(rows, _stage_param_counts(trace, num_stages), dp)
+
+    step_time = _step_time(of["step"], steps)
+    run["world_size"] = int(attrs.get("world_size", len(ranks)))
+    run["steps"] = len(step_time["per_step"])
+    return {
+        "run": run,
+        "counts": {name: int(len(of[name])) for name in KINDS},
+        "ranks": ranks,
+        "stages": _stage_rows(ev, of, bubble["costs"], schedule, pp, m, v, early),
+        "bubble": bubble,
+        "bytes": _bytes_sent(ev, of, messages),
+        "messages": {
+            "sends": int(np.sum(of["send"]["microbatch"] >= 0)),
+            "matched": len(messages),
+        },
+        "allreduce": allreduce,
+        "step_time": step_time,
+        "throughput": _throughput(of["step"], config, run["steps"]),
+        "straggler": _straggler(ranks),
+        "quality": _quality(trace),
+    }
+
+
+def _run_info(attrs: dict, config: dict) -> dict:
+    """How the run was laid out, from the trace's attributes (the job as a fallback)."""
+    return {
+        "schedule": str(attrs["schedule"]),
+        "pp": int(attrs["pp"]),
+        "dp": int(attrs["dp"]),
+        "microbatches": int(attrs["microbatches"]),
+        "virtual_stages": int(attrs.get("virtual_stages", 1)),
+        # traces from before the option: off
+        "early_grad_send": bool(attrs.get("early_grad_send", False)),
+        "codec": attrs.get("codec", config.get("comm.codec")),
+    }
+
+
+def _rank_rows(ev: np.ndarray) -> list[dict]:
+    """Per rank: seconds in each SPLIT column, the whole steps, idle and busy."""
     ranks = []
     for rank in np.unique(ev["rank"]):
         mine = ev[ev["rank"] == rank]
@@ -298,13 +346,18 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
         row["idle"] = max(0.0, row["total"] - sum(row[name] for name in SPLIT))
         row["busy"] = row["forward"] + row["backward"] + row["weight"] + row["optimizer"]
         ranks.append(row)
+    return ranks
 
-    bubble = bubble_summary(ev, schedule, pp, m, v, skip_steps, early)
-    bubble["formula"] = bubble_formula(schedule, pp, m, v)
-    bubble["formula_text"] = BUBBLE_FORMULAS[schedule]
-    for row in ranks:
-        row["bubble"] = bubble["per_rank"].get(row["rank"])
 
+def _stage_rows(
+    ev: np.ndarray, of: dict, costs: dict, schedule: str, pp: int, m: int, v: int, early: bool
+) -> list[dict]:
+    """Per stage: seconds in each SPLIT column, mean F/B/W, activations in flight measured and
+    predicted by the schedule."""
+    from mpihybrid.pipeline.schedules import build_schedule
+    from mpihybrid.pipeline.simulate import peak_inflight
+
+    num_stages = pp * v
     peak_count, peak_bytes = _peak_activations(ev, num_stages)
     predicted_peak = peak_inflight(build_schedule(schedule, pp, m, v, early), num_stages)
     stages = []
@@ -313,13 +366,15 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
         for name in SPLIT:
             row[name] = _sum(of[name][of[name]["stage"] == s])
         for name in ("forward", "backward", "weight"):
-            row[f"mean_{name}"] = bubble["costs"][name][s]
+            row[f"mean_{name}"] = costs[name][s]
         row["peak_inflight"] = peak_count[s]
         row["predicted_peak_inflight"] = predicted_peak[s]
         row["peak_activation_bytes"] = peak_bytes[s]
         stages.append(row)
+    return stages
 
-    messages = match_messages(ev)
+
+def _bytes_sent(ev: np.ndarray, of: dict, messages: Messages) -> dict:
     nbytes = ev["bytes"][messages.send]
     sent = {
         "activation": int(nbytes[messages.direction == "F"].sum()),
@@ -328,72 +383,51 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     # a send whose receive is not in the trace (none in a complete run)
     sent["unmatched"] = int(of["send"]["bytes"].sum()) - sum(sent.values())
     sent["allreduce"] = int(of["allreduce"]["bytes"].sum())
+    return sent
 
-    allreduce = []
-    if dp > 1:  # with one replica nothing travels
-        rows = of["allreduce"][np.isin(of["allreduce"]["step"], steps)]
-        allreduce = _allreduce_bandwidth(rows, _stage_param_counts(trace, num_stages), dp)
 
-    per_step = []
-    for t in np.unique(step_rows["step"]):
-        rows = step_rows[step_rows["step"] == t]
-        per_step.append(float(rows["end"].max() - rows["start"].min()))
-    measured = [per_step[i] for i, t in enumerate(np.unique(step_rows["step"])) if t in steps]
+def _step_time(step_rows: np.ndarray, measured_steps: np.ndarray) -> dict:
+    per_step = step_times(step_rows)
+    measured = [t for step, t in per_step.items() if step in measured_steps]
+    return {
+        "mean": float(np.mean(measured)) if measured else 0.0,
+        "median": float(statistics.median(measured)) if measured else 0.0,
+        "min": min(measured, default=0.0),
+        "max": max(measured, default=0.0),
+        "first": next(iter(per_step.values()), 0.0),
+        "per_step": list(per_step.values()),
+    }
+
+
+def _throughput(step_rows: np.ndarray, config: dict, num_steps: int) -> dict:
     span = float(step_rows["end"].max() - step_rows["start"].min()) if len(step_rows) else 0.0
     global_batch = config.get("train.global_batch")
-    samples = int(global_batch) * len(per_step) if global_batch is not None else None
-    straggler = max(ranks, key=lambda r: r["busy"]) if ranks else None
-    mean_busy = float(np.mean([r["busy"] for r in ranks])) if ranks else 0.0
+    samples = int(global_batch) * num_steps if global_batch is not None else None
+    return {
+        "samples": samples,
+        "seconds": span,
+        "samples_per_s": samples / span if samples is not None and span > 0 else None,
+    }
+
+
+def _straggler(ranks: list[dict]) -> dict | None:
+    if not ranks:
+        return None
+    straggler = max(ranks, key=lambda r: r["busy"])
+    mean_busy = float(np.mean([r["busy"] for r in ranks]))
+    return {
+        "rank": straggler["rank"],
+        "busy": straggler["busy"],
+        "vs_mean": straggler["busy"] / mean_busy if mean_busy > 0 else 1.0,
+    }
+
+
+def _quality(trace: Trace) -> dict:
     loss, accuracy = trace.steps.get("loss"), trace.steps.get("accuracy")
     return {
-        "run": {
-            "schedule": schedule,
-            "pp": pp,
-            "dp": dp,
-            "microbatches": m,
-            "virtual_stages": v,
-            "early_grad_send": early,
-            "codec": attrs.get("codec", config.get("comm.codec")),
-            "world_size": int(attrs.get("world_size", len(ranks))),
-            "steps": len(per_step),
-        },
-        "counts": {name: int(len(of[name])) for name in KINDS},
-        "ranks": ranks,
-        "stages": stages,
-        "bubble": bubble,
-        "bytes": sent,
-        "messages": {
-            "sends": int(np.sum(of["send"]["microbatch"] >= 0)),
-            "matched": len(messages),
-        },
-        "allreduce": allreduce,
-        "step_time": {
-            "mean": float(np.mean(measured)) if measured else 0.0,
-            "median": float(statistics.median(measured)) if measured else 0.0,
-            "min": min(measured, default=0.0),
-            "max": max(measured, default=0.0),
-            "first": per_step[0] if per_step else 0.0,
-            "per_step": per_step,
-        },
-        "throughput": {
-            "samples": samples,
-            "seconds": span,
-            "samples_per_s": samples / span if samples is not None and span > 0 else None,
-        },
-        "straggler": None
-        if straggler is None
-        else {
-            "rank": straggler["rank"],
-            "busy": straggler["busy"],
-            "vs_mean": straggler["busy"] / mean_busy if mean_busy > 0 else 1.0,
-        },
-        "quality": {
-            "final_loss": float(loss[-1]) if loss is not None and len(loss) else None,
-            "train_accuracy": float(accuracy[-1])
-            if accuracy is not None and len(accuracy)
-            else None,
-            "test_accuracy": attrs.get("test_accuracy"),
-        },
+        "final_loss": float(loss[-1]) if loss is not None and len(loss) else None,
+        "train_accuracy": float(accuracy[-1]) if accuracy is not None and len(accuracy) else None,
+        "test_accuracy": trace.attrs.get("test_accuracy"),
     }
 
 

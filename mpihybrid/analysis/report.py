@@ -21,9 +21,31 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def format_analysis(result: dict) -> str:
     """analyze()'s result as text tables (times per step in ms unless marked)."""
+    n = max(result["run"]["steps"], 1)
+
+    def ms(seconds: float) -> str:  # per step
+        return f"{1e3 * seconds / n:.2f}"
+
+    lines = _summary_lines(result, ms)
+    lines += _time_tables(result, ms)
+    lines += _bytes_lines(result)
+    rows = [
+        [
+            str(s["stage"]),
+            str(s["peak_inflight"]),
+            str(s["predicted_peak_inflight"]),
+            human_bytes(s["peak_activation_bytes"]),
+        ]
+        for s in result["stages"]
+    ]
+    lines += ["", "activations in flight per stage (peak over steps and replicas)"]
+    lines += table(["stage", "peak", "schedule", "peak bytes"], rows)
+    return "\n".join(lines)
+
+
+def _summary_lines(result: dict, ms) -> list[str]:
+    """The run, step time, throughput, bubble, quality and the straggler, a line each."""
     run, st, bubble = result["run"], result["step_time"], result["bubble"]
-    n = max(run["steps"], 1)
-    ms = lambda seconds: f"{1e3 * seconds / n:.2f}"  # noqa: E731  per step
     v = f", v={run['virtual_stages']}" if run["virtual_stages"] > 1 else ""
     v += ", gradients sent before W" if run.get("early_grad_send") else ""
     measured_steps = bubble["steps"]
@@ -65,7 +87,12 @@ def format_analysis(result: dict) -> str:
             f"straggler       rank {s['rank']}: busy {ms(s['busy'])} ms/step "
             f"(F+B+W+optimizer), {s['vs_mean']:.2f}x the mean rank"
         )
+    return lines
 
+
+def _time_tables(result: dict, ms) -> list[str]:
+    """Time by rank and by stage."""
+    run = result["run"]
     cols = ["forward", "backward", "weight", "recv", "send", "allreduce", "optimizer", "idle"]
     heads = ["F", "B", "W", "p2p wait", "send", "allreduce", "optim", "idle"]
     rows = [
@@ -74,7 +101,7 @@ def format_analysis(result: dict) -> str:
         + [ms(r["total"]), f"{r['bubble']:.3f}" if r["bubble"] is not None else "-"]
         for r in result["ranks"]
     ]
-    lines += ["", "time by rank (ms per step)"]
+    lines = ["", "time by rank (ms per step)"]
     lines += table(["rank", "stage", "dp", *heads, "step", "bubble"], rows)
 
     replicas = max(run["dp"], 1)
@@ -86,9 +113,13 @@ def format_analysis(result: dict) -> str:
     ]
     lines += ["", "time by stage (one F/B/W in us; totals in ms per step, mean over replicas)"]
     lines += table(["stage", "F us", "B us", "W us", *heads[:-1]], rows)
+    return lines
 
+
+def _bytes_lines(result: dict) -> list[str]:
+    """Bytes sent by kind, and the all-reduce bandwidth per stage."""
     b = result["bytes"]
-    lines += [
+    lines = [
         "",
         f"bytes sent      activation {human_bytes(b['activation'])}, activation_grad "
         f"{human_bytes(b['activation_grad'])}, all-reduce {human_bytes(b['allreduce'])}",
@@ -108,15 +139,4 @@ def format_analysis(result: dict) -> str:
         ]
         lines += ["", "all-reduce per stage (size = fp32 gradient; busbw = algbw * 2(n-1)/n)"]
         lines += table(["stage", "n", "size", "time us", "algbw", "busbw", "wire/rank"], rows)
-    rows = [
-        [
-            str(s["stage"]),
-            str(s["peak_inflight"]),
-            str(s["predicted_peak_inflight"]),
-            human_bytes(s["peak_activation_bytes"]),
-        ]
-        for s in result["stages"]
-    ]
-    lines += ["", "activations in flight per stage (peak over steps and replicas)"]
-    lines += table(["stage", "peak", "schedule", "peak bytes"], rows)
-    return "\n".join(lines)
+    return lines

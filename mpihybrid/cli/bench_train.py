@@ -9,7 +9,7 @@ Each repeat trains the job from scratch for `warmup + steps` steps and measures 
 the per-step metrics collective included). Reported:
 
     tokens/s       median over repeats (samples/s for data without tokens)
-    step time      median measured step
+    step time      median measured step (trace.recorder.step_times: first start to last end)
     busy           per rank and per stage: compute time / measured wall time
     FLOPs/token    training FLOPs of the model (matmuls: forward, input and weight gradients)
     roofline       ranks x the float32 GEMM rate one core reaches on the model's own matmuls:
@@ -41,6 +41,7 @@ from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.layers import Layer, Linear
 from mpihybrid.nn.model import block_costs, build_blocks
 from mpihybrid.nn.transformer import CausalAttention, Residual
+from mpihybrid.trace.recorder import KIND, step_times
 
 # a GEMM: (batch, m, k, n) = `batch` products of (m, k) @ (k, n)
 Gemm = tuple[int, int, int, int]
@@ -114,24 +115,17 @@ def _as_trace(job: Job, summary, world_size: int):
     return Trace(summary.events, steps, to_toml(job), layout_attrs(job, world_size))
 
 
-def _measured_wall(events: np.ndarray, first: int) -> tuple[float, list[float]]:
-    """Rank 0's wall time from the start of step `first` to the end of the last step."""
-    from mpihybrid.trace.recorder import KIND
-
+def _measured_wall(events: np.ndarray, first: int) -> float:
+    """Rank 0's wall time from the start of step `first` to the end of the last step (the
+    per-step metrics collective included)."""
     rows = events[(events["kind"] == KIND["step"]) & (events["rank"] == 0)]
     rows = rows[rows["step"] >= first]
-    starts = np.sort(rows["start"])
-    ends = np.sort(rows["end"])
-    # a step's share of the wall: from its start to the next step's start (metrics included)
-    bounds = np.append(starts, ends[-1])
-    return float(ends[-1] - starts[0]), [float(d) for d in np.diff(bounds)]
+    return float(rows["end"].max() - rows["start"].min())
 
 
 def _busy(events: np.ndarray, first: int, wall: float) -> tuple[dict, dict]:
     """Compute time (forward, backward, weight, optimizer) of the measured steps / wall time,
     per rank and per stage (a stage's replicas summed)."""
-    from mpihybrid.trace.recorder import KIND
-
     kinds = [KIND[k] for k in ("forward", "backward", "weight", "optimizer")]
     rows = events[np.isin(events["kind"], kinds) & (events["step"] >= first)]
     took = rows["end"] - rows["start"]
@@ -171,33 +165,17 @@ def bench_train(
     against: (another job, the overrides that made it): each repeat also runs that job, right
     after this one, so the two are compared pair by pair under the same machine drift.
     """
-    from mpihybrid.analysis.metrics import analyze
-    from mpihybrid.train.loop import train
-
     job = _bench_job(job, warmup + steps)
     other = _bench_job(against[0], warmup + steps) if against else None
-    in_features, num_classes = task_dims(job.data)
     tokens = _units_per_sample(job)
-    blocks = build_blocks(job.model, in_features, num_classes)
+    blocks = build_blocks(job.model, *task_dims(job.data))
     rows = job.train.global_batch // (job.grid.dp * job.train.microbatches) * tokens
     gemms = model_gemms(blocks, rows)
 
-    runs, other_walls = [], []
-    for _ in range(repeats):
-        summary = train(job, world, quiet=True)
-        if world.rank == 0:
-            wall, step_times = _measured_wall(summary.events, warmup)
-            report = analyze(_as_trace(job, summary, world.size), skip_steps=warmup)
-            runs.append((wall, step_times, report, summary.events))
-        if other is not None:
-            summary = train(other, world, quiet=True)
-            if world.rank == 0:
-                other_walls.append(_measured_wall(summary.events, warmup)[0])
-
+    runs, other_walls, last = _run_repeats(job, other, world, warmup, repeats)
     # the roofline: every rank measures at the same time, as every core is busy in training
     world.Barrier()
-    rate = measure_gemm_rate(gemms)
-    rates = world.gather(rate, root=0)
+    rates = world.gather(measure_gemm_rate(gemms), root=0)
     hot = hot_gemm_rate(max(gemms, key=lambda g: gemm_flops([g]))) if world.rank == 0 else 0.0
     peak_rss = world.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, root=0)
     if world.rank != 0:
@@ -206,27 +184,13 @@ def bench_train(
     per_step = job.train.global_batch * tokens
     throughputs = [steps * per_step / run[0] for run in runs]
     median = statistics.median(throughputs)
-    best = runs[throughputs.index(median)] if median in throughputs else runs[0]
-    wall, step_times, report, events = best
+    wall, step_time, report, events = (
+        runs[throughputs.index(median)] if median in throughputs else runs[0]
+    )
     flops_per_token = sum(block_costs(blocks))  # per row: a token (gpt) or a sample (mlp)
     assert gemm_flops(gemms) == flops_per_token * rows, "GEMM list and cost model disagree"
     roofline = float(sum(rates))
     achieved = flops_per_token * median
-    busy_rank, busy_stage = _busy(events, warmup, wall)
-    ranks = [
-        {"rank": r["rank"], "stages": r["stages"], "busy": busy_rank.get(r["rank"], 0.0)}
-        for r in report["ranks"]
-    ]
-    stages = [
-        {
-            "stage": s["stage"],
-            "busy": busy_stage.get(s["stage"], 0.0) / job.grid.dp,
-            "peak_inflight": s["peak_inflight"],
-            "predicted_peak_inflight": s["predicted_peak_inflight"],
-            "peak_activation_bytes": s["peak_activation_bytes"],
-        }
-        for s in report["stages"]
-    ]
     return {
         "job": {
             "pp": job.grid.pp,
@@ -243,7 +207,7 @@ def bench_train(
         "measured_steps": steps,
         "throughput": median,
         "throughputs": throughputs,
-        "step_time": statistics.median(step_times),
+        "step_time": step_time,
         "bubble": report["bubble"]["measured"],
         "bubble_predicted": report["bubble"]["formula"],
         "bubble_simulated": report["bubble"]["predicted"],
@@ -253,12 +217,52 @@ def bench_train(
         "gemm_rate_hot": hot,
         "roofline": roofline,
         "roofline_fraction": achieved / roofline if roofline > 0 else 0.0,
-        "ranks": ranks,
-        "stages": stages,
+        **_busy_rows(job, report, events, warmup, wall),
         "peak_rss_bytes": [int(b) for b in peak_rss],
-        "final_loss": float(summary.losses[-1]) if summary.losses else None,
+        "final_loss": float(last.losses[-1]) if last.losses else None,
         "against": _against(against, other_walls, throughputs, steps),
     }
+
+
+def _run_repeats(job: Job, other: Job | None, world: MPI.Comm, warmup: int, repeats: int):
+    """Train the job `repeats` times (and `other` right after each); on rank 0 the runs as
+    (wall, median step time, analysis, events), the other job's walls and the last Summary."""
+    from mpihybrid.analysis.metrics import analyze
+    from mpihybrid.train.loop import train
+
+    runs, other_walls, summary = [], [], None
+    for _ in range(repeats):
+        summary = train(job, world, quiet=True)
+        if world.rank == 0:
+            wall = _measured_wall(summary.events, warmup)
+            measured = [t for s, t in step_times(summary.events).items() if s >= warmup]
+            report = analyze(_as_trace(job, summary, world.size), skip_steps=warmup)
+            runs.append((wall, statistics.median(measured), report, summary.events))
+        if other is not None:
+            other_summary = train(other, world, quiet=True)
+            if world.rank == 0:
+                other_walls.append(_measured_wall(other_summary.events, warmup))
+    return runs, other_walls, summary
+
+
+def _busy_rows(job: Job, report: dict, events: np.ndarray, warmup: int, wall: float) -> dict:
+    """The "ranks" and "stages" entries: busy fractions, activations measured and predicted."""
+    busy_rank, busy_stage = _busy(events, warmup, wall)
+    ranks = [
+        {"rank": r["rank"], "stages": r["stages"], "busy": busy_rank.get(r["rank"], 0.0)}
+        for r in report["ranks"]
+    ]
+    stages = [
+        {
+            "stage": s["stage"],
+            "busy": busy_stage.get(s["stage"], 0.0) / job.grid.dp,
+            "peak_inflight": s["peak_inflight"],
+            "predicted_peak_inflight": s["predicted_peak_inflight"],
+            "peak_activation_bytes": s["peak_activation_bytes"],
+        }
+        for s in report["stages"]
+    ]
+    return {"ranks": ranks, "stages": stages}
 
 
 def _against(against, walls: list[float], throughputs: list[float], steps: int) -> dict | None:
