@@ -18,7 +18,7 @@ from typing import Any
 
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
-from mpihybrid.pipeline.schedules import SCHEDULES
+from mpihybrid.pipeline.schedules import SCHEDULES, ScheduleError, check_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -231,8 +231,8 @@ def _one_of(where: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{where} = {value!r}: unknown; choose one of {', '.join(allowed)}")
 
 
-def validate(job: Job) -> None:
-    """Every rule that needs only the job; raises ConfigError with the rule and its numbers."""
+def _check_names(job: Job) -> None:
+    """Every setting that names one of a fixed list (schedules, codecs, devices, ...)."""
     g, m, d, t, c = job.grid, job.model, job.data, job.train, job.comm
     _one_of("grid.order", g.order, ORDERS)
     _one_of("grid.device", g.device, DEVICES)
@@ -244,6 +244,12 @@ def validate(job: Job) -> None:
     _one_of("train.schedule", t.schedule, SCHEDULES)
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
     _one_of("comm.codec", c.codec, CODECS)
+
+
+def validate(job: Job) -> None:
+    """Every rule that needs only the job; raises ConfigError with the rule and its numbers."""
+    g, m, d, t, c = job.grid, job.model, job.data, job.train, job.comm
+    _check_names(job)
     for where, value, low in [
         ("model.hidden", m.hidden, 1),
         ("model.depth", m.depth, 1),
@@ -283,8 +289,6 @@ def validate(job: Job) -> None:
         raise ConfigError(
             f"train.global_batch({t.global_batch}) > data.train_samples({d.train_samples})"
         )
-    from mpihybrid.pipeline.schedules import ScheduleError, check_config
-
     try:
         check_config(t.schedule, g.pp, t.microbatches, t.virtual_stages)
     except ScheduleError as exc:

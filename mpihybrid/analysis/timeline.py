@@ -97,6 +97,34 @@ def render_png(trace: Trace, steps: range) -> bytes:
     # a label fits when its bar is at least ~14 px wide
     min_width = (t1 - t0) * 14 / (0.86 * WIDTH_PX)
     y_of = {r: i for i, r in enumerate(ranks)}
+    _draw_bars(ax, rows, y_of, t0, scale, min_width)
+    for step in steps:  # dashed line where each step starts on its first rank
+        starts = ev["start"][(ev["step"] == step) & (ev["kind"] == KIND["step"])]
+        if len(starts):
+            ax.axvline((float(starts.min()) - t0) * scale, color="black", lw=0.6, ls="--")
+    ax.set_yticks(range(len(ranks)), [labels[r] for r in ranks], fontsize=8)
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
+    ax.set_xlim(0, (t1 - t0) * scale)
+    ax.set_xlabel(f"ms since step {steps.start} began", fontsize=8)
+    shown = [n for n in COLOURS if np.any(rows["kind"] == KIND[n])]
+    ax.legend(
+        handles=[Patch(color=COLOURS[n], label=n) for n in shown],
+        loc="lower left",
+        bbox_to_anchor=(0, 1.0),
+        ncol=len(shown),
+        fontsize=8,
+        frameon=False,
+    )
+    what = f"step {steps.start}" if len(steps) == 1 else f"steps {steps.start}-{steps[-1]}"
+    schedule = trace.attrs.get("schedule", "")
+    ax.set_title(f"{schedule} {what}", loc="right", fontsize=9)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    return buf.getvalue()
+
+
+def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, min_width: float):
+    """A bar per event in its kind's colour; micro-batch numbers on the F/B/W bars wide enough."""
     for name, colour in COLOURS.items():
         sel = rows[rows["kind"] == KIND[name]]
         if not len(sel):
@@ -123,29 +151,6 @@ def render_png(trace: Trace, steps: range) -> bytes:
                     fontsize=7,
                     color="white",
                 )
-    for step in steps:  # dashed line where each step starts on its first rank
-        starts = ev["start"][(ev["step"] == step) & (ev["kind"] == KIND["step"])]
-        if len(starts):
-            ax.axvline((float(starts.min()) - t0) * scale, color="black", lw=0.6, ls="--")
-    ax.set_yticks(range(len(ranks)), [labels[r] for r in ranks], fontsize=8)
-    ax.set_ylim(len(ranks) - 0.5, -0.5)
-    ax.set_xlim(0, (t1 - t0) * scale)
-    ax.set_xlabel(f"ms since step {steps.start} began", fontsize=8)
-    shown = [n for n in COLOURS if np.any(rows["kind"] == KIND[n])]
-    ax.legend(
-        handles=[Patch(color=COLOURS[n], label=n) for n in shown],
-        loc="lower left",
-        bbox_to_anchor=(0, 1.0),
-        ncol=len(shown),
-        fontsize=8,
-        frameon=False,
-    )
-    what = f"step {steps.start}" if len(steps) == 1 else f"steps {steps.start}-{steps[-1]}"
-    schedule = trace.attrs.get("schedule", "")
-    ax.set_title(f"{schedule} {what}", loc="right", fontsize=9)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI)
-    return buf.getvalue()
 
 
 def write_png(trace: Trace, path: str | os.PathLike, steps: range, overwrite: bool = False) -> None:

@@ -165,6 +165,8 @@ def bench_train(
     against: (another job, the overrides that made it): each repeat also runs that job, right
     after this one, so the two are compared pair by pair under the same machine drift.
     """
+    # Over 60 lines because half of it is the one literal of the result (--json prints it):
+    # its keys read in the order the report prints them.
     job = _bench_job(job, warmup + steps)
     other = _bench_job(against[0], warmup + steps) if against else None
     tokens = _units_per_sample(job)

@@ -364,41 +364,21 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
     """
     from mpi4py import MPI
 
+    from mpihybrid.cli.commands import exit_on_any_error
+    from mpihybrid.comm.device import DeviceError
+
     world = MPI.COMM_WORLD
     echo = click.echo if world.rank == 0 else (lambda _text: None)
     # Every rank checks the same inputs (rank 0 also the file system) and all agree on the first
     # error, so a bad sweep stops everywhere before any training message is sent.
-    from mpihybrid.comm.device import DeviceError, select_backend
-
     error, cells, notes, backend = None, [], [], None
     try:
-        names = parse_schedules(schedules)
-        ms = parse_microbatches(microbatches)
-        for option, value, low in [("--repeats", repeats, 1), ("--virtual", virtual, 2),
-                                   ("--warmup-steps", warmup_steps, 0)]:  # fmt: skip
-            if value < low:
-                raise ConfigError(f"{option} = {value}: must be >= {low}")
-        job = load_job(job_file, list(overrides), world.Get_size())
-        if job.train.steps <= warmup_steps:
-            raise ConfigError(
-                f"train.steps({job.train.steps}) must exceed --warmup-steps({warmup_steps})"
-            )
-        cells, notes = plan(job, names, ms, virtual, world.Get_size())
-        if not cells:
-            raise ConfigError("every combination was rejected: " + "; ".join(notes))
-        # collective, reached by every rank alike: each has passed the same checks so far
-        backend = select_backend(job.grid.device, job.comm.cuda_aware, world)
-        if world.rank == 0:
-            check_output(Path(output), overwrite)
-            if plots:
-                from mpihybrid.cli.sweep_plots import import_pyplot, make_directory
-
-                import_pyplot()
-                make_directory(Path(plots))
+        cells, notes, backend = _prepare(
+            world, job_file, overrides, schedules, microbatches, repeats, virtual, warmup_steps,
+            output, plots, overwrite,
+        )  # fmt: skip
     except (ConfigError, DeviceError) as exc:
         error = str(exc)
-    from mpihybrid.cli.commands import exit_on_any_error
-
     exit_on_any_error(world, error)
 
     for note in notes:
@@ -420,3 +400,34 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
         sys.stderr.write(f"[rank {world.rank}] sweep failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         world.Abort(1)
+
+
+def _prepare(world, job_file, overrides, schedules, microbatches, repeats, virtual, warmup_steps,
+             output, plots, overwrite):  # fmt: skip
+    """The sweep's cells, notes and backend, after every check (ConfigError or DeviceError)."""
+    from mpihybrid.comm.device import select_backend
+
+    names = parse_schedules(schedules)
+    ms = parse_microbatches(microbatches)
+    for option, value, low in [("--repeats", repeats, 1), ("--virtual", virtual, 2),
+                               ("--warmup-steps", warmup_steps, 0)]:  # fmt: skip
+        if value < low:
+            raise ConfigError(f"{option} = {value}: must be >= {low}")
+    job = load_job(job_file, list(overrides), world.Get_size())
+    if job.train.steps <= warmup_steps:
+        raise ConfigError(
+            f"train.steps({job.train.steps}) must exceed --warmup-steps({warmup_steps})"
+        )
+    cells, notes = plan(job, names, ms, virtual, world.Get_size())
+    if not cells:
+        raise ConfigError("every combination was rejected: " + "; ".join(notes))
+    # collective, reached by every rank alike: each has passed the same checks so far
+    backend = select_backend(job.grid.device, job.comm.cuda_aware, world)
+    if world.rank == 0:
+        check_output(Path(output), overwrite)
+        if plots:
+            from mpihybrid.cli.sweep_plots import import_pyplot, make_directory
+
+            import_pyplot()
+            make_directory(Path(plots))
+    return cells, notes, backend

@@ -254,6 +254,8 @@ def _run(
 ) -> dict[int, tuple[int, str]]:
     """Execute every rank's list in order with blocking RECVs; {rank: (step, why)} for the ranks
     that cannot finish. per_rank=False lets every rank see every tensor (compute lists)."""
+    # Over 60 lines on purpose: one interpreter whose helpers (current, needs, advance) share
+    # its program counters and tensor sets; split apart they would pass all that state around.
     pp, last = len(actions), num_stages - 1
     pc = dict.fromkeys(actions, 0)
     shared: set = set()
