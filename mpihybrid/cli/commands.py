@@ -16,6 +16,8 @@ import traceback
 
 import click
 
+from mpihybrid.pipeline.schedules import SCHEDULES  # pure Python: --help stays fast
+
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 3  # a signal asked the job to stop; a checkpoint was written (requeue me)
 
@@ -182,7 +184,7 @@ def schedule() -> None:
     "name",
     default="1f1b",
     show_default=True,
-    help="naive | gpipe | 1f1b | interleaved-1f1b | zb-h1",
+    help=" | ".join(SCHEDULES),
 )
 @click.option("--pp", type=int, default=4, show_default=True, help="Pipeline stages.")
 @click.option("--microbatches", "-m", type=int, default=8, show_default=True)
@@ -227,7 +229,7 @@ def bench() -> None:
     show_default=True,
     help="Message sizes in bytes (K/M suffixes).",
 )
-@click.option("--codecs", default="fp32,fp16,bf16,int8", show_default=True)
+@click.option("--codecs", default=None, help="Comma list of codecs (default: every codec).")
 @click.option("--repeats", type=int, default=5, show_default=True)
 def bench_allreduce(sizes, codecs, repeats) -> None:
     """Hand-written ring vs MPI's own Allreduce: time, algbw, busbw, bytes on the wire."""
@@ -242,7 +244,7 @@ def bench_allreduce(sizes, codecs, repeats) -> None:
         size_list = [parse_size(s) for s in sizes.split(",") if s]
     except ValueError as exc:
         _fail(str(exc), rank)
-    codec_list = [c for c in codecs.split(",") if c]
+    codec_list = [c for c in codecs.split(",") if c] if codecs else list(CODECS)
     unknown = [c for c in codec_list if c not in CODECS]
     if unknown:
         _fail(f"unknown codec {unknown[0]!r}; choose from {', '.join(CODECS)}", rank)
