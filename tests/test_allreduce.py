@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mpihybrid.comm.codecs import CODECS, get_codec
-from tests.mpirun import run_mpi
+from tests.helpers import run_mpi
 
 pytestmark = pytest.mark.mpi
 

@@ -17,7 +17,7 @@ from mpihybrid.pipeline.schedules import build_schedule, lower, stage_rank
 from mpihybrid.pipeline.simulate import Costs, bubble_formula, peak_inflight, simulate
 from mpihybrid.trace.file import Trace, load
 from mpihybrid.trace.recorder import EVENT_DTYPE, KIND
-from tests.mpirun import ROOT, run_mpi
+from tests.helpers import ROOT, results, run_mpi
 
 PP, DP, M, STEPS = 2, 2, 4, 3
 SCHEDULE = "zb-h1"  # has F, B and W
@@ -36,10 +36,7 @@ def run(tmp_path_factory):
         *("--set", f"train.microbatches={M}", "--set", f'trace.path="{path}"'),
         timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counted = [
-        json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT")
-    ]
+    counted = results(proc)
     trace = load(path)
     return trace, analyze(trace), counted[0]
 
@@ -51,6 +48,7 @@ def durations(rows: np.ndarray) -> float:
 # --- a real run ----------------------------------------------------------------------------------
 
 
+@pytest.mark.mpi
 def test_time_split_sums_the_events(run):
     trace, result, _ = run
     ev = trace.events
@@ -74,6 +72,7 @@ def test_time_split_sums_the_events(run):
         assert row["mean_forward"] > 0 and row["mean_weight"] > 0
 
 
+@pytest.mark.mpi
 def test_bytes_equal_what_the_ranks_counted(run):
     _, result, counted = run
     sent = counted["bytes_sent"]
@@ -83,6 +82,7 @@ def test_bytes_equal_what_the_ranks_counted(run):
     assert result["bytes"]["unmatched"] == 0
 
 
+@pytest.mark.mpi
 def test_event_counts_are_what_the_schedule_implies(run):
     trace, result, _ = run
     lowered = lower(build_schedule(SCHEDULE, PP, M), PP)
@@ -100,6 +100,7 @@ def test_event_counts_are_what_the_schedule_implies(run):
     assert result["messages"]["matched"] == result["messages"]["sends"] == counts["recv"]
 
 
+@pytest.mark.mpi
 def test_messages_pair_sends_with_their_receives(run):
     trace, _, _ = run
     ev = trace.events
@@ -115,6 +116,7 @@ def test_messages_pair_sends_with_their_receives(run):
     assert all(owner[(int(e["replica"]), int(e["stage"]))] == e["rank"] for e in r)
 
 
+@pytest.mark.mpi
 def test_peak_activations_match_the_runtime_and_schedule(run):
     _, result, counted = run
     peaks = [s["peak_inflight"] for s in result["stages"]]
@@ -123,6 +125,7 @@ def test_peak_activations_match_the_runtime_and_schedule(run):
     assert all(s["peak_activation_bytes"] > 0 for s in result["stages"])
 
 
+@pytest.mark.mpi
 def test_allreduce_bandwidth_follows_nccl_tests(run):
     trace, result, _ = run
     job = load_job(None, [f"grid.pp={PP}", f"grid.dp={DP}"], PP * DP)
@@ -135,6 +138,7 @@ def test_allreduce_bandwidth_follows_nccl_tests(run):
         assert a["wire_bytes"] == a["size_bytes"]  # fp32 ring, 2 ranks: each sends the vector once
 
 
+@pytest.mark.mpi
 def test_step_time_throughput_and_straggler(run):
     trace, result, _ = run
     steps = trace.kind("step")
@@ -151,6 +155,7 @@ def test_step_time_throughput_and_straggler(run):
     assert result["straggler"]["rank"] == busiest["rank"] and result["straggler"]["vs_mean"] >= 1
 
 
+@pytest.mark.mpi
 def test_bubble_of_a_real_run_is_a_fraction(run):
     _, result, _ = run
     bubble = result["bubble"]
@@ -159,6 +164,7 @@ def test_bubble_of_a_real_run_is_a_fraction(run):
     assert bubble["formula"] == bubble_formula(SCHEDULE, PP, M)
 
 
+@pytest.mark.mpi
 def test_format_and_json(run):
     _, result, _ = run
     text = format_analysis(result)

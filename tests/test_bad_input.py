@@ -6,12 +6,13 @@ import time
 
 import pytest
 
-from tests.mpirun import run_mpi
+from tests.helpers import run_mpi
 
 pytestmark = pytest.mark.mpi
 
 
 def train(n, *args, cwd=None):
+    # no hang: a launch still running after 60 s raises TimeoutExpired, which fails the test
     return run_mpi(n, "-m", "mpihybrid", "train", "--quiet", *args, timeout=60, cwd=cwd)
 
 
@@ -36,14 +37,12 @@ def train(n, *args, cwd=None):
     ],
 )
 def test_bad_input_exits_2_with_one_line(n, args, message):
-    t0 = time.monotonic()
     proc = train(n, *args)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("mpihybrid: error:") and message in lines[0], lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
-    assert time.monotonic() - t0 < 60
 
 
 def test_malformed_toml(tmp_path):

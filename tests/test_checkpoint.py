@@ -13,7 +13,7 @@ import pytest
 
 from mpihybrid.trace.file import load
 from mpihybrid.train import checkpoint
-from tests.mpirun import ROOT, mpi_command, mpi_env, run_mpi
+from tests.helpers import ROOT, mpi_command, mpi_env, run_mpi
 
 pytestmark = pytest.mark.mpi
 

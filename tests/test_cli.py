@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from mpihybrid.cli import main
-from tests.mpirun import run_mpi
+from tests.helpers import run_mpi
 
 COMMANDS = ["train", "schedule", "bench", "analyze", "timeline", "export", "compare", "sweep"]
 

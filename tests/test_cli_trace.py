@@ -18,7 +18,7 @@ from mpihybrid.analysis.metrics import analyze
 from mpihybrid.cli import main
 from mpihybrid.trace.file import load, write_trace
 from mpihybrid.trace.recorder import KIND
-from tests.mpirun import ROOT, run_mpi
+from tests.helpers import ROOT, run_mpi
 
 PP, DP, M, V, STEPS = 2, 2, 4, 2, 3  # interleaved: one stage sends both ways to the same peer
 
@@ -89,6 +89,7 @@ def bad_inputs(tmp_path, trace_path):
 # --- analyze -------------------------------------------------------------------------------------
 
 
+@pytest.mark.mpi
 def test_analyze_prints_tables_and_json(trace_path):
     proc = cli("analyze", trace_path)
     assert proc.returncode == 0, proc.stderr
@@ -113,6 +114,7 @@ def png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.mpi
 def test_timeline_png_has_the_expected_size(trace_path, tmp_path):
     out = tmp_path / "last.png"
     proc = cli("timeline", trace_path, "-o", out)
@@ -125,6 +127,7 @@ def test_timeline_png_has_the_expected_size(trace_path, tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))  # written through a temporary, nothing left over
 
 
+@pytest.mark.mpi
 def test_timeline_default_output_and_bad_steps(trace_path, tmp_path):
     run = tmp_path / "copy.h5"
     shutil.copy(trace_path, run)
@@ -135,6 +138,7 @@ def test_timeline_default_output_and_bad_steps(trace_path, tmp_path):
     assert failed(cli("timeline", run, "--steps", "x:y"), "expected N or A:B")
 
 
+@pytest.mark.mpi
 def test_timeline_ascii_is_the_grid_of_what_ran(trace_path):
     proc = cli("timeline", trace_path, "--ascii", "--step", "1")
     assert proc.returncode == 0, proc.stderr
@@ -151,6 +155,7 @@ def test_timeline_ascii_is_the_grid_of_what_ran(trace_path):
     assert any_w and all(f"{s}W0" in cells for s in range(1, PP * V))
 
 
+@pytest.mark.mpi
 def test_timeline_without_matplotlib_says_how_to_get_it(trace_path, tmp_path):
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
@@ -165,6 +170,7 @@ def test_timeline_without_matplotlib_says_how_to_get_it(trace_path, tmp_path):
 # --- export --------------------------------------------------------------------------------------
 
 
+@pytest.mark.mpi
 def test_export_chrome_is_valid_trace_event_json(trace_path, tmp_path):
     out = tmp_path / "run.json"
     assert cli("export", trace_path, "--format", "chrome", "-o", out).returncode == 0
@@ -205,6 +211,7 @@ def test_export_chrome_is_valid_trace_event_json(trace_path, tmp_path):
         assert inside(starts[k], "send") and inside(ends[k], "recv")
 
 
+@pytest.mark.mpi
 def test_export_csv_has_a_row_per_event(trace_path, tmp_path):
     out = tmp_path / "run.csv"
     assert cli("export", trace_path, "--format", "csv", "-o", out).returncode == 0
@@ -221,6 +228,7 @@ def test_export_csv_has_a_row_per_event(trace_path, tmp_path):
     assert rows[0]["kind"] in KIND
 
 
+@pytest.mark.mpi
 def test_export_refuses_to_overwrite(trace_path, tmp_path):
     out = tmp_path / "run.json"
     out.write_text("keep me")
@@ -234,6 +242,7 @@ def test_export_refuses_to_overwrite(trace_path, tmp_path):
 # --- compare -------------------------------------------------------------------------------------
 
 
+@pytest.mark.mpi
 def test_compare_shows_differences_and_ratios(trace_path, tmp_path):
     # a second run that differs in one setting and took exactly twice as long
     trace = load(trace_path)
@@ -262,6 +271,7 @@ def test_compare_shows_differences_and_ratios(trace_path, tmp_path):
 # --- bad input -----------------------------------------------------------------------------------
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize(
     "case", ["missing", "directory", "not hdf5", "truncated", "foreign", "crashed"]
 )

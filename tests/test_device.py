@@ -7,7 +7,6 @@ one test that needs real CuPy and a GPU skips without them.
 from __future__ import annotations
 
 import importlib.util
-import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 
 from mpihybrid.comm import device
 from mpihybrid.comm.device import CUPY_MISSING, Backend
-from tests.mpirun import run_mpi
+from tests.helpers import results, run_mpi
 
 
 def cpu_backend(staging: bool = False) -> Backend:
@@ -188,9 +187,7 @@ def test_cupy_gpu_round_trip():
 @pytest.fixture(scope="module")
 def four_ranks() -> dict[str, list[dict]]:
     proc = run_mpi(4, "tests/_mpi_device.py", timeout=60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    return {r["case"]: r["ranks"] for r in lines}
+    return {r["case"]: r["ranks"] for r in results(proc)}
 
 
 def errors(ranks: list[dict]) -> set[str]:
@@ -256,7 +253,6 @@ def test_mpi_detect_cuda_aware_agrees_across_ranks(four_ranks):
 @pytest.mark.mpi
 def test_mpi_local_rank_on_three_ranks():
     proc = run_mpi(3, "tests/_mpi_device.py", "local-rank", timeout=60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (line,) = [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    (line,) = results(proc)
     pairs = sorted((r["node_rank"], r["node_size"]) for r in line["ranks"])
     assert pairs == [(0, 3), (1, 3), (2, 3)]

@@ -11,7 +11,6 @@ skip (saying why) where there is none.
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,12 +23,7 @@ from mpihybrid.nn.model import build_stage
 from mpihybrid.nn.optim import build_optimizer
 from mpihybrid.train import checkpoint
 from tests import fakegpu
-from tests.mpirun import run_mpi
-
-
-def results(proc) -> list[dict]:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+from tests.helpers import results, run_mpi
 
 
 def test_fake_gpu_refuses_host_arrays_like_cupy():

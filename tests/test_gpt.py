@@ -25,7 +25,7 @@ from mpihybrid.nn.model import (
     chunk_ranges,
 )
 from mpihybrid.nn.transformer import GPT_INIT_STD, CausalAttention, Embedding, Residual
-from tests.mpirun import run_mpi
+from tests.helpers import results, run_mpi
 from tests.test_layers import numeric_grad
 
 # b = sequences, T = tokens per sequence, C = width, V = vocabulary
@@ -500,11 +500,6 @@ TINY_GPT = [
     "train.steps=3",
     "comm.codec=fp32",
 ]
-
-
-def results(proc) -> list[dict]:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
 @pytest.mark.mpi

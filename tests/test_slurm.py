@@ -18,7 +18,7 @@ import pytest
 
 from mpihybrid.config import load_job
 from mpihybrid.trace.file import load
-from tests.mpirun import ROOT, run_mpi
+from tests.helpers import ROOT, run_mpi
 from tests.slurm_cluster import slurm_cluster, unavailable_reason
 
 pytestmark = pytest.mark.slurm

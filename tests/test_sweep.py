@@ -26,7 +26,7 @@ from mpihybrid.cli.sweep import (
 from mpihybrid.config import ConfigError, build_job, resolve
 from mpihybrid.pipeline.simulate import bubble_formula
 from mpihybrid.trace.recorder import EVENT_DTYPE, KIND, step_times
-from tests.mpirun import run_mpi
+from tests.helpers import run_mpi
 
 TINY_JOB = """
 [grid]

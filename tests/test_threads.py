@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mpihybrid._threads import THREAD_VARS, blas_threads, limit_blas_threads
-from tests.mpirun import ROOT, mpi_command, mpi_env
+from tests.helpers import ROOT, mpi_command, mpi_env
 
 
 @pytest.mark.parametrize(

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import h5py
 import numpy as np
 import pytest
 
 from mpihybrid.trace.file import SCHEMA_VERSION, TraceError, check_writable, load, write_trace
 from mpihybrid.trace.recorder import EVENT_DTYPE, KIND, KINDS, Recorder
-from tests.mpirun import run_mpi
+from tests.helpers import results, run_mpi
 
 CONFIG = '[grid]\npp = 2\ndp = 2\n\n[train]\nschedule = "1f1b"\nsteps = 3\n'
 ATTRS = {
@@ -291,10 +289,7 @@ def test_load_errors(tmp_path, make, message):
 def test_gather_events_and_clock_offsets(tmp_path, n):
     out = tmp_path / "run.h5"
     proc = run_mpi(n, "-m", "mpi4py", "tests/_mpi_trace.py", str(out), timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, proc.stdout
-    result = json.loads(lines[0].removeprefix("RESULT "))
+    (result,) = results(proc)
     print(n, "ranks, clock offsets (s):", result["offsets"])
 
     expected_rows = [0 if rank == 1 else 3 + 5 * rank for rank in range(n)]

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import json
-
 import h5py
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi
+from tests.helpers import results, run_mpi
 
 pytestmark = pytest.mark.mpi
 
 ALL_SCHEDULES = "naive,gpipe,1f1b,interleaved-1f1b,zb-h1"
-
-
-def results(proc) -> list[dict]:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,16 @@
-"""Launch real `mpiexec` runs from tests: `run_mpi(4, "-m", "mpihybrid", "train")`."""
+"""What the tests share: launching real `mpiexec` runs and reading what their rank 0 printed.
+
+    proc = run_mpi(4, "-m", "mpihybrid", "train")      # a finished process, text output
+    rows = results(proc)                                 # every `RESULT {json}` line, parsed
+
+A test that launches mpiexec must carry the `mpi` (or `slurm`) marker, so that
+`pytest -m "not mpi"` runs the unit tests alone in seconds; mpi_command() checks it
+(tests/conftest.py tells it which test is running).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -30,7 +39,15 @@ def mpi_env(env: dict | None = None) -> dict:
     return full_env
 
 
+# the running test's marker names, set by tests/conftest.py; None outside pytest
+current_markers: set[str] | None = None
+LAUNCH_MARKERS = {"mpi", "slurm"}
+
+
 def mpi_command(n: int, *argv: str) -> list[str]:
+    """`mpiexec -n N python ARGV...` as a list; only from a test marked mpi (or slurm)."""
+    if current_markers is not None and not current_markers & LAUNCH_MARKERS:
+        raise AssertionError("this test launches mpiexec: mark it @pytest.mark.mpi")
     return [mpiexec(), "-n", str(n), sys.executable, *argv]
 
 
@@ -46,3 +63,11 @@ def run_mpi(
         env=mpi_env(env),
         cwd=cwd or ROOT,
     )
+
+
+def results(proc: subprocess.CompletedProcess) -> list[dict]:
+    """The `RESULT {json}` lines rank 0 printed, parsed, in order (the run must have passed)."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prefix = "RESULT "
+    return [json.loads(line[len(prefix) :]) for line in proc.stdout.splitlines()
+            if line.startswith(prefix)]  # fmt: skip
