@@ -28,6 +28,7 @@ def test_overhead_benchmark_prints_the_ratio():
     proc = run_mpi(2, "benchmarks/trace_overhead.py", "--repeats", "1",
                    "--set", "train.steps=4", "--set", "grid.dp=1", timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
     def figure(label: str) -> float:
         return float(re.search(rf"{label}\s+([0-9.]+)", proc.stdout).group(1))
 

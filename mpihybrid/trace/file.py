@@ -32,6 +32,7 @@ _RESERVED_ATTRS = ("format", "schema_version", "created", "complete", "json_attr
 class TraceError(Exception):
     """A file that is not a readable, complete mpihybrid trace."""
 
+
 # ---------------------------------------------------------------------------------------------
 # writing (rank 0 only; no MPI)
 
