@@ -79,6 +79,13 @@ class PipelineRuntime:
         tag_ub = pp_comm.Get_attr(MPI.TAG_UB)
         if tag_ub is not None and top > tag_ub:
             raise ValueError(f"message tag {top} exceeds this MPI's TAG_UB {tag_ub}")
+        # what executes each action kind (run_step looks it up per action)
+        self._run = {"F": self._forward, "B": self._backward, "W": self._weight}
+        self._run |= dict.fromkeys(("SEND_F", "SEND_B"), self._send)
+        self._run |= dict.fromkeys(("RECV_F", "RECV_B"), self._recv)
+        unknown = [a for a in actions if a.kind not in self._run]
+        if unknown:
+            raise ValueError(f"unknown action {unknown[0]}")
         # One preallocated receive buffer per RECV action, reused every step.
         self.recv_buffers: dict[tuple[str, int, int], np.ndarray] = {}
         for a in actions:
@@ -100,13 +107,9 @@ class PipelineRuntime:
     def run_step(self, step: int, batches: list[tuple[np.ndarray, np.ndarray]]) -> StepResult:
         """Run my action list once over `batches` (my replica's M micro-batches)."""
         state = _Step(step, batches, self._post_receives(), Liveness(self.split_backward))
-        run = {"F": self._forward, "B": self._backward, "W": self._weight}
-        run |= dict.fromkeys(("SEND_F", "SEND_B"), self._send)
-        run |= dict.fromkeys(("RECV_F", "RECV_B"), self._recv)
+        run, clock = self._run, Recorder.clock
         for a in self.actions:
-            if a.kind not in run:
-                raise ValueError(f"unknown action {a}")
-            run[a.kind](a, state, Recorder.clock())
+            run[a.kind](a, state, clock())
         t0 = Recorder.clock()
         MPI.Request.Waitall(state.send_requests)
         if state.send_requests:
