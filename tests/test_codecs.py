@@ -1,11 +1,18 @@
-"""Codecs: byte sizes, round trips, error bounds, edge cases (no MPI)."""
+"""Codecs: byte sizes, round trips, error bounds, edge cases; the numba kernels against the numpy
+references (identical bytes); `mpihybrid bench codecs`."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
+from mpihybrid import _numba
+from mpihybrid.cli import main
 from mpihybrid.comm.codecs import CODECS, get_codec
+from tests.helpers import run_mpi
 
 
 def roundtrip(name: str, x: np.ndarray, **kw) -> tuple[np.ndarray, np.ndarray]:
@@ -163,3 +170,263 @@ def test_encode_is_deterministic_and_leaves_input(name: str) -> None:
     _, b = roundtrip(name, x)
     assert np.array_equal(a, b)
     assert np.array_equal(x, x_copy)
+
+
+# --- the numba kernels against the numpy references: identical bytes -----------------------
+
+needs_numba = pytest.mark.skipif(
+    not _numba.ENABLED, reason=f"no fast path to compare: kernels are {_numba.describe()}"
+)
+BLOCKS = (1, 7, 256, 4096)
+COUNTS = (0, 1, 6, 7, 255, 256, 257, 4096, 4096 * 2 + 13)
+SPECIALS = np.array(
+    [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-40, -1e-45, 1e-37, -3.4e38, 3.4028235e38,
+     65504.0, 65519.99, 65520.0, -1e5, 2.0**-24, 2.0**-25, 3e-8, 6.1e-5, 3.3895314e38, 1.00390625]
+    + [v for v in np.array([0x7F800001, 0xFFC12345, 0x7FBFFFFF, 0x7F802000], np.uint32)
+       .view(np.float32)],
+    np.float32,
+)  # fmt: skip
+
+
+def awkward(count: int, block: int, seed: int) -> np.ndarray:
+    """Normal values over 80 binades, with some blocks left alone, some all zero, all tiny
+    (denormal or below 127 / FLT_MAX) or sprinkled with inf, NaN, denormals, out-of-range
+    values and negative zero."""
+    rng = np.random.default_rng(seed)
+    x = normal(count, seed) * np.float32(2.0) ** rng.integers(-40, 40, count).astype(np.float32)
+    x = x.astype(np.float32)
+    for lo in range(0, count, block):
+        hi = min(lo + block, count)
+        kind = rng.integers(6)
+        if kind == 1:
+            x[lo:hi] = 0.0
+        elif kind == 2:
+            x[lo:hi] = normal(hi - lo, seed + lo) * np.float32(1e-40 if lo % 2 else 1e-38)
+        elif kind >= 3:
+            where = rng.integers(lo, hi, 1 + (hi - lo) // 8)
+            x[where] = rng.choice(SPECIALS, len(where))
+    return x
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint32) if a.dtype == np.float32 else a
+
+
+def assert_same_bits(fast: np.ndarray, ref: np.ndarray, what: str) -> None:
+    differ = np.nonzero(bits(fast) != bits(ref))[0]
+    print(what, "differing elements", len(differ))
+    assert len(differ) == 0, f"{what}: first at {differ[0]}: {fast[differ[0]]} vs {ref[differ[0]]}"
+
+
+def both(name: str, block: int) -> tuple:
+    fast = get_codec(name, block, kernels="auto")
+    ref = get_codec(name, block, kernels="numpy")
+    assert fast.fast and not ref.fast
+    return fast, ref
+
+
+@needs_numba
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("block", BLOCKS)
+def test_kernels_give_the_reference_bytes(name: str, block: int) -> None:
+    fast, ref = both(name, block)
+    for count in COUNTS:
+        x = awkward(count, block, seed=count + block)
+        out = {}
+        for key, codec in (("fast", fast), ("ref", ref)):
+            wire = np.full(codec.nbytes(count), 0xAB, np.uint8)  # garbage: all must be written
+            residual = np.full(count, np.nan, np.float32)
+            codec.encode(x, wire, residual)
+            plain = np.full_like(wire, 0xCD)
+            codec.encode(x, plain)  # without the residual: the same bytes
+            assert np.array_equal(plain, wire)
+            decoded = np.full(count, np.nan, np.float32)
+            codec.decode(wire, count, decoded)
+            acc = normal(count, seed=3)
+            codec.decode_add(wire, count, acc)
+            out[key] = wire, residual, decoded, acc
+        tag = f"{name} block {block} count {count}"
+        assert_same_bits(out["fast"][0], out["ref"][0], f"{tag} encode")
+        for i, what in ((1, "residual"), (2, "decode"), (3, "decode-add")):
+            assert_same_bits(out["fast"][i], out["ref"][i], f"{tag} {what}")
+
+
+@needs_numba
+@pytest.mark.parametrize("name", CODECS)
+def test_kernels_on_misaligned_slices(name: str) -> None:
+    # the ring encodes segments of a chunk: any slice of a vector, into any slice of a buffer
+    fast, ref = both(name, 100)
+    x = awkward(5000, 100, seed=9)[3:4003]
+    results = []
+    for codec in (fast, ref):
+        big = np.zeros(codec.nbytes(len(x)) + 10, np.uint8)
+        wire = big[5 : 5 + codec.nbytes(len(x))]
+        residual = np.zeros(len(x) + 2, np.float32)[1:-1]
+        codec.encode(x, wire, residual)
+        acc = normal(len(x) + 1, seed=4)[1:]
+        codec.decode_add(wire, len(x), acc)
+        results.append((wire.copy(), residual, acc))
+    for got, want in zip(results[0], results[1], strict=True):
+        assert_same_bits(got, want, name)
+
+
+@needs_numba
+def test_half_precision_decode_of_every_bit_pattern() -> None:
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.uint8)
+    for name in ("fp16", "bf16"):
+        fast, ref = both(name, 256)
+        got, want = np.empty(2**16, np.float32), np.empty(2**16, np.float32)
+        fast.decode(every, 2**16, got)
+        ref.decode(every, 2**16, want)
+        if name == "fp16":
+            # a signalling half NaN (never encoded) comes out of numpy's cast quieted or not,
+            # depending on its build: only NaN-ness is compared there
+            h = every.view(np.uint16)
+            signalling = (h & 0x7C00 == 0x7C00) & (h & 0x3FF != 0) & (h & 0x200 == 0)
+            assert np.all(np.isnan(got[signalling])) and np.all(np.isnan(want[signalling]))
+            got[signalling] = want[signalling] = 0
+        assert_same_bits(got, want, f"{name} decode")
+        acc_fast, acc_ref = normal(2**16, seed=2), normal(2**16, seed=2)
+        fast.decode_add(every, 2**16, acc_fast)
+        ref.decode_add(every, 2**16, acc_ref)
+        assert_same_bits(acc_fast[~np.isnan(got)], acc_ref[~np.isnan(got)], f"{name} decode-add")
+
+
+@needs_numba
+def test_int8_decode_of_arbitrary_bytes() -> None:
+    # scales of every kind (NaN payloads, inf, zero, denormal), any q, -128 included
+    fast, ref = both("int8", 7)
+    count = 7 * 40 + 3
+    wire = np.random.default_rng(5).integers(0, 256, fast.nbytes(count), dtype=np.uint8)
+    scales = wire[: 4 * 41].view(np.float32)
+    scales[:] = np.random.default_rng(6).choice(SPECIALS, len(scales))
+    for op in ("decode", "decode_add"):
+        outs = [normal(count, seed=8) for _ in range(2)]
+        getattr(fast, op)(wire, count, outs[0])
+        getattr(ref, op)(wire, count, outs[1])
+        assert_same_bits(outs[0], outs[1], f"int8 {op}")
+
+
+@pytest.mark.parametrize("kernels", ["auto", "numpy"])
+def test_int8_edge_blocks_follow_the_documented_layout(kernels: str) -> None:
+    codec = get_codec("int8", block=4, kernels=kernels)
+    x = np.array(
+        [0, -0.0, 0, 0,  1e-40, -2e-40, 0, 0,  1, np.inf, 2, 0,  np.nan, 1, np.inf, 0,
+         -np.nan, 3, 0, 0,  1, -127, 0.5, 63.5],
+        np.float32,
+    )  # fmt: skip
+    wire = np.full(codec.nbytes(len(x)), 0xAB, np.uint8)
+    residual = np.empty_like(x)
+    codec.encode(x, wire, residual)
+    scales, q = wire[:24].view(np.float32), wire[24:].view(np.int8)
+    assert list(scales.view(np.uint32)[:5]) == [0, np.float32(2e-40).view(np.uint32),
+                                                0x7F800000, 0x7FC00000, 0x7FC00000]  # fmt: skip
+    assert scales[5] == 127
+    assert np.all(q[:20] == 0)  # zero, too small to invert, holding inf, holding NaN
+    assert list(q[20:]) == [1, -127, 0, 64]  # rint: 0.5 and 63.5 go to the even neighbour
+    out = np.empty_like(x)
+    codec.decode(wire, len(x), out)
+    assert np.array_equal(out[:8], np.zeros(8)) and np.all(np.isnan(out[8:20]))
+    assert np.array_equal(residual[4:8], x[4:8])  # a tiny block's values stay in the residual
+    assert np.array_equal(residual[20:], x[20:] - out[20:])
+
+
+@pytest.mark.parametrize("kernels", ["auto", "numpy"])
+def test_fp16_nan_is_quiet_with_its_top_payload(kernels: str) -> None:
+    nans = np.array([0x7F800001, 0xFFA00000, 0x7FC00000, 0xFFFFFFFF], np.uint32)
+    codec = get_codec("fp16", kernels=kernels)
+    wire = np.empty(8, np.uint8)
+    codec.encode(nans.view(np.float32), wire)
+    assert [hex(h) for h in wire.view(np.uint16)] == ["0x7e00", "0xff00", "0x7e00", "0xffff"]
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("kernels", ["auto", "numpy"])
+def test_residual_is_the_encoding_error(name: str, kernels: str) -> None:
+    codec = get_codec(name, block=64, kernels=kernels)
+    x = normal(1000, seed=11)
+    wire = np.empty(codec.nbytes(1000), np.uint8)
+    residual = np.full(1000, np.nan, np.float32)
+    codec.encode(x, wire, residual)
+    decoded = np.empty_like(x)
+    codec.decode(wire, 1000, decoded)
+    assert np.array_equal(residual, x - decoded)
+    assert (np.abs(residual).max() == 0) == (name == "fp32")
+
+
+@needs_numba
+@pytest.mark.parametrize("name", CODECS)
+def test_fast_path_does_not_allocate(name: str) -> None:
+    codec = get_codec(name, kernels="auto")
+    x = normal(100_000, seed=12)
+    wire = np.empty(codec.nbytes(len(x)), np.uint8)
+    residual, acc = np.empty_like(x), np.zeros_like(x)
+    calls = [lambda: codec.encode(x, wire, residual), lambda: codec.decode_add(wire, len(x), acc)]
+    for call in calls:
+        call()  # compile (or load the cache) first
+    tracemalloc.start()
+    try:
+        for call in calls:
+            call()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    print(name, "peak traced bytes", peak)
+    assert peak < 4096  # a scratch array of this size would be 400 KB
+
+
+def test_wrong_lengths_are_refused_before_any_kernel_runs() -> None:
+    for kernels in ("auto", "numpy"):
+        codec = get_codec("int8", kernels=kernels)
+        x = normal(300)
+        with pytest.raises(ValueError, match="out: expected .* length 308"):
+            codec.encode(x, np.empty(307, np.uint8))
+        with pytest.raises(ValueError, match="residual"):
+            codec.encode(x, np.empty(308, np.uint8), np.empty(299, np.float32))
+        with pytest.raises(ValueError, match="out: expected .*float32"):
+            codec.decode_add(np.empty(308, np.uint8), 300, np.empty(300, np.float64))
+    with pytest.raises(ValueError, match="kernels"):
+        get_codec("bf16", kernels="cuda")
+
+
+# --- mpihybrid bench codecs -------------------------------------------------------------------
+
+
+def test_bench_codecs_prints_every_operation_for_both_paths() -> None:
+    args = ["bench", "codecs", "--size", "64K", "--repeats", "2", "--codecs", "int8,fp16"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    rows = [
+        line.split() for line in result.output.splitlines() if line.startswith(("int8", "fp16"))
+    ]
+    assert [r[:2] for r in rows] == [
+        [c, op]
+        for c in ("int8", "fp16")
+        for op in ("encode", "encode+residual", "decode", "decode-add")
+    ]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+    assert "64.0 KiB" in result.output and _numba.describe() in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--codecs", "int4"], "unknown codec 'int4'; choose from fp32, fp16, bf16, int8"),
+        (["--size", "0"], "--size 0: needs at least 4 bytes (one float32)"),
+        (["--size", "-4K"], "--size -4K: needs at least 4 bytes (one float32)"),
+        (["--repeats", "0"], "--repeats 0: needs at least 1"),
+    ],
+)
+def test_bench_codecs_rejects_bad_input(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, ["bench", "codecs", *args])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"mpihybrid: error: {message}"]
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.mpi
+def test_bench_codecs_under_mpiexec_prints_once() -> None:
+    proc = run_mpi(2, "-m", "mpihybrid", "bench", "codecs", "--size", "16K", "--repeats", "1",
+                   "--codecs", "bf16", timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert len([line for line in proc.stdout.splitlines() if line.startswith("bf16")]) == 4

@@ -9,6 +9,9 @@ Both sum the same float32 buffer in the same process. Definitions follow nccl-te
     busbw  algbw * 2 (n - 1) / n: the bandwidth each link would need for a ring to take `time`
     wire   bytes one rank puts on the wire per call (largest over ranks; unknown for MPI's own)
     ratio  ring time / MPI time at the same size
+
+bench_codecs (`mpihybrid bench codecs`): GB/s per core of every codec operation, the numba
+kernels beside the numpy references, on one process.
 """
 
 from __future__ import annotations
@@ -127,6 +130,67 @@ def format_table(rows: list[dict]) -> str:
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+CODEC_OPERATIONS = ("encode", "encode+residual", "decode", "decode-add")
+
+
+def bench_codecs(size: int, codecs: list[str], repeats: int = 5, block: int = 256) -> list[dict]:
+    """GB/s of every codec operation on `size` bytes of float32, fast path and numpy reference.
+
+    GB/s = float32 input bytes / CPU time of this thread (a codec runs on one core; CPU time
+    leaves out the time other processes take the core, so a shared machine still measures the
+    kernel), median of `repeats`. The two implementations alternate call by call, so drift
+    affects both alike. One row per (codec, operation): fast, numpy, and fast / numpy.
+    """
+    count = size // 4
+    x = np.random.default_rng(7).standard_normal(count, dtype=np.float32)
+    residual, decoded = np.empty_like(x), np.empty_like(x)
+    acc = np.zeros_like(x)
+    rows = []
+    for name in codecs:
+        impls = {k: get_codec(name, block, kernels=k) for k in ("auto", "numpy")}
+        wire = np.empty(impls["auto"].nbytes(count), np.uint8)
+        impls["auto"].encode(x, wire)
+        calls = {
+            "encode": lambda c, wire=wire: c.encode(x, wire),
+            "encode+residual": lambda c, wire=wire: c.encode(x, wire, residual),
+            "decode": lambda c, wire=wire: c.decode(wire, count, decoded),
+            "decode-add": lambda c, wire=wire: c.decode_add(wire, count, acc),
+        }
+        for op in CODEC_OPERATIONS:
+            times: dict[str, list[float]] = {k: [] for k in impls}
+            for i in range(repeats + 1):  # the first round compiles / warms up, untimed
+                for kernels, codec in impls.items():
+                    start = time.thread_time()
+                    calls[op](codec)
+                    if i:
+                        times[kernels].append(time.thread_time() - start)
+            rate = {k: 4 * count / max(statistics.median(t), 1e-9) / 1e9 for k, t in times.items()}
+            rows.append(
+                {"codec": name, "operation": op, "fast": rate["auto"], "numpy": rate["numpy"]}
+            )
+    return rows
+
+
+def format_codec_table(rows: list[dict]) -> str:
+    """The rows of bench_codecs as an aligned text table."""
+    table = [("codec", "operation", "fast GB/s", "numpy GB/s", "fast/numpy")]
+    for r in rows:
+        ratio = r["fast"] / r["numpy"] if r["numpy"] > 0 else float("nan")
+        table.append(
+            (r["codec"], r["operation"], f"{r['fast']:.2f}", f"{r['numpy']:.2f}", f"{ratio:.1f}")
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i < 2 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in table
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

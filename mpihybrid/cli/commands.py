@@ -253,6 +253,42 @@ def bench_allreduce(sizes, codecs, repeats) -> None:
         click.echo(format_table(rows))
 
 
+@bench.command("codecs")
+@click.option("--size", default="16M", show_default=True, help="float32 bytes (K/M/G suffixes).")
+@click.option("--codecs", default=None, help="Comma list of codecs (default: every codec).")
+@click.option("--repeats", type=int, default=5, show_default=True)
+def bench_codecs(size, codecs, repeats) -> None:
+    """GB/s per core of each codec operation: numba kernels beside the numpy references."""
+    from mpi4py import MPI
+
+    from mpihybrid import _numba
+    from mpihybrid.cli.bench import bench_codecs as run
+    from mpihybrid.cli.bench import format_codec_table, parse_size
+    from mpihybrid.comm.codecs import CODECS
+    from mpihybrid.units import human_bytes
+
+    rank = MPI.COMM_WORLD.rank
+    try:
+        nbytes = parse_size(size)
+    except ValueError as exc:
+        _fail(str(exc), rank)
+    if nbytes < 4:
+        _fail(f"--size {size}: needs at least 4 bytes (one float32)", rank)
+    if repeats < 1:
+        _fail(f"--repeats {repeats}: needs at least 1", rank)
+    codec_list = [c for c in codecs.split(",") if c] if codecs else list(CODECS)
+    unknown = [c for c in codec_list if c not in CODECS]
+    if unknown:
+        _fail(f"unknown codec {unknown[0]!r}; choose from {', '.join(CODECS)}", rank)
+    rows = run(nbytes, codec_list, repeats=repeats)
+    if rank == 0:
+        click.echo(
+            f"codecs on {human_bytes(nbytes // 4 * 4, 1)} of float32, median of {repeats}; "
+            f"GB/s = float32 bytes / CPU time of one core; fast = {_numba.describe()}"
+        )
+        click.echo(format_codec_table(rows))
+
+
 @bench.command("train")
 @click.argument("job_file", required=False, type=click.Path(dir_okay=False))
 @click.option(

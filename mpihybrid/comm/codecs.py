@@ -2,51 +2,99 @@
 
     codec = get_codec("int8", block=256)
     wire = np.empty(codec.nbytes(len(x)), np.uint8)
-    codec.encode(x, wire); codec.decode_add(wire, len(x), acc)   # acc += decode(wire)
+    codec.encode(x, wire, residual)             # residual = x - decode(wire), in the same pass
+    codec.decode_add(wire, len(x), acc)         # acc += decode(wire)
 
 Every codec turns `count` float32 values into `nbytes(count)` bytes and back. A codec holds no
 state that carries information from one call to the next: the error-feedback residual lives in
-the all-reduce. It only keeps scratch buffers, grown on demand and reused, so that the hot path
-(`encode`, `decode_add`) does not allocate.
+the all-reduce. Each call stands alone, so any slice of a vector can be encoded by itself.
+
+Two implementations give the same bytes: the numpy references in this file (what the maths reads
+like; a reference keeps scratch buffers, grown on demand and reused) and the numba kernels of
+codec_kernels.py (one fused pass per operation, no allocation), which run when numba is installed
+(`mpihybrid._numba`). `get_codec(name, kernels="numpy")` gives the references, as the tests use.
 
 Byte layouts (native byte order; every rank of a job shares one machine type):
     fp32  count * float32
-    fp16  count * float16 (IEEE casting: beyond +-65504 becomes inf)
-    bf16  count * uint16, the upper half of the float32 bits rounded to nearest even
+    fp16  count * float16, IEEE round to nearest even: beyond +-65504 becomes inf; a NaN
+          becomes a quiet NaN with its sign and the top 9 bits of its payload
+    bf16  count * uint16, the upper half of the float32 bits rounded to nearest even; a NaN
+          keeps its sign and top payload bits, with the quiet bit set
     int8  nblocks * float32 scales, then count * int8; nblocks = ceil(count / block),
-          scale = absmax of the block, x ~= q * scale / 127 with q = rint(x / scale * 127)
+          scale = absmax of the block, x ~= q * scale / 127 with q = rint(x * (127 / scale)).
+          q = 0 for a block whose 127 / scale is not a finite positive float32: a zero block,
+          one below 127 / FLT_MAX ~ 3.7e-37 (decodes to zeros), one holding inf (scale inf) or
+          NaN (scale: the quiet NaN 0x7FC00000). The last two decode to NaN, which keeps
+          divergence visible.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from mpihybrid import _numba
+from mpihybrid.comm import codec_kernels
+
 CODECS = ("fp32", "fp16", "bf16", "int8")
+KERNELS = ("auto", "numpy")  # auto: the numba kernels where numba is enabled
 
 
 class Codec:
-    """Base class: `name`, `lossy`, byte size, encode, decode and decode-add of float32 vectors."""
+    """Base class: `name`, `lossy`, byte size, encode, decode and decode-add of float32 vectors.
+
+    A subclass writes the numpy reference (`_encode_numpy`, `_decode_numpy`, `_decode_add_numpy`)
+    and the calls of its kernels (`_encode_fast`, `_decode_fast`, `_decode_add_fast`).
+    """
 
     name: str = ""
     lossy: bool = True
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: str = "auto") -> None:
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+        self.fast = kernels == "auto" and _numba.ENABLED
         self._scratch: dict[str, np.ndarray] = {}
 
     def nbytes(self, count: int) -> int:
         raise NotImplementedError
 
-    def encode(self, x: np.ndarray, out: np.ndarray) -> None:
-        """x: float32 1-D; out: uint8 1-D of length nbytes(len(x))."""
-        raise NotImplementedError
+    def encode(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None = None) -> None:
+        """x: float32 1-D; out: uint8 1-D of length nbytes(len(x)); residual (float32, len(x)),
+        when given, receives the encoding error x - decode(out) (error feedback)."""
+        _check(x, np.float32, len(x), "x")
+        _check(out, np.uint8, self.nbytes(len(x)), "out")
+        if residual is not None:
+            _check(residual, np.float32, len(x), "residual")
+        if self.fast:
+            self._encode_fast(x, out, residual)
+            return
+        self._encode_numpy(x, out)
+        if residual is not None:
+            self._decode_numpy(out, len(x), residual)
+            np.subtract(x, residual, out=residual)
 
     def decode(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         """buf: uint8 1-D of length nbytes(count); out: float32 1-D of length count."""
-        raise NotImplementedError
+        _check(buf, np.uint8, self.nbytes(count), "buf")
+        _check(out, np.float32, count, "out")
+        if self.fast:
+            self._decode_fast(buf, out)
+        else:
+            self._decode_numpy(buf, count, out)
 
     def decode_add(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         """out += decode(buf), the reduce-scatter hot path."""
-        raise NotImplementedError
+        _check(buf, np.uint8, self.nbytes(count), "buf")
+        _check(out, np.float32, count, "out")
+        if self.fast:
+            self._decode_add_fast(buf, out)
+        else:
+            self._decode_add_numpy(buf, count, out)
+
+    def _decode_add_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
+        tmp = self._buffer("f32", np.float32, count)
+        self._decode_numpy(buf, count, tmp)
+        out += tmp
 
     def _buffer(self, key: str, dtype: type, n: int) -> np.ndarray:
         """A reusable scratch array of `n` elements (grown, never shrunk)."""
@@ -56,23 +104,49 @@ class Codec:
         return buf[:n]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}({'' if self.fast else 'kernels=numpy'})"
+
+
+def _check(a: np.ndarray, dtype: type, length: int, what: str) -> None:
+    """A kernel trusts its arguments: wrong lengths would write past the end, so refuse them."""
+    if a.dtype != dtype or a.ndim != 1 or len(a) != length or not a.flags.c_contiguous:
+        raise ValueError(
+            f"{what}: expected a contiguous 1-D {np.dtype(dtype)} array of length {length}, "
+            f"got {a.dtype} {a.shape}"
+        )
 
 
 class Fp32Codec(Codec):
+    """Raw float32: already one pass (a copy or an add), so numpy is the fast path too."""
+
     name, lossy = "fp32", False
 
     def nbytes(self, count: int) -> int:
         return 4 * count
 
-    def encode(self, x: np.ndarray, out: np.ndarray) -> None:
+    def encode(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None = None) -> None:
+        super().encode(x, out)
+        if residual is not None:
+            _check(residual, np.float32, len(x), "residual")
+            residual[:] = 0  # lossless (x - x would turn inf and NaN into NaN)
+
+    def _encode_numpy(self, x: np.ndarray, out: np.ndarray) -> None:
         out.view(np.float32)[:] = x
 
-    def decode(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
+    def _decode_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         out[:] = buf.view(np.float32)
 
-    def decode_add(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
+    def _decode_add_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         out += buf.view(np.float32)
+
+    def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
+        self._encode_numpy(x, out)
+
+    def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        self._decode_numpy(buf, len(out), out)
+
+    def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        self._decode_add_numpy(buf, len(out), out)
 
 
 class Fp16Codec(Codec):
@@ -81,14 +155,27 @@ class Fp16Codec(Codec):
     def nbytes(self, count: int) -> int:
         return 2 * count
 
-    def encode(self, x: np.ndarray, out: np.ndarray) -> None:
-        out.view(np.float16)[:] = x
+    def _encode_numpy(self, x: np.ndarray, out: np.ndarray) -> None:
+        with np.errstate(over="ignore"):  # past +-65504 is inf, on purpose
+            out.view(np.float16)[:] = x
+        # NaN: numpy's cast keeps the payload or quiets it depending on its build; fix one rule
+        if len(x) and np.isnan(x.max()):  # max propagates NaN: one pass, no mask in the usual case
+            nan = np.isnan(x)
+            bits = x.view(np.uint32)[nan]
+            half = ((bits >> 16) & 0x8000) | 0x7E00 | ((bits >> 13) & 0x3FF)
+            out.view(np.uint16)[nan] = half.astype(np.uint16)
 
-    def decode(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
+    def _decode_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         out[:] = buf.view(np.float16)
 
-    def decode_add(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
-        out += buf.view(np.float16)
+    def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
+        codec_kernels.fp16_encode(x, out, residual)
+
+    def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        codec_kernels.fp16_decode(buf, out)
+
+    def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        codec_kernels.fp16_decode_add(buf, out)
 
 
 class Bf16Codec(Codec):
@@ -97,7 +184,7 @@ class Bf16Codec(Codec):
     def nbytes(self, count: int) -> int:
         return 2 * count
 
-    def encode(self, x: np.ndarray, out: np.ndarray) -> None:
+    def _encode_numpy(self, x: np.ndarray, out: np.ndarray) -> None:
         bits = x.view(np.uint32)
         # round to nearest even: add 0x7FFF plus the lowest kept bit, then drop 16 bits.
         # Infinities stay infinite; a finite value past the bf16 range rounds to inf as in IEEE.
@@ -114,15 +201,19 @@ class Bf16Codec(Codec):
             nan = np.isnan(x)
             out16[nan] = (bits[nan] >> 16).astype(np.uint16) | 0x0040
 
-    def decode(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
+    def _decode_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         u32 = out.view(np.uint32)
         np.copyto(u32, buf.view(np.uint16), casting="unsafe")
         u32 <<= 16
 
-    def decode_add(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
-        tmp = self._buffer("f32", np.float32, count)
-        self.decode(buf, count, tmp)
-        out += tmp
+    def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
+        codec_kernels.bf16_encode(x, out, residual)
+
+    def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        codec_kernels.bf16_decode(buf, out)
+
+    def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        codec_kernels.bf16_decode_add(buf, out)
 
 
 class Int8Codec(Codec):
@@ -130,14 +221,14 @@ class Int8Codec(Codec):
 
     name, lossy = "int8", True
 
-    def __init__(self, block: int = 256) -> None:
-        super().__init__()
+    def __init__(self, block: int = 256, kernels: str = "auto") -> None:
+        super().__init__(kernels)
         if block < 1:
             raise ValueError(f"int8 block size must be >= 1, got {block}")
         self.block = block
 
     def __repr__(self) -> str:
-        return f"Int8Codec(block={self.block})"
+        return f"Int8Codec(block={self.block}{'' if self.fast else ', kernels=numpy'})"
 
     def num_blocks(self, count: int) -> int:
         return -(-count // self.block)
@@ -154,7 +245,7 @@ class Int8Codec(Codec):
         nfull = len(a) // self.block
         return a[: nfull * self.block].reshape(nfull, self.block), a[nfull * self.block :]
 
-    def encode(self, x: np.ndarray, out: np.ndarray) -> None:
+    def _encode_numpy(self, x: np.ndarray, out: np.ndarray) -> None:
         count = len(x)
         scales, q = self._split(out, count)
         if count == 0:
@@ -167,53 +258,58 @@ class Int8Codec(Codec):
         np.max(full, axis=1, out=scales[:nfull])
         if len(tail):
             scales[nfull] = tail.max()
-        # factor = 127 / scale; a zero block gets 0 (all-zero q), a non-finite one too:
-        # its scale (inf or NaN) then decodes the whole block to NaN, which keeps divergence visible
+        scales[np.isnan(scales)] = np.nan  # one NaN, whichever payload max() met first
+        # factor = 127 / scale, and 0 where that is not a finite positive number (zero, tiny,
+        # infinite or NaN scale): those blocks get q = 0 and their scale tells the decoder
         factor = self._buffer("factor", np.float32, len(scales))
-        ok = np.isfinite(scales) & (scales > 0)
-        np.divide(np.float32(127), scales, out=factor, where=ok)
+        with np.errstate(divide="ignore", over="ignore"):
+            np.divide(np.float32(127), scales, out=factor)
+        ok = (factor > 0) & (factor < np.inf)
         factor[~ok] = 0
         xfull, xtail = self._blocks(x)
         wfull, wtail = self._blocks(work)
-        np.multiply(xfull, factor[:nfull, None], out=wfull)
-        if len(tail):
-            np.multiply(xtail, factor[nfull], out=wtail)
+        with np.errstate(invalid="ignore"):  # inf * 0 = NaN, set to 0 below
+            np.multiply(xfull, factor[:nfull, None], out=wfull)
+            if len(tail):
+                np.multiply(xtail, factor[nfull], out=wtail)
         if not ok.all():
-            np.nan_to_num(work, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+            np.nan_to_num(work, copy=False, nan=0.0, posinf=0.0, neginf=0.0)  # inf * 0
         np.rint(work, out=work)
         np.copyto(q, work, casting="unsafe")
 
-    def _step(self, scales: np.ndarray) -> np.ndarray:
-        step = self._buffer("step", np.float32, len(scales))
-        np.divide(scales, np.float32(127), out=step)
-        return step
-
-    def decode(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
+    def _decode_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         scales, q = self._split(buf, count)
         if count == 0:
             return
-        step = self._step(scales)
+        step = self._buffer("step", np.float32, len(scales))
         qfull, qtail = self._blocks(q)
         ofull, otail = self._blocks(out)
         nfull = len(qfull)
-        np.multiply(qfull, step[:nfull, None], out=ofull)
-        if len(qtail):
-            np.multiply(qtail, step[nfull], out=otail)
+        with np.errstate(invalid="ignore", over="ignore"):  # a NaN or inf scale: NaN, on purpose
+            np.divide(scales, np.float32(127), out=step)
+            np.multiply(qfull, step[:nfull, None], out=ofull)
+            if len(qtail):
+                np.multiply(qtail, step[nfull], out=otail)
 
-    def decode_add(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
-        tmp = self._buffer("f32", np.float32, count)
-        self.decode(buf, count, tmp)
-        out += tmp
+    def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
+        codec_kernels.int8_encode(x, out, residual, self.block)
+
+    def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        codec_kernels.int8_decode(buf, out, self.block)
+
+    def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        codec_kernels.int8_decode_add(buf, out, self.block)
 
 
-def get_codec(name: str, block: int = 256) -> Codec:
-    """A fresh codec by name; `block` is the int8 block size (ignored by the others)."""
+def get_codec(name: str, block: int = 256, kernels: str = "auto") -> Codec:
+    """A fresh codec by name; `block` is the int8 block size (ignored by the others);
+    kernels="numpy" forces the numpy references (what the tests compare the kernels with)."""
     if name == "fp32":
-        return Fp32Codec()
+        return Fp32Codec(kernels)
     if name == "fp16":
-        return Fp16Codec()
+        return Fp16Codec(kernels)
     if name == "bf16":
-        return Bf16Codec()
+        return Bf16Codec(kernels)
     if name == "int8":
-        return Int8Codec(block)
+        return Int8Codec(block, kernels)
     raise ValueError(f"unknown codec {name!r}; known codecs: {', '.join(CODECS)}")
