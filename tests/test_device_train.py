@@ -3,7 +3,9 @@
 Without a GPU the device is tests/fakegpu, a strict stand-in that computes with numpy but, like
 CuPy, refuses any operation that mixes device and host arrays; MPI reaches it through host
 staging. So these tests prove that every array of a step lives on the device, that the staging
-path carries the pipeline, and that the results are bit for bit those of the CPU. The tests
+path carries the pipeline, and that the results are bit for bit those of the CPU running the
+numpy references (the device runs them; numba's fused kernels are a host-only fast path, compared
+with the references in tests/test_kernels.py). The tests
 marked `gpu` repeat the core equivalence test and the seed job on a real GPU with CuPy, and
 skip (saying why) where there is none.
 """
@@ -17,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from mpihybrid import _numba
 from mpihybrid.config import ConfigError, load_job
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
@@ -62,7 +65,8 @@ def _one_step(job, stage, xp_asarray, x, y) -> tuple[float, int]:
         (None, ["grid.pp=1", "model.norm=true", "model.activation=gelu"]),  # mlp, sgd momentum
     ],
 )
-def test_a_stage_on_the_device_matches_numpy_bit_for_bit(job_file, overrides):
+def test_a_stage_on_the_device_matches_numpy_bit_for_bit(job_file, overrides, monkeypatch):
+    monkeypatch.setattr(_numba, "ENABLED", False)  # the numpy references, as on the device
     job = load_job(job_file, [*overrides, "train.weight_decay=0.01"], 1)
     from mpihybrid.nn.data import task_dims
 
@@ -141,8 +145,9 @@ def test_staged_device_training_equals_the_cpu_bit_for_bit(ranks, job, overrides
     parameters as the CPU run, and every activation crossed the wire through a host copy."""
     argv = [*(["--job", job] if job else []), "--schedules", schedules, "--serial"]
     argv += [a for o in [*overrides, "train.steps=3"] for a in ("--set", o)]
-    cpu = results(run_mpi(ranks, "tests/_mpi_train.py", *argv, timeout=120))
-    gpu = results(run_mpi(ranks, "tests/_mpi_train.py", "--fake-gpu", *argv, timeout=120))
+    env = {"MPIHYBRID_KERNELS": "numpy"}  # the numpy references, as on the device
+    cpu = results(run_mpi(ranks, "tests/_mpi_train.py", *argv, timeout=120, env=env))
+    gpu = results(run_mpi(ranks, "tests/_mpi_train.py", "--fake-gpu", *argv, timeout=120, env=env))
     assert len(cpu) == len(gpu) == len(schedules.split(","))
     for c, g in zip(cpu, gpu, strict=True):
         assert g["device"] == "cuda:0 (host staging)" and c["device"] == "cpu"

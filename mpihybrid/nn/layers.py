@@ -10,7 +10,9 @@ sum without extra buffers; whoever owns the buffers zeroes them once per step.
 Parameters live elsewhere (one flat buffer per stage, see model.py): a layer only gets
 views of them through `bind`. Everything is computed in the input's dtype, with the input's
 array module: numpy, or CuPy for arrays on a GPU (`np.` ufuncs and functions dispatch to CuPy;
-whatever creates an array asks `array_module(x)`).
+whatever creates an array asks `array_module(x)`). A float32 numpy array takes the fused
+numba kernels of kernels.py where numba is enabled (`kernels.fast`); the numpy code here is
+their reference, what a float64 gradient check and a GPU run execute.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 import numpy as np
 
 from mpihybrid.comm.device import array_module
+from mpihybrid.nn import kernels
 
 # B = rows (all leading dimensions flattened), C = features, K = classes
 
@@ -161,6 +164,10 @@ class GELU(Layer):
         return "GELU()"
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        if kernels.fast(x):
+            y, t = np.empty_like(x), np.empty_like(x)
+            kernels.gelu_forward(x.reshape(-1), y.reshape(-1), t.reshape(-1))
+            return y, (x, t)
         f = x.dtype.type
         t = np.multiply(x, x)
         t *= f(_GELU_K * _GELU_A)
@@ -177,6 +184,10 @@ class GELU(Layer):
     ) -> tuple[np.ndarray | None, object]:
         # dy/dx = 0.5 (1 + t + x (1 - t^2) k (1 + 3 a x^2))
         x, t = cache
+        if kernels.fast(dy, x):
+            dx = np.empty_like(dy)
+            kernels.gelu_backward(dy.reshape(-1), x.reshape(-1), t.reshape(-1), dx.reshape(-1))
+            return dx, None
         f = dy.dtype.type
         d = np.multiply(x, x)
         d *= f(3.0 * _GELU_K * _GELU_A)
@@ -211,6 +222,14 @@ class LayerNorm(Layer):
         params["bias"][...] = 0.0
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        if kernels.fast(x):
+            y, xhat = np.empty_like(x), np.empty_like(x)
+            rstd = np.empty((*x.shape[:-1], 1), x.dtype)
+            w, b = self.params["weight"], self.params["bias"]
+            kernels.layernorm_forward(
+                _rows(x), w, b, self.eps, _rows(y), _rows(xhat), rstd.reshape(-1)
+            )
+            return y, (xhat, rstd)
         f = x.dtype.type
         xc = x - x.mean(axis=-1, keepdims=True)
         # row sums of squares as one contraction: no (..., C) temporary
@@ -228,7 +247,12 @@ class LayerNorm(Layer):
         self, dy: np.ndarray, cache: object, need_dx: bool = True
     ) -> tuple[np.ndarray | None, object]:
         xhat, rstd = cache
-        dxhat = dy * self.params["weight"].astype(dy.dtype, copy=False)
+        w = self.params["weight"]
+        if kernels.fast(dy, w):
+            dx = np.empty_like(dy)
+            kernels.layernorm_backward_input(_rows(dy), _rows(xhat), rstd.reshape(-1), w, _rows(dx))
+            return dx, (xhat, dy)
+        dxhat = dy * w.astype(dy.dtype, copy=False)
         # d/dx of (x - mean) * rstd, with both mean and rstd depending on x
         dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
         dx -= xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True)
@@ -238,6 +262,10 @@ class LayerNorm(Layer):
     def backward_weight(self, wcache: object) -> None:
         xhat, dy = wcache
         dy2 = _rows(dy)
+        dw, db = self.grads["weight"], self.grads["bias"]
+        if kernels.fast(dy2, dw, db):
+            kernels.layernorm_backward_weight(dy2, _rows(xhat), dw, db)
+            return
         self.grads["weight"] += np.einsum("bc,bc->c", dy2, _rows(xhat))
         self.grads["bias"] += dy2.sum(axis=0)
 

@@ -10,14 +10,18 @@ soon as that bucket's all-reduce is done:
 
 The update is elementwise, so any such cover gives the same bits as one whole-buffer update
 (a test holds it). The buffers may live on a GPU (CuPy): state is made like the parameters,
-and `np.` ufuncs dispatch to the parameters' array module.
+and `np.` ufuncs dispatch to the parameters' array module. With numba (`_numba.ENABLED`) and
+numpy buffers, AdamW is one fused pass (`kernels.adamw_update`): the same float32 operations
+in the same order, hence the same bits as the numpy reference (tests/test_kernels.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from mpihybrid import _numba
 from mpihybrid.comm.device import array_module
+from mpihybrid.nn import kernels
 
 
 class SGD:
@@ -76,8 +80,9 @@ class AdamW:
         self.m = np.zeros_like(params)
         self.v = np.zeros_like(params)
         xp = array_module(params)
+        self.fused = _numba.ENABLED and xp is np and params.dtype == np.float32
         self.block = self.BLOCK if xp is np else max(params.size, 1)
-        self.tmp = xp.empty(min(self.block, params.size), params.dtype)
+        self.tmp = xp.empty(0 if self.fused else min(self.block, params.size), params.dtype)
         self.step_count = 0
         self._scalars: tuple = ()
 
@@ -95,6 +100,12 @@ class AdamW:
 
     def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
         decay, b1, b2, scale, shift = self._scalars
+        if self.fused:
+            kernels.adamw_update(
+                self.params[lo:hi], grads[lo:hi], self.m[lo:hi], self.v[lo:hi],
+                decay, b1, b2, scale, shift, bool(self.weight_decay),
+            )  # fmt: skip
+            return
         for start in range(lo, hi, self.block):
             end = min(start + self.block, hi)
             sl = slice(start, end)

@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from mpihybrid.comm.device import array_module
+from mpihybrid.nn import kernels
 from mpihybrid.nn.layers import Layer
 
 GPT_INIT_STD = 0.02  # GPT-2's initialisation of embeddings and linear weights
@@ -96,14 +97,21 @@ class CausalAttention(Layer):
         return parts[0], parts[1], parts[2]
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
-        b, t = x.shape[0], x.shape[1]
+        t = x.shape[1]
         q, k, v = self._split(x)
         scores = q @ k.transpose(0, 1, 3, 2)  # (b, h, T, T)
+        if kernels.fast(scores):  # scale, mask and softmax in one pass, in place
+            kernels.softmax_causal_forward(scores.reshape(-1, t, t), np.float32(self.scale))
+            return self._forward_out(scores, v, x)
         scores *= x.dtype.type(self.scale)
         scores += self._mask(x, t)
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores, out=scores)
         probs /= probs.sum(axis=-1, keepdims=True)
+        return self._forward_out(probs, v, x)
+
+    def _forward_out(self, probs: np.ndarray, v: np.ndarray, x: np.ndarray):
+        b, t = x.shape[0], x.shape[1]
         out = probs @ v  # (b, h, T, d)
         y = array_module(x).ascontiguousarray(out.transpose(0, 2, 1, 3)).reshape(b, t, self.dim)
         return y, (x, probs)
@@ -119,13 +127,21 @@ class CausalAttention(Layer):
         dparts = dx.transpose(2, 0, 3, 1, 4)  # (3, b, h, T, d) views into dx
         _matmul_into(probs.transpose(0, 1, 3, 2), dout, dparts[2])  # dv
         dprobs = dout @ v.transpose(0, 1, 3, 2)  # (b, h, T, T)
+        if kernels.fast(dprobs, probs):
+            kernels.softmax_causal_backward(
+                dprobs.reshape(-1, t, t), probs.reshape(-1, t, t), np.float32(self.scale)
+            )
+            return self._backward_qk(dprobs, q, k, dparts, dx)
         # softmax backward: ds = p * (dp - sum_j dp_j p_j); the masked entries have p = 0
         dprobs -= np.einsum("bhij,bhij->bhi", dprobs, probs)[..., None]
         dscores = np.multiply(dprobs, probs, out=dprobs)
         dscores *= dy.dtype.type(self.scale)
+        return self._backward_qk(dscores, q, k, dparts, dx)
+
+    def _backward_qk(self, dscores, q, k, dparts, dx) -> tuple[np.ndarray, None]:
         _matmul_into(dscores, k, dparts[0])  # dq
         _matmul_into(dscores.transpose(0, 1, 3, 2), q, dparts[1])  # dk
-        return dx.reshape(b, t, 3 * self.dim), None
+        return dx.reshape(*dx.shape[:2], 3 * self.dim), None
 
     def flops(self, batch: int) -> int:
         # q k^T and probs v over the full T x T square (the causal half is masked, not skipped)

@@ -1,0 +1,84 @@
+"""Each fused numba kernel against its numpy reference, interleaved in one process.
+
+    python benchmarks/kernel_ab.py                 # gpt_bench's shapes, 30 rounds
+    python benchmarks/kernel_ab.py --rounds 60
+
+Shapes are one micro-batch of jobs/gpt_bench.toml (b = 2 sequences x T = 64 tokens, C = 240,
+F = 2048, 4 heads) and AdamW over stage 0's 6,068,304 parameters. Each round times the fast
+path, then the reference, on the same inputs, so a drifting machine hits both alike; printed:
+median ms of each and their ratio. Runs on one core (set OMP_NUM_THREADS=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from mpihybrid import _numba
+from mpihybrid.nn.layers import GELU, LayerNorm
+from mpihybrid.nn.optim import AdamW
+from mpihybrid.nn.transformer import CausalAttention
+
+B, T, C, F, HEADS, STAGE0_PARAMS = 2, 64, 240, 2048, 4, 6_068_304
+
+
+def cases(rng: np.random.Generator) -> dict:
+    """name -> a function of no arguments that runs the op once (the path chosen at call time)."""
+    x_ffn = rng.standard_normal((B, T, F)).astype(np.float32)
+    gelu = GELU()
+    gelu_cache = gelu.forward(x_ffn)[1]
+    x = rng.standard_normal((B, T, C)).astype(np.float32)
+    norm = LayerNorm(C)
+    norm.bind(
+        {"weight": np.ones(C, np.float32), "bias": np.zeros(C, np.float32)},
+        {"weight": np.zeros(C, np.float32), "bias": np.zeros(C, np.float32)},
+    )
+    norm_cache = norm.forward(x)[1]
+    qkv = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    attention = CausalAttention(C, HEADS, T)
+    grads = rng.standard_normal(STAGE0_PARAMS).astype(np.float32)
+    params = rng.standard_normal(STAGE0_PARAMS).astype(np.float32)
+    optimizers = {}
+
+    def adamw():
+        key = _numba.ENABLED  # one optimizer per path: AdamW picks it when built
+        if key not in optimizers:
+            optimizers[key] = AdamW(params, lr=1e-9)
+        optimizers[key].step(grads)
+
+    return {
+        "GELU forward (128 x 2048)": lambda: gelu.forward(x_ffn),
+        "GELU backward": lambda: gelu.backward(x_ffn, gelu_cache),
+        "LayerNorm forward (128 x 240)": lambda: norm.forward(x),
+        "LayerNorm backward (dx + dW)": lambda: norm.backward(x, norm_cache),
+        "attention forward (2 x 4 heads x 64^2)": lambda: attention.forward(qkv),
+        "attention backward": lambda: attention.backward(x, attention.forward(qkv)[1]),
+        "AdamW step (6.07 M parameters)": adamw,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args()
+    if not _numba.ENABLED:
+        raise SystemExit(f"kernels: {_numba.describe()}; install the fast extra")
+    print(f"{'op':<40} {'numba ms':>9} {'numpy ms':>9} {'speed-up':>9}")
+    for name, run in cases(np.random.default_rng(0)).items():
+        times = {True: [], False: []}
+        for _ in range(args.rounds + 1):  # the first round compiles and warms up
+            for enabled in (True, False):
+                _numba.ENABLED = enabled
+                start = time.perf_counter()
+                run()
+                times[enabled].append(time.perf_counter() - start)
+        _numba.ENABLED = True
+        fast, ref = (statistics.median(times[k][1:]) for k in (True, False))
+        print(f"{name:<40} {1e3 * fast:9.3f} {1e3 * ref:9.3f} {ref / fast:8.1f}x")
+
+
+if __name__ == "__main__":
+    main()
