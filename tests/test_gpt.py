@@ -629,6 +629,13 @@ def test_bench_train_reports_consistent_figures():
         assert 0 < s["busy"] <= 1.0
         assert s["peak_inflight"] == s["predicted_peak_inflight"]  # 1f1b: 2 on stage 0, 1 on 1
     assert all(b > 0 for b in out["peak_rss_bytes"])
+    # the time split: GEMM and elementwise are this rank's compute, the busy fraction
+    busy = {r["rank"]: r["busy"] for r in out["ranks"]}
+    assert [t["rank"] for t in out["time_split"]] == [0, 1]
+    for t in out["time_split"]:
+        assert t["gemm"] > 0 and t["elementwise"] >= 0 and t["communication"] > 0
+        compute = t["gemm"] + t["elementwise"] + t["optimizer"]
+        assert compute == pytest.approx(busy[t["rank"]], rel=1e-6)
 
 
 @pytest.mark.mpi

@@ -11,6 +11,10 @@ the per-step metrics collective included). Reported:
     tokens/s       median over repeats (samples/s for data without tokens)
     step time      median measured step (trace.recorder.step_times: first start to last end)
     busy           per rank and per stage: compute time / measured wall time
+    time split     per rank, of the measured wall time: GEMM (the rank's matmul FLOPs at its
+                   measured GEMM rate, the roofline's), elementwise (the rest of its forward,
+                   backward and weight passes), optimizer, communication (sends, receives,
+                   all-reduce and waits for it, as traced)
     FLOPs/token    training FLOPs of the model (matmuls: forward, input and weight gradients)
     roofline       ranks x the float32 GEMM rate one core reaches on the model's own matmuls:
                    every rank at once runs every GEMM of one micro-batch through the whole model
@@ -39,7 +43,7 @@ from mpi4py import MPI
 from mpihybrid.config import Job, to_toml
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.layers import Layer, Linear
-from mpihybrid.nn.model import block_costs, build_blocks
+from mpihybrid.nn.model import block_costs, build_blocks, chunk_ranges
 from mpihybrid.nn.transformer import CausalAttention, Residual
 from mpihybrid.trace.recorder import KIND, step_times
 
@@ -66,6 +70,23 @@ def layer_gemms(layer: Layer, rows: int, need_dx: bool = True) -> list[Gemm]:
 def model_gemms(blocks, rows: int) -> list[Gemm]:
     layers = [layer for block in blocks for layer in block]
     return [g for i, layer in enumerate(layers) for g in layer_gemms(layer, rows, need_dx=i > 0)]
+
+
+def chunk_gemm_flops(job: Job, blocks, rows: int) -> list[int]:
+    """Matmul FLOPs of one micro-batch's forward + backward through each model chunk."""
+    ranges = chunk_ranges(job.model, blocks, job.grid.pp * job.train.virtual_stages)
+    return [
+        gemm_flops(
+            [
+                g
+                for i, layer in enumerate(
+                    layer for block in blocks[r.start : r.stop] for layer in block
+                )
+                for g in layer_gemms(layer, rows, need_dx=r.start > 0 or i > 0)
+            ]
+        )
+        for r in ranges
+    ]
 
 
 def gemm_flops(gemms: list[Gemm]) -> int:
@@ -136,6 +157,38 @@ def _busy(events: np.ndarray, first: int, wall: float) -> tuple[dict, dict]:
         int(s): float(took[rows["stage"] == s].sum()) / wall for s in np.unique(rows["stage"])
     }
     return per_rank, per_stage
+
+
+_COMM_KINDS = ("send", "recv", "allreduce", "grad_wait")
+
+
+def _time_split(
+    events: np.ndarray, first: int, wall: float, ranks: list[dict], gemm: dict[int, float]
+) -> list[dict]:
+    """Per rank, fractions of the measured wall time: GEMM (`gemm[rank]`: seconds of matmuls at
+    the rank's measured rate), elementwise (the rest of F/B/W), optimizer, communication."""
+    rows = events[events["step"] >= first]
+    took = rows["end"] - rows["start"]
+
+    def seconds(rank: int, kinds) -> float:
+        codes = [KIND[k] for k in kinds if k in KIND]
+        return float(took[(rows["rank"] == rank) & np.isin(rows["kind"], codes)].sum())
+
+    split = []
+    for r in ranks:
+        rank = r["rank"]
+        compute = seconds(rank, ("forward", "backward", "weight"))
+        matmul = min(gemm.get(rank, 0.0), compute)
+        split.append(
+            {
+                "rank": rank,
+                "gemm": matmul / wall,
+                "elementwise": (compute - matmul) / wall,
+                "optimizer": seconds(rank, ("optimizer",)) / wall,
+                "communication": seconds(rank, _COMM_KINDS) / wall,
+            }
+        )
+    return split
 
 
 def _units_per_sample(job: Job) -> int:
@@ -220,9 +273,28 @@ def bench_train(
         "roofline": roofline,
         "roofline_fraction": achieved / roofline if roofline > 0 else 0.0,
         **_busy_rows(job, report, events, warmup, wall),
+        "time_split": _time_split(
+            events,
+            warmup,
+            wall,
+            report["ranks"],
+            _gemm_seconds(job, report["ranks"], chunk_gemm_flops(job, blocks, rows), rates, steps),
+        ),  # fmt: skip
         "peak_rss_bytes": [int(b) for b in peak_rss],
         "final_loss": float(last.losses[-1]) if last.losses else None,
         "against": _against(against, other_walls, throughputs, steps),
+    }
+
+
+def _gemm_seconds(
+    job: Job, ranks: list[dict], chunk_flops: list[int], rates: list[float], steps: int
+) -> dict[int, float]:
+    """Seconds each rank's matmuls take over the measured steps at its measured GEMM rate."""
+    per_step = job.train.microbatches * steps
+    return {
+        r["rank"]: per_step * sum(chunk_flops[s] for s in r["stages"]) / rates[r["rank"]]
+        for r in ranks
+        if rates[r["rank"]] > 0
     }
 
 
@@ -311,6 +383,14 @@ def format_bench(result: dict) -> str:
         f"of roofline    {100 * result['roofline_fraction']:.1f}%",
         "busy           "
         + ", ".join(f"rank {r['rank']} {100 * r['busy']:.0f}%" for r in result["ranks"]),
+        "time split     "
+        + "; ".join(
+            f"rank {t['rank']}: GEMM {100 * t['gemm']:.0f}%, elementwise "
+            f"{100 * t['elementwise']:.0f}%, optimizer {100 * t['optimizer']:.0f}%, "
+            f"communication {100 * t['communication']:.0f}%"
+            for t in result["time_split"]
+        )
+        + " (of wall; GEMM at the rank's measured rate)",
         "stages         "
         + ", ".join(
             f"{s['stage']}: busy {100 * s['busy']:.0f}%, activations {s['peak_inflight']} "
