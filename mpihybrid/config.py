@@ -11,11 +11,13 @@ any message is sent; errors show the whole formula (`pp(4) * dp(3) = 12 != world
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from mpihybrid.comm.buckets import PROGRESS
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
 from mpihybrid.pipeline.schedules import SCHEDULES, ScheduleError, check_config
@@ -95,13 +97,22 @@ class CommConfig:
     error_feedback: bool = True  # lossy codecs carry their quantisation error into the next step
     sync_sends: bool = False  # pipeline sends with Issend (proves no reliance on eager buffering)
     cuda_aware: str | bool = "auto"  # device = cuda: MPI takes GPU buffers; auto = ask the MPI
+    # gradient buckets: how the rings make progress behind the compute (thread | poll | off)
+    overlap: str = "thread"
+    bucket_kb: int = 4096  # a bucket holds whole layers of at least this many KiB of gradient
+    segment_kb: int = 1024  # the ring sends a chunk in messages of this many KiB of float32
 
 
 @dataclass(frozen=True)
 class TraceConfig:
-    path: str = ""  # HDF5 trace written by rank 0 at the end; "" = none
+    path: str = ""  # HDF5 trace, written by rank 0 as the run goes; "" = none
     overwrite: bool = False  # replace an existing trace file
     events: bool = True  # record every action; false = only one row per step (overhead baseline)
+    flush_steps: int = 100  # the trace file is brought up to date every this many steps (0 = off)
+    flush_seconds: float = 30.0  # ... and at the first step boundary this long after (0 = off)
+    first_step: int = 1  # trace steps first_step..last_step (1-based, as the progress line)
+    last_step: int = 0  # 0 = to the end
+    every: int = 1  # of those, every k-th step (first_step, first_step + k, ...)
 
 
 @dataclass(frozen=True)
@@ -126,14 +137,28 @@ SECTIONS = {f.name: f.type for f in fields(Job)}
 _SECTION_TYPES = {f.name: f.default_factory for f in fields(Job)}
 
 
+SAMPLES_PER_REPLICA = 32  # the embedded job's batch: about this many samples per replica
+
+
 def default_job_table(world_size: int) -> dict:
-    """The embedded job: runs on any world size (pp=2 when it is even, else pp=1)."""
-    pp = 2 if world_size % 2 == 0 else 1
-    dp = world_size // pp
+    """The embedded job, beneath every job file (an empty file and no file are the same job):
+    runs on any world size (pp=2 when it is even, else pp=1; dp is left to -1, so --set
+    grid.pp alone works). Its global batch is chosen by load_job once dp is known."""
     return {
-        "grid": {"pp": pp, "dp": dp},
-        "train": {"steps": 30, "microbatches": 4, "global_batch": 32 * dp},
+        "grid": {"pp": 2 if world_size % 2 == 0 else 1},
+        "train": {"steps": 30, "microbatches": 4},
     }
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """Two job tables, key by key within each section; `top` wins."""
+    merged = {section: dict(values) for section, values in base.items()}
+    for section, values in top.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section].update(values)
+        else:
+            merged[section] = values
+    return merged
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -153,10 +178,14 @@ def load_table(path: str | Path | None) -> dict:
     if path is None:
         return {}
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"job file {str(p)!r} is a directory, not a TOML file")
     if not p.is_file():
         raise ConfigError(f"job file {str(p)!r} does not exist")
     try:
         return tomllib.loads(p.read_text())
+    except OSError as exc:
+        raise ConfigError(f"job file {str(p)!r} cannot be read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"job file {str(p)!r} is not valid TOML: {exc}") from None
     except UnicodeDecodeError:
@@ -244,6 +273,7 @@ def _check_names(job: Job) -> None:
     _one_of("train.schedule", t.schedule, SCHEDULES)
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
     _one_of("comm.codec", c.codec, CODECS)
+    _one_of("comm.overlap", c.overlap, PROGRESS)
 
 
 def validate(job: Job) -> None:
@@ -266,15 +296,29 @@ def validate(job: Job) -> None:
         ("train.microbatches", t.microbatches, 1),
         ("train.virtual_stages", t.virtual_stages, 1),
         ("comm.block", c.block, 1),
+        ("comm.bucket_kb", c.bucket_kb, 1),
+        ("comm.segment_kb", c.segment_kb, 1),
         ("checkpoint.every", job.checkpoint.every, 0),
+        ("trace.flush_steps", job.trace.flush_steps, 0),
+        ("trace.flush_seconds", job.trace.flush_seconds, 0),
+        ("trace.first_step", job.trace.first_step, 1),
+        ("trace.last_step", job.trace.last_step, 0),
+        ("trace.every", job.trace.every, 1),
         ("checkpoint.keep", job.checkpoint.keep, 1),
     ]:
         if value < low:
             raise ConfigError(f"{where} = {value}: must be >= {low}")
+    if job.trace.last_step and job.trace.last_step < job.trace.first_step:
+        raise ConfigError(
+            f"trace.last_step({job.trace.last_step}) < trace.first_step({job.trace.first_step})"
+            " (0 traces to the end)"
+        )
     if job.checkpoint.every and not job.checkpoint.dir:
         raise ConfigError(f"checkpoint.every = {job.checkpoint.every} needs checkpoint.dir")
+    _check_finite(job)
     if t.lr <= 0:
         raise ConfigError(f"train.lr = {t.lr}: must be > 0")
+    _check_optimizer(t)
     per_step = g.dp * t.microbatches
     if t.global_batch % per_step:
         raise ConfigError(
@@ -294,8 +338,33 @@ def validate(job: Job) -> None:
     except ScheduleError as exc:
         raise ConfigError(str(exc)) from None
     _check_partition(m, g.pp, t.virtual_stages)
-    if len(t.betas) != 2 or not all(isinstance(b, (int, float)) for b in t.betas):
+
+
+def _check_finite(job: Job) -> None:
+    """No float setting may be nan or inf (TOML and --set both accept them)."""
+    for section in SECTIONS:
+        part = getattr(job, section)
+        for f in fields(part):
+            value = getattr(part, f.name)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                raise ConfigError(f"{section}.{f.name} = {value!r}: must be a finite number")
+
+
+def _check_optimizer(t: TrainConfig) -> None:
+    """Ranges of the optimizer's settings: a momentum of -5 or a beta of 1 diverges silently."""
+    if len(t.betas) != 2 or not all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) for b in t.betas
+    ):
         raise ConfigError(f"train.betas = {t.betas!r}: expected two numbers")
+    for where, value in [
+        ("train.momentum", t.momentum),
+        ("train.weight_decay", t.weight_decay),
+        ("train.betas[0]", t.betas[0]),
+        ("train.betas[1]", t.betas[1]),
+    ]:
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{where} = {value}: must be in [0, 1)")
 
 
 def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:
@@ -348,6 +417,20 @@ def _toml_value(value: Any) -> str:
 
 
 def load_job(path: str | Path | None, overrides: list[str], world_size: int) -> Job:
-    """Job file (or the embedded default) + overrides, resolved for `world_size`."""
-    table = load_table(path) if path is not None else default_job_table(world_size)
-    return resolve(build_job(table, overrides), world_size)
+    """The embedded job, then the job file, then the overrides, resolved for `world_size`.
+
+    train.global_batch given nowhere: about SAMPLES_PER_REPLICA samples per replica, rounded
+    to a multiple of dp x microbatches (so the embedded job runs on any world size)."""
+    table = _merge(default_job_table(world_size), load_table(path))
+    job = build_job(table, overrides)
+    given = "global_batch" in table.get("train", {}) or any(
+        parse_override(o)[:2] == ("train", "global_batch") for o in overrides
+    )
+    g, t = job.grid, job.train
+    if not given and g.pp >= 1 and t.microbatches >= 1:
+        dp = g.dp if g.dp != -1 else max(world_size // g.pp, 1)
+        per_replica = t.microbatches * max(1, round(SAMPLES_PER_REPLICA / t.microbatches))
+        job = dataclasses.replace(
+            job, train=dataclasses.replace(t, global_batch=per_replica * max(dp, 1))
+        )
+    return resolve(job, world_size)

@@ -13,6 +13,7 @@ directory is fsynced so the rename itself survives a crash.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from collections.abc import Iterator
@@ -51,17 +52,68 @@ def atomic_path(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
     `path` and fsync the directory. On an exception the temporary is removed and `path` is left
     as it was. FileExistsError when `path` exists and overwrite is False."""
     path = check_target(path, overwrite)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    # O_EXCL: never clobber another writer's temporary; mode 0o666 lets the umask decide
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    tmp = _create_temporary(path)
     try:
         yield tmp
         fsync_path(tmp)
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename in (str(tmp), tmp):  # the user knows `path`, not our hidden temporary
+            raise _naming(exc, path) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
+
+
+def _create_temporary(path: Path) -> Path:
+    """An empty, new temporary file beside `path`; the error names `path` when that fails."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        # O_EXCL: never clobber another writer's temporary; mode 0o666 lets the umask decide
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except OSError as exc:
+        raise _naming(exc, path) from None
+    return tmp
+
+
+def _naming(exc: OSError, path: Path) -> OSError:
+    """The same kind of error, its message naming `path`: 'cannot write PATH: REASON'."""
+    reason = exc.strerror or str(exc)
+    kind = PermissionError if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else type(exc)
+    return _error(kind, exc.errno, f"cannot write {path}: {reason}")
+
+
+def _error(kind: type[OSError], code: int | None, message: str) -> OSError:
+    """An OSError whose str() is `message` alone (no '[Errno N]'), errno kept."""
+    exc = kind(message)
+    exc.errno = code
+    return exc
+
+
+def probe_file(path: str | os.PathLike) -> None:
+    """Create and remove the temporary a write of `path` would use: an error now (naming
+    `path`) rather than after hours of training. os.access is no test: root passes it."""
+    _create_temporary(Path(path)).unlink()
+
+
+def probe_dir(path: str | os.PathLike) -> Path:
+    """Create directory `path` (and its parents) if needed and write a file in it, or raise
+    the OSError that writing there ends in, naming `path`."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise _error(
+            NotADirectoryError, errno.ENOTDIR, f"{path} is a file, not a directory"
+        ) from None
+    except OSError as exc:
+        message = f"cannot create directory {path}: {exc.strerror}"
+        raise _error(type(exc), exc.errno, message) from None
+    _create_temporary(path / "probe").unlink()
+    return path
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str, overwrite: bool = False) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 def human_bytes(n: float, digits: int = 2) -> str:
     """1536 -> "1.50 KiB" (`digits` decimals); whole bytes below 1 KiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
-    return f"{n:.2f} GiB"  # pragma: no cover
+    return f"{n:.2f} PiB"  # pragma: no cover
 
 
 def human_rate(bytes_per_s: float | None) -> str:

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from mpihybrid.comm.allreduce import DEFAULT_SEGMENT
 from mpihybrid.comm.codecs import CODECS, get_codec
 from tests.helpers import run_mpi
 
@@ -15,11 +16,16 @@ pytestmark = pytest.mark.mpi
 EF_STEPS = 64
 
 
-def expected_bytes(dp: int, count: int, codec: str) -> list[tuple[int, int]]:
-    """(reduce-scatter, all-gather) bytes per rank: every chunk but the one the rank never sends."""
+def expected_bytes(dp: int, count: int, codec: str, segment: int) -> list[tuple[int, int]]:
+    """(reduce-scatter, all-gather) bytes per rank: every chunk but the one the rank never sends;
+    a chunk travels as segments of `segment` elements, each encoded on its own."""
     if dp == 1 or count == 0:
         return [(0, 0)] * dp
-    nbytes = [get_codec(codec).nbytes(len(c)) for c in np.array_split(np.zeros(count), dp)]
+    encoded = get_codec(codec).nbytes
+    nbytes = [
+        sum(encoded(len(c[i : i + segment])) for i in range(0, len(c), segment))
+        for c in np.array_split(np.zeros(count), dp)
+    ]
     total = sum(nbytes)
     # reduce-scatter: rank r never sends the chunk it ends up owning, (r + 1) % dp;
     # all-gather: it never sends the chunk it receives last, (r + 2) % dp
@@ -43,7 +49,9 @@ def test_ring_allreduce(dp: int) -> None:
     counts = {0, 1, dp - 1, 1000, 1001, 2**20}
     expected_cases = {(c, k, "mean") for c in counts for k in CODECS}
     expected_cases |= {(1001, k, "sum") for k in CODECS}
+    expected_cases |= {(c, k, "mean") for c in (1000, 4099) for k in CODECS}
     assert {(c["count"], c["codec"], c["op"]) for c in out["CASE"]} == expected_cases
+    assert {c["segment"] for c in out["CASE"]} == {333, DEFAULT_SEGMENT}
 
     for case in out["CASE"]:
         label = f"dp={dp} count={case['count']} {case['codec']} {case['op']}"
@@ -51,7 +59,9 @@ def test_ring_allreduce(dp: int) -> None:
         # within the bound stated in _mpi_allreduce.py (fp32: float summation order only)
         assert case["err_ratio"] <= 1.0, label
         assert case["identical"], f"{label}: replicas differ"
-        want = expected_bytes(dp, case["count"], case["codec"])
+        want = expected_bytes(dp, case["count"], case["codec"], case["segment"])
+        if case["codec"] != "int8":  # int8 blocks start at each segment: other scales
+            assert case["same_as_whole"], f"{label}: segments changed the result"
         got = list(zip(case["reduce_scatter"], case["all_gather"], strict=True))
         assert got == want, label
         assert case["sent"] == [rs + ag for rs, ag in want], label

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -77,13 +78,18 @@ def test_resume_with_another_dp(tmp_path, reference):
 
 def test_preemption_signal_checkpoints_and_exits_3(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
-    cmd = mpi_command(4, "-m", "mpihybrid", "train", "--quiet", "--set", "train.steps=100000",
+    cmd = mpi_command(4, "-m", "mpihybrid", "train", "--set", "train.steps=100000",
                       "--set", f"checkpoint.dir={ckpt}", "--set", "comm.codec=int8")  # fmt: skip
     proc = subprocess.Popen(cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    time.sleep(2)  # let training start
+    deadline = time.monotonic() + 60
+    seen = []
+    for line in proc.stdout:  # training has started once rank 0 reports a step
+        seen.append(line)
+        if "step 1/" in line:
+            break
     proc.send_signal(signal.SIGUSR1)  # mpiexec forwards it to every rank
     out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+    out = "".join(seen) + out
     assert proc.returncode == 3, out
     assert "preempted at step" in out
     path = checkpoint.latest(ckpt)
@@ -140,7 +146,7 @@ def test_checkpoint_of_another_pp_is_refused(saved):
 def test_torn_checkpoint_file_is_refused(saved):
     stage = checkpoint.latest(saved) / "stage-000.h5"
     stage.write_bytes(stage.read_bytes()[:200])
-    _refused(saved, message="torn")
+    _refused(saved, message="stage-000.h5 is damaged")
 
 
 def test_foreign_manifest_is_refused(saved):
@@ -160,3 +166,141 @@ def test_keep_prunes_old_checkpoints(tmp_path):
                  "--set", "checkpoint.keep=2")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000005", "step-000006"]
+
+
+# ---- faults: every rank agrees, nothing is lost (issues #16 and #19) ----
+
+TINY = ["--set", "model.hidden=16", "--set", "model.depth=4"]
+
+
+def tiny(*args, script=(), n=2, timeout=60):
+    """A 2-rank run of a tiny model; a hang fails the test (TimeoutExpired)."""
+    argv = [*script] if script else ["-m", "mpihybrid"]
+    return run_mpi(n, *argv, "train", "--quiet", *TINY, *args, timeout=timeout)
+
+
+def inject(mode, *args):
+    return tiny(*args, script=("tests/_mpi_inject.py", mode))
+
+
+def error_lines(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("mpihybrid: error:")]
+
+
+def test_incomplete_newer_step_dir_is_moved_aside_not_a_hang(tmp_path):
+    """A step-N/ without manifest in the way of the run's checkpoint N: once a hang of every rank
+    but rank 0 in save_all's bcast; now moved aside with a warning and the run goes on."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-000002").mkdir(parents=True)
+    (ckpt / "step-000002" / "stage-000.h5").write_bytes(b"someone's half-written file")
+    proc = tiny("--set", "train.steps=3", "--set", f"checkpoint.dir={ckpt}",
+                "--set", "checkpoint.every=2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "incomplete: no manifest" in proc.stdout and "moved it aside" in proc.stdout
+    assert checkpoint.latest(ckpt).name == "step-000002"
+    (aside,) = ckpt.glob("step-000002.moved-*")
+    assert (aside / "stage-000.h5").read_bytes() == b"someone's half-written file"
+
+
+def test_commit_failing_on_rank_0_ends_every_rank(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = inject("commit", "--set", "train.steps=4", "--set", f"checkpoint.dir={ckpt}",
+                  "--set", "checkpoint.every=2")  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1 and "checkpoint for step 2 not written" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list(ckpt.iterdir()) == [], "the partial directory is removed"
+
+
+def test_full_disk_keeps_the_earlier_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = inject("enospc", "--set", "train.steps=6", "--set", f"checkpoint.dir={ckpt}",
+                  "--set", "checkpoint.every=2")  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc.stderr
+    assert "checkpoint for step 4 not written" in lines[0] and "no space left" in lines[0]
+    assert "needed for this checkpoint" in lines[0]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000002"]
+    assert checkpoint.read_manifest(ckpt / "step-000002")["step"] == 2
+
+
+def _flip_middle(path: Path, nbytes: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + nbytes] = bytes(b ^ 0xFF for b in data[middle : middle + nbytes])
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_newest_checkpoint_falls_back_to_an_intact_one(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = ["--set", f"checkpoint.dir={ckpt}"]
+    assert tiny("--set", "train.steps=4", "--set", "checkpoint.every=2", *args).returncode == 0
+    _flip_middle(ckpt / "step-000004" / "stage-001.h5")
+    proc = tiny("--set", "train.steps=5", *args)
+    assert proc.returncode == 0, proc.stderr
+    assert "step-000004: stage-001.h5 is damaged" in proc.stdout
+    assert f"resumed from {ckpt / 'step-000002'} (step 2)" in proc.stdout  # shown under --quiet
+    assert "runtime" in proc.stdout and "for 3 steps" in proc.stdout  # 5 - 2, not 5
+    _flip_middle(ckpt / "step-000002" / "stage-000.h5")
+    proc = tiny("--set", "train.steps=5", "--resume", *args)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = error_lines(proc)
+    assert "no intact checkpoint to resume from" in line, proc.stderr
+
+
+def test_missing_checkpoint_attribute_is_a_checkpoint_error(tmp_path):
+    import h5py
+
+    ckpt = tmp_path / "ckpt"
+    args = ["--set", f"checkpoint.dir={ckpt}"]
+    assert tiny("--set", "train.steps=2", "--set", "checkpoint.every=2", *args).returncode == 0
+    path = ckpt / "step-000002"
+    with h5py.File(path / "stage-001.h5", "a") as f:
+        del f.attrs["optimizer_steps"]
+    manifest = json.loads((path / "manifest.json").read_text())  # a consistent digest
+    manifest["files"]["stage-001.h5"] = checkpoint.file_digest(path / "stage-001.h5")
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    proc = tiny("--set", "train.steps=4", *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "optimizer_steps" in lines[0], proc.stderr
+
+
+def test_stale_partial_directories_are_removed_at_start(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    stale = ckpt / ".step-000009.partial-0123abcd"
+    stale.mkdir(parents=True)
+    (stale / "stage-000.h5").write_bytes(b"x" * 1000)
+    proc = tiny("--set", "train.steps=1", "--set", f"checkpoint.dir={ckpt}")
+    assert proc.returncode == 0, proc.stderr
+    assert not stale.exists() and "removed" in proc.stdout
+
+
+def test_diverging_run_stops_and_never_checkpoints_nan(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = tiny("--set", "train.steps=20", "--set", "train.lr=1e12", "--set",
+                f"checkpoint.dir={ckpt}", "--set", "checkpoint.every=1")  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    (line,) = error_lines(proc)
+    assert re.search(r"step (\d+): the loss is nan \(stage 1, the last\)", line), line
+    stopped = int(re.search(r"step (\d+)", line).group(1))
+    latest = checkpoint.latest(ckpt)
+    assert latest is None or checkpoint.read_manifest(latest)["step"] < stopped
+    for path in checkpoint.complete(ckpt):
+        assert all(np.isfinite(checkpoint.read_manifest(path)["losses"]))
+
+
+def test_nonfinite_gradient_names_step_and_stage(tmp_path):
+    proc = inject("nan-grad", "--set", "train.steps=6")
+    assert proc.returncode == 1, proc.stderr
+    (line,) = error_lines(proc)
+    assert "step 3: the gradient of stage 0 is not finite" in line, line
+
+
+def test_preemption_signal_without_checkpoint_dir_warns_once():
+    proc = inject("usr1", "--set", "train.steps=4")
+    assert proc.returncode == 0, proc.stderr
+    warning = "preemption signal received but checkpoint.dir is not set"
+    assert proc.stdout.count(warning) == 1, proc.stdout

@@ -7,7 +7,6 @@ import pytest
 from mpihybrid.config import (
     ConfigError,
     build_job,
-    default_job_table,
     load_job,
     load_table,
     parse_override,
@@ -93,8 +92,47 @@ def test_resolved_job_round_trips_through_toml():
     assert again == job
 
 
-def test_default_table_batch_divides():
+def test_default_batch_divides_on_any_world_size():
     for world in range(1, 13):
-        table = default_job_table(world)
-        dp, m = table["grid"]["dp"], table["train"]["microbatches"]
-        assert table["train"]["global_batch"] % (dp * m) == 0
+        job = load_job(None, [], world)
+        assert job.train.global_batch % (job.grid.dp * job.train.microbatches) == 0
+
+
+def test_default_job_leaves_dp_free():
+    """--set grid.pp=1 alone works with the embedded job: dp is not pinned to its pp=2 split."""
+    job = load_job(None, ["grid.pp=1"], 2)
+    assert (job.grid.pp, job.grid.dp) == (1, 2)
+    assert job.train.global_batch % (2 * job.train.microbatches) == 0
+
+
+def test_empty_job_file_is_the_embedded_job(tmp_path):
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    for world in (1, 2, 3, 4):
+        assert load_job(empty, [], world) == load_job(None, [], world)
+
+
+def test_job_file_that_is_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_job(tmp_path, [], 1)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr=nan", "train.lr = nan: must be a finite number"),
+        ("train.lr=inf", "train.lr = inf: must be a finite number"),
+        ("train.lr=-inf", "train.lr = -inf: must be a finite number"),
+        ("train.weight_decay=nan", "train.weight_decay = nan: must be a finite"),
+        ("train.betas=[0.9, nan]", "train.betas = \\[0.9, nan\\]: must be a finite"),
+        ("train.momentum=-5", r"train.momentum = -5.0: must be in \[0, 1\)"),
+        ("train.momentum=1", r"train.momentum = 1.0: must be in \[0, 1\)"),
+        ("train.weight_decay=-0.1", r"train.weight_decay = -0.1: must be in \[0, 1\)"),
+        ("train.betas=[0.9, 1.0]", r"train.betas\[1\] = 1.0: must be in \[0, 1\)"),
+        ("train.betas=[-0.1, 0.99]", r"train.betas\[0\] = -0.1: must be in \[0, 1\)"),
+        ("train.betas=[0.9]", "expected two numbers"),
+    ],
+)
+def test_optimizer_settings_are_checked(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job(None, ["train.optimizer=adamw", override], 2)

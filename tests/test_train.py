@@ -48,6 +48,8 @@ def test_hybrid_equals_serial(pp, dp, schedules):
         "model.hidden=32",
         "--set",
         "comm.codec=fp32",
+        "--set",
+        "comm.bucket_kb=1",  # a bucket per layer or two: rings start during the backward
         timeout=240,
     )
     runs = results(proc)
@@ -57,6 +59,35 @@ def test_hybrid_equals_serial(pp, dp, schedules):
         assert r["allclose"], r
         assert np.allclose(r["losses"], r["serial_losses"], rtol=1e-5), r
         assert r["replica_max_diff"] == 0.0
+
+
+def test_overlap_changes_timing_not_numbers():
+    """Buckets reduced by a communication thread, by polling, or after the step: the same bits
+    (losses, int8 bytes, replicas), whatever the schedule; many buckets and segments."""
+    runs = {}
+    for overlap in ("off", "thread", "poll"):
+        proc = run_mpi(
+            4,
+            "tests/_mpi_train.py",
+            "--schedules",
+            "1f1b,zb-h1,interleaved-1f1b",
+            *("--set", "grid.pp=2", "--set", "grid.dp=2", "--set", "train.steps=4"),
+            *("--set", "train.microbatches=4", "--set", "train.global_batch=32"),
+            *("--set", "model.depth=8", "--set", "model.hidden=48"),
+            *("--set", "train.optimizer=adamw", "--set", "comm.codec=int8"),
+            *("--set", "comm.bucket_kb=4", "--set", "comm.segment_kb=1"),
+            "--set",
+            f"comm.overlap={overlap}",
+            timeout=180,
+        )
+        runs[overlap] = results(proc)
+    for overlap in ("thread", "poll"):
+        for base, other in zip(runs["off"], runs[overlap], strict=True):
+            label = f"{other['schedule']} overlap={overlap}"
+            print(label, "final loss", other["losses"][-1], "off:", base["losses"][-1])
+            assert other["losses"] == base["losses"], label
+            assert other["bytes_sent"] == base["bytes_sent"], label
+            assert other["replica_max_diff"] == 0.0, label
 
 
 def test_sync_sends_never_rely_on_eager_buffering():

@@ -1,7 +1,8 @@
-"""Hand-written ring all-reduce over dp_comm: reduce-scatter then all-gather, on Sendrecv.
+"""Hand-written ring all-reduce over dp_comm: reduce-scatter then all-gather, pipelined in segments.
 
     ring = RingAllreduce(grid.dp_comm, flat_grad.size, get_codec("int8"))
-    sent = ring(flat_grad, op="mean")       # in place; the bytes this rank sent
+    sent = ring(flat_grad, op="mean")       # in place, blocking; the bytes this rank sent
+    steps = ring.steps(flat_grad)           # the same as a generator of MPI requests to wait on
 
 p = dp_size ranks, the vector cut into p chunks (np.array_split bounds). Ring neighbours:
 rank r sends to (r + 1) % p and receives from (r - 1) % p.
@@ -9,16 +10,25 @@ rank r sends to (r + 1) % p and receives from (r - 1) % p.
         add it to our own; afterwards rank r holds the full sum of chunk (r + 1) % p.
     all-gather, step s = 0..p-2: send chunk (r + 1 - s) % p, receive chunk (r - s) % p.
 
-Compressed (lossy codec): every chunk that goes on the wire is encoded once, by the rank that
+Pipelined: every chunk is cut into segments of `segment` elements, each a message of its own, and
+all of them are non-blocking (Isend/Irecv). A segment moves on as soon as it is ready: segment k
+of step s is added (reduce-scatter) or forwarded (all-gather) the moment it arrives, while k + 1
+is still on the wire and k - 1 is being encoded for the next step. Every receive of a phase is
+posted before its data can arrive, so no send waits on the receiver reaching its loop, whatever
+MPI's eager limit. All buffers are allocated once, in __init__.
+
+Compressed (lossy codec): every segment that goes on the wire is encoded once, by the rank that
 computed it. In the all-gather the owner encodes its reduced chunk once and those exact bytes go
 round the ring unchanged; every rank, the owner included, decodes the same bytes, so all replicas
 end bit-identical. Error feedback: `residual` (this rank's encoding error per element) is added to
-the input before the ring; each chunk is encoded by this rank exactly once per call and its new
+the input before the ring; each element is encoded by this rank exactly once per call and its new
 error replaces the residual there, so errors telescope into the next call instead of piling up.
 With p = 1 nothing travels and nothing is quantised: the call leaves the vector as it is.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 from mpi4py import MPI
@@ -28,6 +38,7 @@ from mpihybrid.comm.codecs import Codec
 # the ring's message tags on dp_comm (its own communicator: no clash with pipeline tags)
 TAG_REDUCE_SCATTER = 101
 TAG_ALL_GATHER = 102
+DEFAULT_SEGMENT = 1 << 18  # elements per message: 1 MiB of float32 (measured: bench allreduce)
 
 
 def chunk_bounds(count: int, parts: int) -> np.ndarray:
@@ -37,14 +48,30 @@ def chunk_bounds(count: int, parts: int) -> np.ndarray:
     return i * base + np.minimum(i, extra)
 
 
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8  # slots start on 8 bytes: float views of a slot stay aligned
+
+
 class RingAllreduce:
-    """In-place all-reduce of one float32 vector of fixed length over `dp_comm`."""
+    """In-place all-reduce of one float32 vector of fixed length over `dp_comm`.
+
+    residual: where the error-feedback residual lives (a float32 vector of `count`, e.g. a view
+    of a bigger one); None allocates one when the codec is lossy and error_feedback is on.
+    """
 
     def __init__(
-        self, dp_comm: MPI.Comm, count: int, codec: Codec, error_feedback: bool = True
+        self,
+        dp_comm: MPI.Comm,
+        count: int,
+        codec: Codec,
+        error_feedback: bool = True,
+        segment: int = DEFAULT_SEGMENT,
+        residual: np.ndarray | None = None,
     ) -> None:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
+        if segment < 1:
+            raise ValueError(f"segment must be >= 1 element, got {segment}")
         self.dp_comm = dp_comm
         self.count = count
         self.codec = codec
@@ -53,53 +80,64 @@ class RingAllreduce:
         self.next_rank = (self.dp_rank + 1) % self.dp_size
         self.prev_rank = (self.dp_rank - 1) % self.dp_size
         self.bytes_sent: dict[str, int] = {"reduce_scatter": 0, "all_gather": 0}
-
-        p = self.dp_size
-        self.bounds = [int(b) for b in chunk_bounds(count, p)]
-        sizes = [self.bounds[c + 1] - self.bounds[c] for c in range(p)]
-        self.chunk_nbytes = [codec.nbytes(n) for n in sizes]
-        # wire offsets: chunk c's encoded bytes at wire[wire_bounds[c]:wire_bounds[c + 1]];
-        # each start rounded up to 8 bytes so that the float views of a slot stay aligned
-        starts = np.zeros(p + 1, np.int64)
-        starts[1:] = np.cumsum([(n + 7) // 8 * 8 for n in self.chunk_nbytes])
-        self.wire_bounds = [int(s) for s in starts]
-        self.compress = codec.lossy and p > 1 and count > 0
-        # fp32 sends straight from the vector; lossy codecs encode each chunk into its wire slot
-        self.wire = np.empty(self.wire_bounds[-1] if self.compress else 0, np.uint8)
-        self.recv_buf = np.empty(max(self.chunk_nbytes), np.uint8)
-        self.decoded = np.empty(max(sizes) if self.compress else 0, np.float32)
+        self.compress = codec.lossy and self.dp_size > 1 and count > 0
         self.residual: np.ndarray | None = None
         if codec.lossy and error_feedback:
-            self.residual = np.zeros(count, np.float32)
+            self.residual = np.zeros(count, np.float32) if residual is None else residual
+            if self.residual.shape != (count,) or self.residual.dtype != np.float32:
+                raise ValueError(f"residual must be float32 of length {count}")
+        self._layout(segment)
 
-    def _chunk(self, flat: np.ndarray, c: int) -> np.ndarray:
-        return flat[self.bounds[c] : self.bounds[c + 1]]
+    def _layout(self, segment: int) -> None:
+        """Chunks, their segments, and each segment's slot in the wire buffers."""
+        p, codec = self.dp_size, self.codec
+        bounds = [int(b) for b in chunk_bounds(self.count, p)]
+        # segments[c] = [(lo, hi, wire offset, wire bytes), ...] over the whole vector
+        self.segments: list[list[tuple[int, int, int, int]]] = []
+        offset = 0
+        for c in range(p):
+            segs = []
+            for lo in range(bounds[c], bounds[c + 1], segment):
+                hi = min(lo + segment, bounds[c + 1])
+                nbytes = codec.nbytes(hi - lo) if self.compress else 4 * (hi - lo)
+                segs.append((lo, hi, offset, nbytes))
+                offset += _aligned(nbytes)
+            self.segments.append(segs)
+        self.chunk_nbytes = [sum(s[3] for s in segs) for segs in self.segments]
+        # compressed: the wire holds every chunk's encoded segments (sent, or received and
+        # forwarded); fp32 sends from the vector and receives the reduce-scatter into recv_buf
+        self.wire = np.empty(offset if self.compress else 0, np.uint8)
+        # the reduce-scatter receives step s into half s % 2 (two steps may be in flight)
+        half = max((self._span(c) for c in range(p)), default=0)
+        self.recv_buf = np.empty(2 * half if p > 1 else 0, np.uint8)
+        self._recv_half = half
 
-    def _slot(self, c: int) -> np.ndarray:
-        """Chunk c's encoded bytes in the wire buffer."""
-        start = self.wire_bounds[c]
-        return self.wire[start : start + self.chunk_nbytes[c]]
+    def _span(self, c: int) -> int:
+        """Bytes chunk c's segments occupy in a wire buffer, alignment included."""
+        segs = self.segments[c]
+        return segs[-1][2] + _aligned(segs[-1][3]) - segs[0][2] if segs else 0
 
-    def _encode(self, flat: np.ndarray, c: int) -> np.ndarray:
-        """The bytes to send for chunk c of `flat`; lossy: encoded once, error kept as residual."""
-        values = self._chunk(flat, c)
+    def _slot(self, c: int, k: int) -> np.ndarray:
+        """Segment k of chunk c in the wire buffer."""
+        _, _, offset, nbytes = self.segments[c][k]
+        return self.wire[offset : offset + nbytes]
+
+    def _recv_slot(self, step: int, c: int, k: int) -> np.ndarray:
+        _, _, offset, nbytes = self.segments[c][k]
+        start = (step % 2) * self._recv_half + offset - self.segments[c][0][2]
+        return self.recv_buf[start : start + nbytes]
+
+    def _encode(self, flat: np.ndarray, c: int, k: int) -> np.ndarray:
+        """The bytes to send for segment k of chunk c; lossy: encoded once, error kept."""
+        lo, hi, _, _ = self.segments[c][k]
         if not self.compress:
-            return values.view(np.uint8)
-        slot = self._slot(c)
-        self.codec.encode(values, slot)
-        if self.residual is not None:
-            decoded = self.decoded[: len(values)]
-            self.codec.decode(slot, len(values), decoded)
-            np.subtract(values, decoded, out=self._chunk(self.residual, c))
+            return flat[lo:hi].view(np.uint8)
+        slot = self._slot(c, k)
+        residual = None if self.residual is None else self.residual[lo:hi]
+        self.codec.encode(flat[lo:hi], slot, residual=residual)
         return slot
 
-    def _sendrecv(self, send: np.ndarray, recv: np.ndarray, tag: int) -> None:
-        self.dp_comm.Sendrecv(
-            [send, MPI.BYTE], self.next_rank, tag, [recv, MPI.BYTE], self.prev_rank, tag
-        )
-
-    def __call__(self, flat: np.ndarray, op: str = "mean") -> int:
-        """All-reduce `flat` (float32, length count) in place; returns the bytes this rank sent."""
+    def _check(self, flat: np.ndarray, op: str) -> None:
         if op not in ("mean", "sum"):
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         if flat.dtype != np.float32 or flat.shape != (self.count,) or not flat.flags.c_contiguous:
@@ -107,43 +145,100 @@ class RingAllreduce:
                 f"expected a contiguous float32 vector of length {self.count}, "
                 f"got {flat.dtype} {flat.shape}"
             )
-        p, r = self.dp_size, self.dp_rank
-        if p == 1 or self.count == 0:
-            return 0
+
+    def __call__(self, flat: np.ndarray, op: str = "mean") -> int:
+        """All-reduce `flat` (float32, length count) in place; returns the bytes this rank sent."""
+        for request in self.steps(flat, op):
+            request.Wait()
+        return self.last_sent
+
+    def steps(self, flat: np.ndarray, op: str = "mean") -> Iterator[MPI.Request]:
+        """The all-reduce as a generator: each item is a request that must complete before the
+        generator is resumed (a driver Waits on it, or Tests it between other work)."""
+        self._check(flat, op)
+        self.last_sent = 0
+        if self.dp_size == 1 or self.count == 0:
+            return
         if self.residual is not None:
             flat += self.residual
-
-        # reduce-scatter: pass partial sums round the ring, each hop adds its own contribution
-        rs_bytes = 0
-        for s in range(p - 1):
-            send_c, recv_c = (r - s) % p, (r - s - 1) % p
-            recv = self.recv_buf[: self.chunk_nbytes[recv_c]]
-            self._sendrecv(self._encode(flat, send_c), recv, TAG_REDUCE_SCATTER)
-            recv_values = self._chunk(flat, recv_c)
-            self.codec.decode_add(recv, len(recv_values), recv_values)
-            rs_bytes += self.chunk_nbytes[send_c]
-
-        # all-gather: the owner encodes its reduced chunk once; the bytes are forwarded as they are
-        ag_bytes = 0
-        own_c = (r + 1) % p
-        self._encode(flat, own_c)
-        for s in range(p - 1):
-            send_c, recv_c = (r + 1 - s) % p, (r - s) % p
-            if self.compress:
-                send, recv = self._slot(send_c), self._slot(recv_c)
-            else:
-                send, recv = self._chunk(flat, send_c).view(np.uint8), self._chunk(flat, recv_c)
-                recv = recv.view(np.uint8)
-            self._sendrecv(send, recv, TAG_ALL_GATHER)
-            ag_bytes += self.chunk_nbytes[send_c]
-        if self.compress:
-            # every rank, the owner included, decodes the same bytes
-            for c in range(p):
-                values = self._chunk(flat, c)
-                self.codec.decode(self._slot(c), len(values), values)
-
+        yield from self._reduce_scatter(flat)
+        yield from self._all_gather(flat)
         if op == "mean":
-            flat /= p
-        self.bytes_sent["reduce_scatter"] += rs_bytes
-        self.bytes_sent["all_gather"] += ag_bytes
-        return rs_bytes + ag_bytes
+            flat /= self.dp_size
+
+    def _send(self, buf: np.ndarray, tag: int) -> MPI.Request:
+        return self.dp_comm.Isend([buf, MPI.BYTE], self.next_rank, tag)
+
+    def _recv(self, buf: np.ndarray, tag: int) -> MPI.Request:
+        return self.dp_comm.Irecv([buf, MPI.BYTE], self.prev_rank, tag)
+
+    def _reduce_scatter(self, flat: np.ndarray) -> Iterator[MPI.Request]:
+        """Pass partial sums round the ring; each hop adds its own contribution."""
+        p, r, tag = self.dp_size, self.dp_rank, TAG_REDUCE_SCATTER
+        recv_chunk = [(r - s - 1) % p for s in range(p - 1)]
+
+        def post(s: int) -> list[MPI.Request]:
+            c = recv_chunk[s]
+            return [self._recv(self._recv_slot(s, c, k), tag) for k in range(len(self.segments[c]))]
+
+        sends = [self._send(self._encode(flat, r, k), tag) for k in range(len(self.segments[r]))]
+        sent = self.chunk_nbytes[r]
+        pending = post(0)
+        for s in range(p - 1):
+            c = recv_chunk[s]
+            # step s + 1 lands in the other half; step s - 1's half has been consumed
+            following = post(s + 1) if s + 1 < p - 1 else []
+            for k, request in enumerate(pending):
+                yield request
+                lo, hi, _, _ = self.segments[c][k]
+                self.codec.decode_add(self._recv_slot(s, c, k), hi - lo, flat[lo:hi])
+                if s + 1 < p - 1:  # this segment is what we pass on next step
+                    sends.append(self._send(self._encode(flat, c, k), tag))
+            if s + 1 < p - 1:
+                sent += self.chunk_nbytes[c]
+            pending = following
+        yield from sends
+        self.bytes_sent["reduce_scatter"] += sent
+        self.last_sent += sent
+
+    def _all_gather(self, flat: np.ndarray) -> Iterator[MPI.Request]:
+        """The owner encodes its reduced chunk once; the bytes go round the ring unchanged."""
+        p, r, tag = self.dp_size, self.dp_rank, TAG_ALL_GATHER
+        own = (r + 1) % p
+        recv_chunk = [(r - s) % p for s in range(p - 1)]
+        # every chunk is received once, into its own place: post them all now
+        pending = [
+            [self._recv(self._landing(flat, c, k), tag) for k in range(len(self.segments[c]))]
+            for c in recv_chunk
+        ]
+        sends = []
+        for k in range(len(self.segments[own])):
+            sends.append(self._send(self._encode(flat, own, k), tag))
+            if self.compress:  # the owner decodes its own bytes, like everyone else
+                self._decode(flat, own, k)
+        sent = self.chunk_nbytes[own]
+        for s in range(p - 1):
+            c = recv_chunk[s]
+            for k, request in enumerate(pending[s]):
+                yield request
+                if s + 1 < p - 1:  # forward the bytes as they came
+                    sends.append(self._send(self._landing(flat, c, k), tag))
+                if self.compress:
+                    self._decode(flat, c, k)
+            if s + 1 < p - 1:
+                sent += self.chunk_nbytes[c]
+        yield from sends
+        self.bytes_sent["all_gather"] += sent
+        self.last_sent += sent
+
+    def _landing(self, flat: np.ndarray, c: int, k: int) -> np.ndarray:
+        """Where segment k of chunk c arrives in the all-gather: its wire slot, or (fp32) the
+        vector itself."""
+        if self.compress:
+            return self._slot(c, k)
+        lo, hi, _, _ = self.segments[c][k]
+        return flat[lo:hi].view(np.uint8)
+
+    def _decode(self, flat: np.ndarray, c: int, k: int) -> None:
+        lo, hi, _, _ = self.segments[c][k]
+        self.codec.decode(self._slot(c, k), hi - lo, flat[lo:hi])

@@ -20,11 +20,14 @@ in, so any split of the model holds exactly the parameters of the unsplit model.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from mpihybrid.nn.layers import GELU, Layer, LayerNorm, Linear, ReLU
 from mpihybrid.nn.transformer import GPT_INIT_STD, CausalAttention, Embedding, Residual
+
+GradHook = Callable[[int], None]  # on_grad(lo): every gradient at flat offsets >= lo is written
 
 # B = rows of a micro-batch, C = features, K = classes; gpt: T = tokens per sequence
 
@@ -181,14 +184,17 @@ class Stage:
     def _bind(self) -> None:
         """Hand every layer its views of the flat parameter and gradient buffers."""
         offset = 0
+        self.param_ranges: list[tuple[int, int]] = []  # layer i's parameters: [lo, hi) of flat
         for layer in self.layers:
             params, grads = {}, {}
+            lo = offset
             for name, shape in layer.param_shapes().items():
                 size = math.prod(shape)
                 params[name] = self.flat_params[offset : offset + size].reshape(shape)
                 grads[name] = self.flat_grads[offset : offset + size].reshape(shape)
                 offset += size
             layer.bind(params, grads)
+            self.param_ranges.append((lo, offset))
 
     def to_device(self, asarray) -> None:
         """Move the flat buffers (initialised on the host) with `asarray`, e.g. to the GPU."""
@@ -205,11 +211,17 @@ class Stage:
             caches.append(cache)
         return x, caches
 
-    def backward(self, dy: np.ndarray, cache: object, need_dx: bool = True) -> np.ndarray | None:
-        """need_dx=False (the model's first stage): the first layer skips its input gradient."""
+    def backward(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True, on_grad: GradHook | None = None
+    ) -> np.ndarray | None:
+        """need_dx=False (the model's first stage): the first layer skips its input gradient.
+        on_grad(lo): called after each layer, from the last: its gradients (flat offsets >= lo)
+        are written (the gradient buckets start from it on the step's last backward)."""
         last = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(reversed(self.layers), reversed(cache), strict=True)):
             dy = layer.backward(dy, c, need_dx or i < last)
+            if on_grad is not None:
+                on_grad(self.param_ranges[last - i][0])
         return dy
 
     def backward_input(
@@ -222,9 +234,15 @@ class Stage:
             wcaches.append(wcache)
         return dy, wcaches[::-1]
 
-    def backward_weight(self, wcache: object) -> None:
-        for layer, wc in zip(self.layers, wcache, strict=True):
+    def backward_weight(self, wcache: object, on_grad: GradHook | None = None) -> None:
+        """From the last layer to the first, like backward (each layer's weight gradient stands
+        alone: the order changes no bits, and the end of the buffer is final first)."""
+        for (lo, _), layer, wc in zip(
+            reversed(self.param_ranges), reversed(self.layers), reversed(wcache), strict=True
+        ):
             layer.backward_weight(wc)
+            if on_grad is not None:
+                on_grad(lo)
 
     def zero_grad(self) -> None:
         self.flat_grads.fill(0)

@@ -15,6 +15,7 @@ copies (device.Backend), and a received tensor is copied to the device when its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,7 +61,13 @@ class PipelineRuntime:
         sync_sends: bool = False,
         backend: Backend = CPU,
         peer_ranks: list[int] | None = None,  # what the trace calls pp rank p; None: p itself
+        grads_final: Callable[[int, int], None] | None = None,
+        poll: Callable[[], None] | None = None,
     ):
+        """grads_final(stage, lo): called during a stage's last weight-gradient action of the
+        step, after each layer: the stage's gradients at flat offsets >= lo are final (the
+        gradient buckets start on it). poll(): called between actions and while a receive is
+        pending (rings that make progress by polling)."""
         self.comm = pp_comm
         self.pp_rank, self.pp_size = pp_comm.Get_rank(), pp_comm.Get_size()
         self.stages, self.actions = stages, actions
@@ -75,6 +82,14 @@ class PipelineRuntime:
         self.peer_ranks = list(peer_ranks) if peer_ranks is not None else list(range(self.pp_size))
         self.cache_nbytes: dict[int, int] = {}  # stage -> bytes one forward cache holds
         self.split_backward = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+        # the action that writes a stage's weight gradients last in a step: W, or a whole B
+        split = self.split_backward
+        self.last_weight_action = {
+            a.stage: (a.kind, a.microbatch)
+            for a in actions
+            if a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split)
+        }
+        self.grads_final, self.poll = grads_final, poll
         top = tag_for("B", num_stages - 1, num_microbatches - 1, num_microbatches)
         tag_ub = pp_comm.Get_attr(MPI.TAG_UB)
         if tag_ub is not None and top > tag_ub:
@@ -108,8 +123,11 @@ class PipelineRuntime:
         """Run my action list once over `batches` (my replica's M micro-batches)."""
         state = _Step(step, batches, self._post_receives(), Liveness(self.split_backward))
         run, clock = self._run, Recorder.clock
+        poll = self.poll
         for a in self.actions:
             run[a.kind](a, state, clock())
+            if poll is not None:
+                poll()
         t0 = Recorder.clock()
         MPI.Request.Waitall(state.send_requests)
         if state.send_requests:
@@ -167,14 +185,22 @@ class PipelineRuntime:
         if (s, mb) in self.split_backward:
             dx, state.wcaches[(s, mb)] = self.stages[s].backward_input(dy, cache, s > 0)
         else:
-            dx = self.stages[s].backward(dy, cache, s > 0)
+            dx = self.stages[s].backward(dy, cache, s > 0, self._grad_hook("B", s, mb))
         state.live.step("B", s, mb)
         if s > 0:
             (state.inbox if self._is_local(s - 1) else state.outbox)[("B", s - 1, mb)] = dx
         self._done("backward", a, state, t0)
 
+    def _grad_hook(self, kind: str, s: int, mb: int) -> Callable[[int], None] | None:
+        """What the stage calls per layer when this action is its last weight gradient."""
+        if self.grads_final is None or self.last_weight_action.get(s) != (kind, mb):
+            return None
+        grads_final = self.grads_final
+        return lambda lo: grads_final(s, lo)
+
     def _weight(self, a: Action, state: _Step, t0: float) -> None:
-        self.stages[a.stage].backward_weight(state.wcaches.pop((a.stage, a.microbatch)))
+        wcache = state.wcaches.pop((a.stage, a.microbatch))
+        self.stages[a.stage].backward_weight(wcache, self._grad_hook("W", a.stage, a.microbatch))
         state.live.step("W", a.stage, a.microbatch)
         self._done("weight", a, state, t0)
 
@@ -192,7 +218,11 @@ class PipelineRuntime:
 
     def _recv(self, a: Action, state: _Step, t0: float) -> None:
         key = (a.kind[-1], a.stage, a.microbatch)
-        state.pending_recv.pop(key).Wait()
+        request = state.pending_recv.pop(key)
+        if self.poll is not None:  # keep the rings moving while the message is on its way
+            while not request.Test():
+                self.poll()
+        request.Wait()
         self.backend.finish_recv(self.recv_buffers[key], key)
         state.inbox[key] = self.recv_buffers[key]
         nbytes, peer = state.inbox[key].nbytes, self.peer_ranks[a.peer]

@@ -22,7 +22,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KINDS = ("forward", "backward", "weight", "send", "recv", "allreduce", "optimizer", "step")
+# grad_wait: the main thread waiting, after the pipeline, for the gradient buckets still being
+# reduced (the exposed part of the all-reduce); allreduce and optimizer rows are per bucket
+KINDS = (
+    "forward", "backward", "weight", "send", "recv", "allreduce", "optimizer", "step", "grad_wait",
+)  # fmt: skip
 KIND = {name: code for code, name in enumerate(KINDS)}
 EVENT_DTYPE = np.dtype(
     [

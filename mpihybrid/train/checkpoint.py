@@ -8,14 +8,24 @@ A checkpoint is first written into `DIR/.step-000120.partial-<nonce>/` (each fil
 temporary name, fsynced), then rank 0 writes the manifest and renames the directory
 (files.commit_dir: the files and the directory fsynced, then the rename): a crash or a kill -9
 at any moment leaves the previous checkpoints untouched and at most a `.partial` directory that
-readers ignore. Training draws no random numbers after initialisation (the data are keyed by the
-step), so the step is all the RNG state a resume needs.
+readers ignore (the next run removes it: clean_partials). The manifest holds every file's sha256;
+a resume checks the files it loads against them and, when the newest checkpoint is damaged,
+says so and falls back to the next older one (restore_all). A step-N directory already in the
+way of a new checkpoint (a crash before its manifest, or a run resumed from an older one) is
+moved aside to `step-N.moved-<nonce>` with a warning, never overwritten. Training draws no
+random numbers after initialisation (the data are keyed by the step), so the step is all the
+RNG state a resume needs. Every collective here ends with all ranks agreeing: an error one rank
+meets (a full disk, a refused rename) is raised as the same CheckpointError on every rank.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
+import os
+import re
 import shutil
 import uuid
 from dataclasses import asdict
@@ -26,47 +36,98 @@ import numpy as np
 
 from mpihybrid.comm.device import copy_from_host, host_array
 from mpihybrid.files import atomic_path, commit_dir, write_atomic
+from mpihybrid.units import human_bytes
 
 log = logging.getLogger("mpihybrid")
 
 FORMAT = "mpihybrid-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the manifest holds every file's sha256 ("files")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message is one line for the user."""
 
 
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose contents changed after it was written (or never landed in full):
+    a resume falls back to the next older one."""
+
+
+STEP_NAME = re.compile(r"step-\d{6,}")
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
-def _write_h5(path: Path, arrays: dict[str, np.ndarray], attrs: dict) -> None:
+def complete(root: str | Path) -> list[Path]:
+    """Every complete checkpoint under root (a step-N directory with its manifest), oldest
+    first; directories moved aside (step-N.moved-...) do not count."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if STEP_NAME.fullmatch(p.name)]
+    return sorted(p for p in found if (p / "manifest.json").is_file())
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under root (None when there is none)."""
+    found = complete(root)
+    return found[-1] if found else None
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (what the manifest records and a resume checks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_h5(path: Path, arrays: dict[str, np.ndarray], attrs: dict) -> dict[str, str]:
+    """One checkpoint file, atomically; returns {file name: sha256} for the manifest."""
     with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         f.attrs["format"] = FORMAT
         for key, value in attrs.items():
             f.attrs[key] = value
         for name, array in arrays.items():
             f.create_dataset(name, data=array)
+    return {path.name: file_digest(path)}
 
 
-def save_rank(partial: Path, s: int, dp_rank: int, stage, optimizer, ring, step: int) -> None:
-    """This rank's share of a checkpoint, into the (already created) partial directory."""
+def save_rank(partial: Path, s: int, dp_rank: int, stage, optimizer, ring, step: int) -> dict:
+    """This rank's share of a checkpoint, into the (already created) partial directory.
+    Returns {file name: sha256} of the files it wrote."""
+    digests = {}
     if dp_rank == 0:
         # host copies of arrays that may live on a GPU (no copy on the CPU)
         arrays = {"params": host_array(stage.flat_params)}
         arrays.update({f"optimizer/{k}": host_array(v) for k, v in optimizer.state().items()})
-        _write_h5(
+        digests |= _write_h5(
             partial / f"stage-{s:03d}.h5",
             arrays,
             {"stage": s, "step": step, "optimizer_steps": optimizer.step_count},
         )
     if ring.residual is not None:
-        _write_h5(
+        digests |= _write_h5(
             partial / f"residual-s{s:03d}-r{dp_rank:03d}.h5",
             {"residual": ring.residual},
             {"stage": s, "replica": dp_rank, "step": step},
         )
+    return digests
+
+
+def share_nbytes(dp_rank: int, stages, optimizers, rings) -> int:
+    """Bytes of array data this rank writes into one checkpoint (what a full disk is told)."""
+    total = 0
+    for s, st in stages.items():
+        if dp_rank == 0:
+            total += st.flat_params.nbytes
+            total += sum(v.nbytes for v in optimizers[s].state().values())
+        if rings[s].residual is not None:
+            total += rings[s].residual.nbytes
+    return total
 
 
 def new_partial(root: Path, step: int) -> Path:
@@ -75,20 +136,40 @@ def new_partial(root: Path, step: int) -> Path:
     return partial
 
 
+def clean_partials(root: str | Path) -> list[Path]:
+    """Remove the partial directories crashed runs left under root; returns what was removed.
+    (Two jobs must not share one checkpoint.dir: this would remove the other's.)"""
+    root = Path(root)
+    stale = sorted(p for p in root.glob(".step-*.partial-*") if p.is_dir()) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def _move_aside(final: Path) -> Path:
+    """A step-N directory in the way of a new checkpoint keeps its contents under a new name."""
+    aside = final.with_name(f"{final.name}.moved-{uuid.uuid4().hex[:8]}")
+    what = "complete" if (final / "manifest.json").is_file() else "incomplete: no manifest"
+    os.rename(final, aside)
+    log.warning("checkpoint %s already existed (%s); moved it aside to %s", final, what, aside)
+    return aside
+
+
 def commit(root: Path, partial: Path, step: int, manifest: dict, keep: int) -> Path:
     """Rank 0, after every rank wrote its files: manifest last, rename, prune old ones."""
     final = step_dir(root, step)
-    if final.exists():
-        raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
     write_atomic(partial / "manifest.json", json.dumps(manifest, indent=1))
+    if final.exists():  # a crash between rename and manifest, or a run resumed from older
+        _move_aside(final)
     commit_dir(partial, final)  # every file fsynced, the directory renamed, its parent fsynced
-    complete = sorted(p for p in root.glob("step-*") if (p / "manifest.json").is_file())
-    for old in complete[: max(len(complete) - keep, 0)]:
+    found = complete(root)
+    for old in found[: max(len(found) - keep, 0)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def manifest_for(job, step: int, losses: list[float], accuracies: list[float]) -> dict:
+def manifest_for(job, step: int, losses: list, accuracies: list, files: dict) -> dict:
+    """files: {file name: sha256} of every file the ranks wrote."""
     from mpihybrid.config import to_toml
 
     return {
@@ -105,23 +186,15 @@ def manifest_for(job, step: int, losses: list[float], accuracies: list[float]) -
         "losses": losses,
         "accuracies": accuracies,
         "job": to_toml(job),
+        "files": dict(sorted(files.items())),
     }
-
-
-def latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under root (None when there is none)."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    complete = sorted(p for p in root.glob("step-*") if (p / "manifest.json").is_file())
-    return complete[-1] if complete else None
 
 
 def read_manifest(path: Path) -> dict:
     try:
         manifest = json.loads((path / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: manifest unreadable ({exc})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointDamaged(f"checkpoint {path}: manifest unreadable ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: not an mpihybrid checkpoint")
     if manifest.get("version", 0) > VERSION:
@@ -167,11 +240,31 @@ def _read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict]:
     except CheckpointError:
         raise
     except (OSError, KeyError) as exc:
-        raise CheckpointError(f"{path}: unreadable or torn checkpoint file ({exc})") from None
+        raise CheckpointDamaged(f"{path}: unreadable or torn checkpoint file ({exc})") from None
 
 
-def load_rank(path: Path, s: int, dp_rank: int, same_dp: bool, stage, optimizer, ring) -> None:
-    """Restore this rank's stage `s` in place (residuals only when dp is unchanged)."""
+def _verify(path: Path, name: str, manifest: dict) -> None:
+    """The file's sha256 against the manifest's (version 1 checkpoints have none to check)."""
+    files = manifest.get("files")
+    if files is None:
+        return
+    if name not in files:
+        raise CheckpointDamaged(f"checkpoint {path}: {name} is not in its manifest")
+    try:
+        ok = file_digest(path / name) == files[name]
+    except OSError as exc:
+        raise CheckpointDamaged(f"checkpoint {path}: {name} unreadable ({exc.strerror})") from None
+    if not ok:
+        raise CheckpointDamaged(
+            f"checkpoint {path}: {name} is damaged (its sha256 differs from the manifest's)"
+        )
+
+
+def load_rank(path: Path, manifest: dict, same_dp: bool, s: int, dp_rank: int, stage, optimizer,
+              ring) -> None:  # fmt: skip
+    """Restore this rank's stage `s` in place, each file checked against the manifest's digest
+    first (residuals only when dp and the codec are unchanged)."""
+    _verify(path, f"stage-{s:03d}.h5", manifest)
     arrays, attrs = _read_h5(path / f"stage-{s:03d}.h5")
     params = arrays.get("params")
     if params is None or params.shape != stage.flat_params.shape:
@@ -182,46 +275,141 @@ def load_rank(path: Path, s: int, dp_rank: int, same_dp: bool, stage, optimizer,
         if saved is None or saved.shape != buf.shape:
             raise CheckpointError(f"{path}: optimizer state {name!r} missing or mis-shaped")
         copy_from_host(buf, saved)
+    if "optimizer_steps" not in attrs:
+        raise CheckpointDamaged(f"{path}: stage {s} file lacks its optimizer_steps attribute")
     optimizer.step_count = int(attrs["optimizer_steps"])
     if ring.residual is not None:
         if same_dp:
-            res, _ = _read_h5(path / f"residual-s{s:03d}-r{dp_rank:03d}.h5")
+            name = f"residual-s{s:03d}-r{dp_rank:03d}.h5"
+            _verify(path, name, manifest)
+            res, _ = _read_h5(path / name)
+            if "residual" not in res or res["residual"].shape != ring.residual.shape:
+                raise CheckpointError(f"{path}: {name} holds no residual of this stage's size")
             ring.residual[...] = res["residual"]
         else:  # each replica's quantisation error is its own; a new dp starts them afresh
             ring.residual[...] = 0.0
 
 
+def _agree(world, error: str | None) -> None:
+    """Collective: raise the first rank's error on every rank (nothing when none has one)."""
+    first = next((e for e in world.allgather(error) if e is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
+def _write_failed(exc: OSError, root: Path, step: int, needed: int) -> str:
+    """One line for a checkpoint the file system refused (a full disk above all)."""
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.ENOSPC:
+        free = shutil.disk_usage(root).free if root.is_dir() else 0
+        room = f", {human_bytes(free)} free" if free < needed else ""
+        reason = (
+            f"no space left on its device ({human_bytes(needed)} needed for this checkpoint{room})"
+        )
+    return (
+        f"checkpoint for step {step} not written to {root}: {reason}; earlier checkpoints are kept"
+    )
+
+
+def _check_space(root: Path, needed: int) -> None:
+    """OSError(ENOSPC) now when the file system holding root has no room for `needed` bytes
+    (and HDF5's overhead): a clean refusal instead of a write failing inside HDF5."""
+    root.mkdir(parents=True, exist_ok=True)
+    if shutil.disk_usage(root).free < needed + needed // 50 + (1 << 20):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root))
+
+
 def save_all(world, dp_rank, job, step, stages, optimizers, rings, losses, accuracies) -> str:
     """Collective: every rank writes its share into one partial directory; rank 0 commits it.
-    Returns the committed checkpoint's path on every rank."""
+    Returns the committed checkpoint's path on every rank, or raises the same CheckpointError
+    on every rank (a full disk, a refused rename): the partial directory is removed then, and
+    every earlier checkpoint stays as it was."""
     root = Path(job.checkpoint.dir)
-    partial = world.bcast(str(new_partial(root, step)) if world.rank == 0 else None)
-    for s, st in stages.items():
-        save_rank(Path(partial), s, dp_rank, st, optimizers[s], rings[s], step)
-    world.Barrier()  # every file is in place before the manifest says so
+    needed = world.allreduce(share_nbytes(dp_rank, stages, optimizers, rings))
+    partial, error = None, None
+    if world.rank == 0:
+        try:
+            _check_space(root, needed)
+            partial = new_partial(root, step)
+        except OSError as exc:
+            error = _write_failed(exc, root, step, needed)
+    partial, error = world.bcast((partial, error), root=0)
+    if error is not None:
+        raise CheckpointError(error)
+    files, error = {}, None
+    try:
+        for s, st in stages.items():
+            files |= save_rank(partial, s, dp_rank, st, optimizers[s], rings[s], step)
+    except OSError as exc:
+        error = _write_failed(exc, root, step, needed)
+    shares = world.gather((files, error), root=0)  # every file is in place, or an error says not
     path = None
     if world.rank == 0:
-        manifest = manifest_for(job, step, losses, accuracies)
-        path = str(commit(root, Path(partial), step, manifest, job.checkpoint.keep))
-        log.info("checkpoint: %s", path)
-    return world.bcast(path, root=0)
+        error = next((e for _, e in shares if e is not None), None)
+        try:
+            if error is None:
+                manifest = manifest_for(job, step, losses, accuracies, _union(f for f, _ in shares))
+                path = str(commit(root, partial, step, manifest, job.checkpoint.keep))
+                log.info("checkpoint: %s", path)
+        except (OSError, CheckpointError) as exc:
+            error = (
+                str(exc)
+                if isinstance(exc, CheckpointError)
+                else _write_failed(exc, root, step, needed)
+            )
+        if path is None:
+            shutil.rmtree(partial, ignore_errors=True)
+    path, error = world.bcast((path, error), root=0)
+    if error is not None:
+        raise CheckpointError(error)
+    return path
 
 
-def restore_all(world, dp_rank, job, path, stages, optimizers, rings):
-    """Collective: load every stage of this rank; all ranks agree on success (or raise the
-    first rank's CheckpointError) before training goes on. Returns (step, losses, accuracies)."""
-    error = None
+def _union(parts) -> dict:
+    out: dict = {}
+    for part in parts:
+        out |= part
+    return out
+
+
+def _restore_one(world, dp_rank, job, path: Path, stages, optimizers, rings) -> dict:
+    """Collective: load checkpoint `path` on every rank; CheckpointDamaged on every rank when
+    any rank found it damaged, CheckpointError when any found it unusable. Returns the manifest."""
+    error, damaged, manifest = None, False, None
     try:
-        manifest = read_manifest(Path(path))
-        check_compatible(manifest, job, Path(path))
+        manifest = read_manifest(path)
+        check_compatible(manifest, job, path)
         same = manifest["dp"] == job.grid.dp and manifest["codec"] == job.comm.codec
         for s, st in stages.items():
-            load_rank(Path(path), s, dp_rank, same, st, optimizers[s], rings[s])
+            load_rank(path, manifest, same, s, dp_rank, st, optimizers[s], rings[s])
     except CheckpointError as exc:
-        error = str(exc)
-    errors = [e for e in world.allgather(error) if e is not None]
-    if errors:
-        raise CheckpointError(errors[0])
-    if world.rank == 0:
-        log.info("resumed from %s (step %d)", path, manifest["step"])
-    return manifest["step"], list(manifest["losses"]), list(manifest["accuracies"])
+        error, damaged = str(exc), isinstance(exc, CheckpointDamaged)
+    verdicts = [v for v in world.allgather((error, damaged)) if v[0] is not None]
+    refused = [e for e, d in verdicts if not d]
+    if refused:  # another model, pp or optimizer: no older checkpoint is any better
+        raise CheckpointError(refused[0])
+    if verdicts:
+        raise CheckpointDamaged(verdicts[0][0])
+    return manifest
+
+
+def restore_all(world, dp_rank, job, candidates, stages, optimizers, rings):
+    """Collective: resume from the newest intact checkpoint of `candidates` (newest first; one
+    path is a list of one). A damaged one is reported and the next older one tried; every rank
+    agrees on each verdict. Returns (step, losses, accuracies); CheckpointError on every rank
+    when none is intact or one is refused."""
+    candidates = [candidates] if isinstance(candidates, (str, Path)) else list(candidates)
+    damaged = []
+    for path in map(Path, candidates):
+        try:
+            manifest = _restore_one(world, dp_rank, job, path, stages, optimizers, rings)
+        except CheckpointDamaged as exc:
+            damaged.append(str(exc))
+            if world.rank == 0:
+                log.warning("%s; trying the next older checkpoint", exc)
+            continue
+        if world.rank == 0:
+            log.info("resumed from %s (step %d)", path, manifest["step"])
+        return manifest["step"], list(manifest["losses"]), list(manifest["accuracies"])
+    where = Path(candidates[0]).parent if candidates else job.checkpoint.dir
+    raise CheckpointError(f"no intact checkpoint to resume from in {where}: " + "; ".join(damaged))

@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid import __version__
-from mpihybrid.comm.allreduce import RingAllreduce
+from mpihybrid.comm.buckets import GradientComm
 from mpihybrid.comm.codecs import get_codec
 from mpihybrid.comm.device import (
     Backend,
@@ -122,7 +122,8 @@ class _Run:
     stages: dict  # global stage -> Stage, the chunks this rank owns
     recorder: Recorder
     runtime: PipelineRuntime
-    rings: dict
+    gradcomm: GradientComm  # the gradient buckets of every stage and how they make progress
+    rings: dict  # stage -> its buckets.Reducer (the buckets' rings, the residual)
     optimizers: dict
     host_grads: dict  # stage -> host copy of a device gradient, for the ring
     ring_peer: int  # world rank the ring sends to (the trace's peer of an all-reduce)
@@ -156,11 +157,27 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     recorder_cls = Recorder if job.trace.events else StepRecorder
     recorder = recorder_cls(world.rank, grid.dp_rank, capacity=(len(actions) + 8) * max(t.steps, 1))
     peer_ranks = [grid.world_rank_of(p, grid.dp_rank, g.order) for p in range(g.pp)]
+    # the ring (numpy codecs) runs on host copies of device gradients; dp = 1 moves nothing
+    host_grads = {
+        s: np.empty(st.num_params, np.float32)
+        for s, st in stages.items()
+        if not on_host and grid.dp_size > 1
+    }
+    # a GPU's arrays belong to the main thread's device context: its buckets go after the step
+    gradcomm = GradientComm(grid.dp_comm, c.overlap if on_host else "off", c.segment_kb * 256)
+    codec = get_codec(c.codec, c.block)
+    rings = {
+        s: gradcomm.reducer(
+            s, host_grads.get(s, st.flat_grads), st.param_ranges, codec, c.error_feedback,
+            c.bucket_kb * 1024,
+        )
+        for s, st in stages.items()
+    }  # fmt: skip
     runtime = PipelineRuntime(
         grid.pp_comm, stages, actions, num_stages, M, shapes, recorder, c.sync_sends, backend,
-        peer_ranks,
+        peer_ranks, grads_final=lambda s, lo: rings[s].ready_from(lo),
+        poll=gradcomm.poll if gradcomm.progress == "poll" else None,
     )  # fmt: skip
-    codec = get_codec(c.codec, c.block)
     return _Run(
         grid=grid,
         task=task,
@@ -168,17 +185,10 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
         stages=stages,
         recorder=recorder,
         runtime=runtime,
-        rings={
-            s: RingAllreduce(grid.dp_comm, st.num_params, codec, c.error_feedback)
-            for s, st in stages.items()
-        },
+        gradcomm=gradcomm,
+        rings=rings,
         optimizers={s: build_optimizer(t, st.flat_params) for s, st in stages.items()},
-        # the ring (numpy codecs) runs on host copies of device gradients; dp = 1 moves nothing
-        host_grads={
-            s: np.empty(st.num_params, np.float32)
-            for s, st in stages.items()
-            if not on_host and grid.dp_size > 1
-        },
+        host_grads=host_grads,
         ring_peer=grid.world_rank_of(grid.pp_rank, (grid.dp_rank + 1) % grid.dp_size, g.order),
         peak_inflight=dict.fromkeys(stages, 0),
     )
@@ -198,6 +208,7 @@ def _train_step(
     batches = microbatches(x, y, grid.dp_rank, grid.dp_size, t.microbatches)
     if backend.xp is not np:
         batches = [(backend.asarray(bx), backend.asarray(by)) for bx, by in batches]
+    _begin_updates(run)
     result = run.runtime.run_step(step, batches)
     _reduce_and_update(run, step)
     rec.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
@@ -226,22 +237,43 @@ def _train_step(
             raise Preempted(step + 1, path)
 
 
-def _reduce_and_update(run: _Run, step: int) -> None:
-    """Every stage's ring all-reduce of its gradient, then its optimizer step, each traced."""
-    rec = run.recorder
+def _begin_updates(run: _Run) -> None:
+    """Each stage's optimizer starts its step; a reduced bucket updates its slice of the
+    parameters (on a GPU after the gradient's host copy went back to the device)."""
     for s, st in run.stages.items():
-        t0 = Recorder.clock()
+        optimizer = run.optimizers[s]
+        optimizer.begin_step()
         if s in run.host_grads:
-            nbytes = run.rings[s](run.backend.to_host(st.flat_grads, out=run.host_grads[s]))
-            copy_from_host(st.flat_grads, run.host_grads[s])
+            host, backend = run.host_grads[s], run.backend
+
+            def update(lo, hi, st=st, optimizer=optimizer, host=host, backend=backend) -> None:
+                copy_from_host(st.flat_grads[lo:hi], host[lo:hi])
+                optimizer.update(st.flat_grads, lo, hi)
+                backend.synchronize()
+
         else:
-            nbytes = run.rings[s](st.flat_grads)
-        rec.record(KIND["allreduce"], step, s, -1, t0, Recorder.clock(), nbytes, run.ring_peer)
-    for s, st in run.stages.items():
-        t0 = Recorder.clock()
-        run.optimizers[s].step(st.flat_grads)
-        run.backend.synchronize()
-        rec.record(KIND["optimizer"], step, s, -1, t0, Recorder.clock())
+
+            def update(lo, hi, st=st, optimizer=optimizer) -> None:
+                optimizer.update(st.flat_grads, lo, hi)
+
+        run.rings[s].begin_step(update)
+
+
+def _reduce_and_update(run: _Run, step: int) -> None:
+    """Wait for every gradient bucket to be reduced and its parameters updated (most are, behind
+    the pipeline's compute); trace each bucket's ring and update, and the wait itself."""
+    rec = run.recorder
+    for s, host in run.host_grads.items():  # a GPU: the rings start after the pipeline
+        run.backend.to_host(run.stages[s].flat_grads, out=host)
+    t0 = Recorder.clock()
+    events = run.gradcomm.finish()
+    rec.record(KIND["grad_wait"], step, -1, -1, t0, Recorder.clock())
+    for ev in events:
+        rec.record(
+            KIND["allreduce"], step, ev.stage, ev.bucket, ev.start, ev.reduced, ev.nbytes,
+            run.ring_peer,
+        )  # fmt: skip
+        rec.record(KIND["optimizer"], step, ev.stage, ev.bucket, ev.reduced, ev.end)
 
 
 def _finish(
@@ -257,6 +289,7 @@ def _finish(
     peaks = world.gather(run.peak_inflight, root=0)
     events = gather_events(world, run.recorder, to_run_start)
     hostnames = world.gather(socket.gethostname(), root=0)
+    run.gradcomm.close()
     grid.free()  # a sweep calls train() many times in one process
     params = gather_parameters(world, grid, stages, num_stages) if collect else None
     if world.rank != 0:

@@ -12,12 +12,15 @@ def format_report(job: Job, summary) -> str:
     rate = f"{summary.samples_per_s:,.0f} samples/s"
     if job.data.kind != "teacher":
         rate = f"{summary.samples_per_s * job.data.seq_len:,.0f} tokens/s"
+    ran = summary.steps - summary.start  # a resumed run ran only the steps after its checkpoint
     lines = [
         "",
         f"== mpihybrid run: pp={g.pp} x dp={g.dp} ({g.order}), {t.schedule}{v}, "
         f"M={t.microbatches}, codec={c.codec}",
-        f"runtime            {summary.runtime_s:.2f} s for {summary.steps} steps ({rate})",
+        f"runtime            {summary.runtime_s:.2f} s for {ran} steps ({rate})",
     ]
+    if summary.start:
+        lines.append(f"resumed            at step {summary.start} of {summary.steps}")
     if summary.losses:
         lines.append(
             f"final loss         {summary.losses[-1]:.4f} (first {summary.losses[0]:.4f}), "

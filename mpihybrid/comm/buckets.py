@@ -1,0 +1,275 @@
+"""Gradients reduced in buckets as soon as the backward has finished them, behind the compute.
+
+    comm = GradientComm(dp_comm, progress="thread")          # one per rank, shared by its stages
+    red = comm.reducer(stage.flat_grads, stage.param_ranges, codec, bucket_bytes=4 << 20)
+    red.begin_step(update)    # update(lo, hi): what a reduced bucket needs (the optimizer step)
+    red.ready_from(lo)        # the backward finished every gradient at offsets >= lo
+    comm.poll()               # (progress="poll") move the rings on between two actions
+    events = comm.finish()    # the rest, blocking: every bucket reduced and updated
+
+A stage's flat gradient is cut into buckets on layer boundaries, from the end: the backward runs
+from the last layer to the first, so the last bucket is final first (Megatron's
+overlap_grad_reduce and DDP's buckets work the same way). When the stage's last backward (W for
+zero-bubble lists) has passed a bucket's first layer, the bucket's ring all-reduce starts while
+the rank computes on, and the optimizer updates the bucket's slice of the parameters as soon as
+its reduction is done. Elementwise optimizers give the same bits per slice as over the whole
+buffer, and the ring's result does not depend on when it runs, so overlap changes timing only.
+
+Progress (comm.overlap):
+    thread  a communication thread per rank runs the rings (MPI_THREAD_MULTIPLE; mpi4py releases
+            the GIL in MPI calls and the codec kernels release it too) and the optimizer
+    poll    the rings are generators of requests; the runtime tests them between actions
+    off     nothing starts before the pipeline has finished: every bucket after the step
+Every replica of a stage runs the same action list, so buckets reach the ring in the same order
+on every replica (stages of one rank share dp_comm: one queue keeps their order too).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from mpihybrid.comm.allreduce import DEFAULT_SEGMENT, RingAllreduce
+from mpihybrid.comm.codecs import Codec
+
+PROGRESS = ("thread", "poll", "off")
+
+
+def bucket_ranges(param_ranges: list[tuple[int, int]], bucket_bytes: int) -> list[tuple[int, int]]:
+    """Buckets [lo, hi) over the flat buffer in the order the backward finishes them (from the
+    end), each a run of whole layers of at least `bucket_bytes` (float32) but the last."""
+    ranges = [r for r in param_ranges if r[1] > r[0]]  # layers with parameters, in buffer order
+    buckets: list[tuple[int, int]] = []
+    hi = None
+    for lo, end in reversed(ranges):
+        hi = end if hi is None else hi
+        if 4 * (hi - lo) >= bucket_bytes:
+            buckets.append((lo, hi))
+            hi = None
+    if hi is not None:
+        buckets.append((ranges[0][0], hi))
+    return buckets
+
+
+@dataclass
+class BucketEvent:
+    """What one bucket did, for the trace (recorded on the main thread)."""
+
+    stage: int
+    bucket: int
+    start: float  # the ring started
+    reduced: float  # the ring ended, the update started
+    end: float  # the update ended
+    nbytes: int
+
+
+class Reducer:
+    """One stage's gradient: its buckets, their rings, and which are final this step."""
+
+    def __init__(
+        self,
+        owner: GradientComm,
+        stage: int,
+        flat_grads: np.ndarray,
+        param_ranges: list[tuple[int, int]],
+        codec: Codec,
+        error_feedback: bool,
+        bucket_bytes: int,
+        segment: int,
+    ) -> None:
+        self.owner, self.stage, self.flat_grads = owner, stage, flat_grads
+        n = flat_grads.size
+        self.buckets = bucket_ranges(param_ranges, bucket_bytes) if n else []
+        # one residual for the stage (what checkpoints keep); each ring works on its slice
+        self.residual = np.zeros(n, np.float32) if codec.lossy and error_feedback else None
+        self.rings = [
+            RingAllreduce(
+                owner.dp_comm, hi - lo, codec, error_feedback, segment,
+                None if self.residual is None else self.residual[lo:hi],
+            )
+            for lo, hi in self.buckets
+        ]  # fmt: skip
+        self.update: Callable[[int, int], None] = lambda lo, hi: None
+        self.submitted = 0  # buckets handed to the ring this step
+
+    @property
+    def bytes_sent(self) -> dict[str, int]:
+        total = {"reduce_scatter": 0, "all_gather": 0}
+        for ring in self.rings:
+            for kind, nbytes in ring.bytes_sent.items():
+                total[kind] += nbytes
+        return total
+
+    def begin_step(self, update: Callable[[int, int], None]) -> None:
+        self.update, self.submitted = update, 0
+
+    def ready_from(self, lo: int) -> None:
+        """Every gradient at offsets >= lo is final for this step: start the buckets it covers."""
+        if self.owner.progress == "off":
+            return
+        while self.submitted < len(self.buckets) and self.buckets[self.submitted][0] >= lo:
+            self.owner.submit(self, self.submitted)
+            self.submitted += 1
+
+    def run_bucket(self, i: int, wait: Callable[[MPI.Request], None]) -> BucketEvent:
+        """Reduce bucket i (each request through `wait`), then update its parameters."""
+        lo, hi = self.buckets[i]
+        clock = time.perf_counter  # the trace's clock (trace.Recorder.clock)
+        start = clock()
+        ring = self.rings[i]
+        for request in ring.steps(self.flat_grads[lo:hi], "mean"):
+            wait(request)
+        reduced = clock()
+        self.update(lo, hi)
+        return BucketEvent(self.stage, i, start, reduced, clock(), ring.last_sent)
+
+
+class GradientComm:
+    """The rank's gradient communication: its reducers and how their rings make progress."""
+
+    def __init__(
+        self, dp_comm: MPI.Comm, progress: str = "thread", segment: int = DEFAULT_SEGMENT
+    ) -> None:
+        if progress not in PROGRESS:
+            raise ValueError(f"comm.overlap = {progress!r}: choose one of {', '.join(PROGRESS)}")
+        if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            progress = "poll"  # this MPI cannot take calls from two threads at once
+        self.dp_comm, self.progress, self.segment = dp_comm, progress, segment
+        self.reducers: list[Reducer] = []
+        self.events: list[BucketEvent] = []
+        self._todo: list[tuple[Reducer, int]] = []  # poll: queued, not started
+        self._current: tuple[Reducer, int, Iterator, MPI.Request | None, float] | None = None
+        self._thread: _Worker | None = None
+
+    def reducer(
+        self,
+        stage: int,
+        flat_grads: np.ndarray,
+        param_ranges: list[tuple[int, int]],
+        codec: Codec,
+        error_feedback: bool = True,
+        bucket_bytes: int = 4 << 20,
+    ) -> Reducer:
+        red = Reducer(
+            self, stage, flat_grads, param_ranges, codec, error_feedback, bucket_bytes,
+            self.segment,
+        )  # fmt: skip
+        self.reducers.append(red)
+        return red
+
+    def submit(self, red: Reducer, i: int) -> None:
+        if self.progress == "thread":
+            if self._thread is None:
+                self._thread = _Worker()
+            self._thread.put(red, i)
+        else:
+            self._todo.append((red, i))
+            self.poll()
+
+    def poll(self) -> None:
+        """Move the queued rings on as far as they go without waiting (progress="poll")."""
+        while True:
+            if self._current is None:
+                if not self._todo:
+                    return
+                red, i = self._todo.pop(0)
+                lo, hi = red.buckets[i]
+                steps = red.rings[i].steps(red.flat_grads[lo:hi], "mean")
+                self._current = (red, i, steps, None, time.perf_counter())
+            red, i, steps, request, start = self._current
+            if request is not None and not request.Test():
+                return
+            request = next(steps, None)
+            if request is not None:
+                self._current = (red, i, steps, request, start)
+                continue
+            reduced = time.perf_counter()
+            lo, hi = red.buckets[i]
+            red.update(lo, hi)
+            ring = red.rings[i]
+            self.events.append(
+                BucketEvent(red.stage, i, start, reduced, time.perf_counter(), ring.last_sent)
+            )
+            self._current = None
+
+    def finish(self) -> list[BucketEvent]:
+        """Submit what is left, wait until every bucket is reduced and updated; the step's
+        bucket events (raises here what the communication thread raised)."""
+        for red in self.reducers:
+            if self.progress == "off":
+                for i in range(len(red.buckets)):
+                    self.events.append(red.run_bucket(i, MPI.Request.Wait))
+                red.submitted = len(red.buckets)
+            else:
+                red.ready_from(0)
+        if self._thread is not None:
+            self.events.extend(self._thread.drain())
+        while self._current is not None or self._todo:  # poll: the rest, blocking
+            if self._current is not None and self._current[3] is not None:
+                self._current[3].Wait()
+            self.poll()
+        events, self.events = self.events, []
+        return events
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+
+
+def patient_wait(request: MPI.Request) -> None:
+    """Wait for `request` without spinning: MPI's Wait polls a core flat out, the core the
+    rank's compute needs (one core per rank); test, then sleep, backing off to 0.5 ms."""
+    delay = 20e-6
+    while not request.Test():
+        time.sleep(delay)  # releases the GIL and the core
+        delay = min(2 * delay, 5e-4)
+
+
+class _Worker:
+    """The communication thread: runs submitted buckets in order, blocking in MPI (GIL free)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: list[BucketEvent] = []
+        self._error: BaseException | None = None
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._thread = threading.Thread(target=self._loop, name="mpihybrid-comm", daemon=True)
+        self._thread.start()
+
+    def put(self, red: Reducer, i: int) -> None:
+        with self._idle:
+            self._pending += 1
+        self._queue.put((red, i))
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            red, i = item
+            try:
+                if self._error is None:  # after a failure, only drain the queue
+                    self._done.append(red.run_bucket(i, patient_wait))
+            except BaseException as error:  # handed to the main thread by drain()
+                self._error = error
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def drain(self) -> list[BucketEvent]:
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        done, self._done = self._done, []
+        return done
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()

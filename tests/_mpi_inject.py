@@ -1,0 +1,84 @@
+"""Faults injected into a real `mpihybrid train` (run under mpiexec):
+
+    mpiexec -n 2 python tests/_mpi_inject.py MODE train --quiet --set ...
+
+MODE:
+    usr1      every rank sends itself SIGUSR1 twice in its third forward
+    nan-grad  rank 0's stage gradient becomes nan in step 3 (the loss stays finite)
+    commit    rank 0's rename of a checkpoint directory fails (EIO) while the others wait
+    enospc    rank 1 finds the disk full writing the checkpoint of step 4
+    kill      rank 1 is killed (SIGKILL, as the OS's OOM killer does) in its third forward
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from mpihybrid import cli  # noqa: E402
+from mpihybrid.nn import model  # noqa: E402
+from mpihybrid.train import checkpoint  # noqa: E402
+
+RANK = MPI.COMM_WORLD.rank
+MODE = sys.argv[1]
+
+
+def on_third_forward(action) -> None:
+    original = model.Stage.forward
+    calls = {"n": 0}
+
+    def forward(self, x):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            action()
+        return original(self, x)
+
+    model.Stage.forward = forward
+
+
+if MODE == "usr1":
+
+    def twice() -> None:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    on_third_forward(twice)
+elif MODE == "kill" and RANK == 1:
+    on_third_forward(lambda: os.kill(os.getpid(), signal.SIGKILL))
+elif MODE == "nan-grad" and RANK == 0:
+    calls = {"n": 0}
+    for name in ("backward", "backward_weight"):
+        original = getattr(model.Stage, name)
+
+        def poisoned(self, *args, _original=original, **kwargs):
+            out = _original(self, *args, **kwargs)
+            calls["n"] += 1
+            if calls["n"] > 8:  # 4 micro-batches a step: from step 3 on
+                self.flat_grads[0] = np.nan
+            return out
+
+        setattr(model.Stage, name, poisoned)
+elif MODE == "commit" and RANK == 0:
+
+    def failing_commit_dir(partial, final):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(final))
+
+    checkpoint.commit_dir = failing_commit_dir
+elif MODE == "enospc" and RANK == 1:
+    original_write = checkpoint._write_h5
+
+    def full_disk(path, arrays, attrs):
+        if attrs.get("step") == 4:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return original_write(path, arrays, attrs)
+
+    checkpoint._write_h5 = full_disk
+
+cli.main(sys.argv[2:])
