@@ -11,15 +11,21 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
+import re
 import sys
 import traceback
+from pathlib import Path
+from typing import NoReturn
 
 import click
 
 from mpihybrid.pipeline.schedules import SCHEDULES  # pure Python: --help stays fast
 
+EXIT_FAILED = 1  # the run stopped (nan, a refused checkpoint) or a rank failed (job aborted)
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 3  # a signal asked the job to stop; a checkpoint was written (requeue me)
+DEBUG_ENV = "MPIHYBRID_DEBUG"  # set (not 0): a failing rank prints its full traceback
 
 
 def _fail(message: str, rank: int = 0) -> None:
@@ -27,6 +33,15 @@ def _fail(message: str, rank: int = 0) -> None:
     if rank == 0:
         click.echo(f"mpihybrid: error: {message}", err=True)
     sys.exit(EXIT_USAGE)
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the MPI launcher told it (0 outside a launch), without MPI_Init."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 class LazyGroup(click.Group):
@@ -38,7 +53,20 @@ class LazyGroup(click.Group):
         "export": "mpihybrid.cli.trace:export",
         "compare": "mpihybrid.cli.trace:compare",
         "sweep": "mpihybrid.cli.sweep:sweep",
+        "predict": "mpihybrid.cli.predict:predict",
     }
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Under mpiexec every rank parses the same command line: only rank 0 shows a usage
+        error (all exit 2)."""
+        if not standalone_mode or _launcher_rank() == 0:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        except click.ClickException as exc:
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            sys.exit(1)
 
     def list_commands(self, ctx):
         return sorted([*super().list_commands(ctx), *self.lazy])
@@ -67,22 +95,31 @@ def main() -> None:
 )
 @click.option("--trace", "trace_path", metavar="PATH", help="Write the run's HDF5 trace here.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing trace file.")
-@click.option("--quiet", is_flag=True, help="No per-step progress lines.")
+@click.option(
+    "--quiet", is_flag=True, help="No per-step progress lines (resumes and warnings still show)."
+)
 @click.option(
     "--resume",
     is_flag=True,
     help="Require a checkpoint in checkpoint.dir to continue from (a run resumes from "
-    "the newest complete one there anyway).",
+    "the newest intact one there anyway).",
 )
-def train(job_file, overrides, trace_path, overwrite, quiet, resume) -> None:
+@click.option(
+    "--debug",
+    is_flag=True,
+    help=f"On a failure, print the full traceback, not one line (also {DEBUG_ENV}=1).",
+)
+def train(job_file, overrides, trace_path, overwrite, quiet, resume, debug) -> None:
     """Train JOB_FILE (TOML; the embedded default job when omitted) on every rank of mpiexec."""
     from mpi4py import MPI
 
-    from mpihybrid.comm.device import DeviceError
     from mpihybrid.config import ConfigError, load_job
+    from mpihybrid.trace.file import TraceError
     from mpihybrid.train.checkpoint import CheckpointError
+    from mpihybrid.train.memory import check_fits
 
     world = MPI.COMM_WORLD
+    _setup_logging(world.rank, quiet)
     overrides = list(overrides)
     if trace_path is not None:
         overrides.append(f"trace.path={_quote(trace_path)}")
@@ -93,43 +130,88 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume) -> None:
     error, job, resume_from = None, None, None
     try:
         job = load_job(job_file, overrides, world.Get_size())
-        if world.rank == 0 and job.trace.path:
-            from mpihybrid.trace.file import check_writable
-
-            check_writable(job.trace.path, job.trace.overwrite)
         if world.rank == 0:
-            resume_from = _find_checkpoint(job, resume)
-    except (ConfigError, CheckpointError) as exc:
+            resume_from = _preflight(job, resume)
+    except (ConfigError, CheckpointError, TraceError) as exc:
         error = str(exc)
     except FileExistsError as exc:
         error = f"{exc} (--overwrite replaces it)"
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+    except OSError as exc:
         error = str(exc)
     exit_on_any_error(world, error)
-
-    _setup_logging(world.rank, quiet)
-    from mpihybrid.train.loop import Preempted
-    from mpihybrid.train.loop import train as run_training
-    from mpihybrid.train.report import format_report
-
-    resume_from = world.bcast(resume_from, root=0)
     try:
-        summary = run_training(job, world, quiet=quiet, resume_from=resume_from)
+        check_fits(job, world)  # collective: the same verdict on every rank
+    except ConfigError as exc:
+        exit_on_any_error(world, str(exc))
+    resume_from = world.bcast(resume_from, root=0)
+    summary = _run_training(job, world, quiet, resume_from, debug or _debug_env())
+    if summary is not None:
+        from mpihybrid.train.report import format_report
+
+        click.echo(format_report(job, summary))
+
+
+def _run_training(job, world, quiet: bool, resume_from, debug: bool):
+    """train() with every way it can end mapped to one line and an exit code: 3 preempted,
+    2 a checkpoint or device refused before training, 1 a run that stopped (all ranks agreed)
+    or a rank that failed alone (then the whole job is aborted)."""
+    from mpihybrid.comm.device import DeviceError
+    from mpihybrid.train.checkpoint import CheckpointError
+    from mpihybrid.train.loop import Preempted, TrainingStopped
+    from mpihybrid.train.loop import train as run_training
+
+    try:
+        return run_training(job, world, quiet=quiet, resume_from=resume_from)
     except Preempted as exc:
         if world.rank == 0:
             click.echo(str(exc))
         sys.exit(EXIT_PREEMPTED)
+    except TrainingStopped as exc:  # every rank alike, at a step boundary
+        if world.rank == 0:
+            click.echo(f"mpihybrid: error: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
     except (CheckpointError, DeviceError) as exc:  # on every rank alike, before any training
         if world.rank == 0:
             click.echo(f"mpihybrid: error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
-    except Exception:
-        # One rank failing must end the whole job, never leave the others waiting.
-        sys.stderr.write(f"[rank {world.rank}] training failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        world.Abort(1)
-    if summary is not None:
-        click.echo(format_report(job, summary))
+    except Exception as exc:
+        abort_job(world, exc, "training", debug)
+
+
+def _debug_env() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def abort_job(world, exc: BaseException, what: str, debug: bool) -> NoReturn:
+    """One rank failed where the others may wait in a collective: one line on stderr (the rank,
+    the step, the error; the full traceback with --debug or MPIHYBRID_DEBUG=1), MPI_Abort for
+    the whole job, then leave at once: MPI_Abort returns under some MPIs (the PyPI MPICH)."""
+    step = getattr(exc, "step", None)
+    where = f"rank {world.rank}" + (f", step {step}" if step is not None else "")
+    if debug:
+        sys.stderr.write(traceback.format_exc())
+    sys.stderr.write(f"mpihybrid: error: {what} failed on {where}: {_one_line(exc)}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        world.Abort(EXIT_FAILED)
+    finally:
+        os._exit(EXIT_FAILED)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line; an MPI error says which rank stopped answering where MPI
+    names it (a peer killed by the OS, say)."""
+    from mpi4py import MPI
+
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, MPI.Exception):
+        peer = re.search(r"rank (\d+)", text)
+        who = f"rank {peer.group(1)}" if peer else "another rank"
+        return f"{who} stopped answering (MPI: {text[:200]})"
+    if isinstance(exc, MemoryError):
+        return f"out of memory ({text})"
+    return f"{type(exc).__name__}: {text}"
 
 
 def exit_on_any_error(world, error: str | None) -> None:
@@ -142,22 +224,38 @@ def exit_on_any_error(world, error: str | None) -> None:
         sys.exit(EXIT_USAGE)
 
 
-def _find_checkpoint(job, required: bool) -> str | None:
-    """The newest complete checkpoint to resume from, checked against the job (rank 0)."""
-    from pathlib import Path
-
+def _preflight(job, resume: bool) -> list[str] | None:
+    """Rank 0, before anything is built: create and test-write checkpoint.dir and the trace's
+    temporary (exit 2 now, not a lost run later), remove partial checkpoints of crashed runs,
+    and list the complete checkpoints to resume from, newest first (None: start afresh)."""
+    from mpihybrid.files import probe_dir, probe_file
+    from mpihybrid.trace.file import check_writable
     from mpihybrid.train import checkpoint
 
-    root = job.checkpoint.dir
-    path = checkpoint.latest(root) if root else None
-    if path is None:
-        if required:
-            raise checkpoint.CheckpointError(
-                f"--resume: no complete checkpoint in checkpoint.dir = {root!r}"
-            )
-        return None
-    checkpoint.check_compatible(checkpoint.read_manifest(path), job, Path(path))
-    return str(path)
+    root, candidates = job.checkpoint.dir, []
+    if root:
+        try:
+            probe_dir(root)
+        except OSError as exc:
+            raise checkpoint.CheckpointError(f"checkpoint.dir = {root!r}: {exc}") from None
+        for stale in checkpoint.clean_partials(root):
+            logging.getLogger("mpihybrid").warning("removed %s (a crashed run's partial)", stale)
+        candidates = [str(p) for p in reversed(checkpoint.complete(root))]
+    if resume and not candidates:
+        raise checkpoint.CheckpointError(
+            f"--resume: no complete checkpoint in checkpoint.dir = {root!r}"
+        )
+    if candidates:  # refuse another model now; a damaged one is restore_all's to skip
+        newest = Path(candidates[0])
+        try:
+            checkpoint.check_compatible(checkpoint.read_manifest(newest), job, newest)
+        except checkpoint.CheckpointDamaged:
+            pass
+    if job.trace.path:
+        # a resumed run continues the trace already at its path
+        check_writable(job.trace.path, job.trace.overwrite, bool(candidates))
+        probe_file(job.trace.path)
+    return candidates or None
 
 
 def _quote(text: str) -> str:
@@ -169,7 +267,8 @@ def _setup_logging(rank: int, quiet: bool) -> None:
     handler.setFormatter(logging.Formatter(f"[r{rank}] %(message)s"))
     logger = logging.getLogger("mpihybrid")
     logger.handlers[:] = [handler]
-    logger.setLevel(logging.INFO if rank == 0 and not quiet else logging.WARNING)
+    # --quiet drops the per-step lines (train() asks); a resume or a checkpoint still shows
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     logger.propagate = False
 
 
@@ -230,7 +329,7 @@ def bench() -> None:
     help="Message sizes in bytes (K/M suffixes).",
 )
 @click.option("--codecs", default=None, help="Comma list of codecs (default: every codec).")
-@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
 def bench_allreduce(sizes, codecs, repeats) -> None:
     """Hand-written ring vs MPI's own Allreduce: time, algbw, busbw, bytes on the wire."""
     from mpi4py import MPI
@@ -244,6 +343,9 @@ def bench_allreduce(sizes, codecs, repeats) -> None:
         size_list = [parse_size(s) for s in sizes.split(",") if s]
     except ValueError as exc:
         _fail(str(exc), rank)
+    small = [s for s in size_list if s < 4]
+    if small or not size_list:
+        _fail(f"--sizes {sizes!r}: every size must be at least 4 bytes (one float)", rank)
     codec_list = [c for c in codecs.split(",") if c] if codecs else list(CODECS)
     unknown = [c for c in codec_list if c not in CODECS]
     if unknown:
@@ -335,10 +437,8 @@ def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json) -
 
     try:
         result = run(job, world, warmup, steps, repeats, other)
-    except Exception:
-        sys.stderr.write(f"[rank {world.rank}] benchmark failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        world.Abort(1)
+    except Exception as exc:
+        abort_job(world, exc, "benchmark", _debug_env())
     if result is not None:
         click.echo(json.dumps(result, indent=2) if as_json else format_bench(result))
 

@@ -8,6 +8,7 @@ Every rank runs this function; rank 0 gathers metrics, the trace and the report.
 from __future__ import annotations
 
 import logging
+import math
 import platform
 import signal
 import socket
@@ -35,15 +36,15 @@ from mpihybrid.nn.optim import build_optimizer
 from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
 from mpihybrid.pipeline.schedules import build_schedule, lower, stage_rank
-from mpihybrid.trace.file import write_trace
+from mpihybrid.trace.file import TraceWriter
 from mpihybrid.trace.recorder import (
     KIND,
     Recorder,
     StepRecorder,
+    StepWindow,
     clock_offset,
-    gather_events,
-    step_times,
 )
+from mpihybrid.trace.stream import TraceStream
 from mpihybrid.train import checkpoint
 
 log = logging.getLogger("mpihybrid")
@@ -65,8 +66,11 @@ class Summary:
     grid_as_run: str
     trace_path: str = ""
     params: list[np.ndarray] | None = None
-    events: np.ndarray | None = None  # every rank's trace events, rank 0's clock, run start = 0
+    # every rank's trace events since the trace's last flush (all of them when the run writes no
+    # trace file), rank 0's clock, run start = 0
+    events: np.ndarray | None = None
     extra: dict = field(default_factory=dict)
+    start: int = 0  # the step this run began at (a resumed run ran steps - start of them)
 
 
 def train(
@@ -74,13 +78,17 @@ def train(
     world: MPI.Comm,
     quiet: bool = False,
     collect_params: bool = False,
-    resume_from: str | None = None,
+    resume_from: str | list[str] | None = None,
     backend: Backend | None = None,
 ) -> Summary | None:
     """Run the job on every rank of `world`; rank 0 gets the Summary, the others None.
 
-    resume_from: a complete checkpoint directory (checkpoint.latest) to continue from.
-    Raises Preempted on every rank after writing a checkpoint when a rank got SIGUSR1/SIGTERM.
+    resume_from: complete checkpoint directories to continue from, newest first (or one): the
+    newest intact one is loaded (checkpoint.restore_all).
+    Raises Preempted on every rank after writing a checkpoint when a rank got SIGUSR1/SIGTERM,
+    TrainingStopped on every rank when the run cannot go on (a non-finite loss or gradient, a
+    checkpoint the file system refused). Any other exception carries `.step`, the step (from 1)
+    this rank was in, for the one line the CLI prints.
 
     collect_params: also bring replica 0's final parameters of every stage to rank 0
     (Summary.params, in stage order) -- what the equivalence tests compare.
@@ -93,23 +101,38 @@ def train(
         backend = select_backend(job.grid.device, job.comm.cuda_aware, world)
     if backend.xp is not np and not quiet:
         log.info("rank %d: %s", world.rank, backend.describe())  # which GPU, which MPI path
+    # the handlers first: a signal that comes while the model is built still counts
+    preempt = _PreemptionFlag(enabled=bool(job.checkpoint.dir))
     run = _build(job, world, backend)
     if resume_from is not None:
         run.start, run.losses, run.accuracies = checkpoint.restore_all(
             world, run.grid.dp_rank, job, resume_from, run.stages, run.optimizers, run.rings
         )
-    preempt = _PreemptionFlag(enabled=bool(job.checkpoint.dir))
 
     offset = clock_offset(world)
     world.Barrier()
     t_start = Recorder.clock()
     # Rank 0's clock at the start, for traces relative to the run's start.
     t_origin = world.bcast(t_start + offset if world.rank == 0 else None, root=0)
-    for step in range(run.start, job.train.steps):
-        _train_step(job, world, run, step, preempt, quiet)
-    preempt.restore()
+    _begin_trace(run, offset - t_origin, resumed=resume_from is not None)
+    step = run.start
+    # overflow and nan are checked once per step (the loss, each gradient): no numpy warnings
+    try:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            for step in range(run.start, job.train.steps):
+                _train_step(job, world, run, step, preempt, quiet)
+    except (Preempted, TrainingStopped):
+        raise
+    except Exception as exc:
+        exc.step = step + 1
+        raise
+    finally:
+        preempt.restore()
     runtime_s = Recorder.clock() - t_start
-    return _finish(job, world, run, runtime_s, offset - t_origin, collect_params)
+    summary = _finish(job, world, run, runtime_s, collect_params)
+    if summary is not None:
+        summary.start = run.start
+    return summary
 
 
 @dataclass
@@ -131,7 +154,8 @@ class _Run:
     losses: list = field(default_factory=list)
     accuracies: list = field(default_factory=list)
     peak_inflight: dict = field(default_factory=dict)
-    step_sums: np.ndarray = field(default_factory=lambda: np.zeros(4))
+    step_sums: np.ndarray = field(default_factory=lambda: np.zeros(5))
+    trace: TraceStream | None = None  # flushes the recorder's rows to the trace file as it goes
 
 
 def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
@@ -154,8 +178,7 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
             st.to_device(backend.asarray)  # initialised on the host: the same draws everywhere
     mb_size = t.global_batch // (g.dp * M)
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, mb_size)
-    recorder_cls = Recorder if job.trace.events else StepRecorder
-    recorder = recorder_cls(world.rank, grid.dp_rank, capacity=(len(actions) + 8) * max(t.steps, 1))
+    recorder, trace = _build_trace(job, world, grid.dp_rank, len(actions))
     peer_ranks = [grid.world_rank_of(p, grid.dp_rank, g.order) for p in range(g.pp)]
     # the ring (numpy codecs) runs on host copies of device gradients; dp = 1 moves nothing
     host_grads = {
@@ -191,7 +214,26 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
         host_grads=host_grads,
         ring_peer=grid.world_rank_of(grid.pp_rank, (grid.dp_rank + 1) % grid.dp_size, g.order),
         peak_inflight=dict.fromkeys(stages, 0),
+        trace=trace,
     )
+
+
+def _build_trace(job: Job, world: MPI.Comm, dp_rank: int, num_actions: int):
+    """The recorder (this rank's events of the traced steps, a buffer for the steps between two
+    flushes) and the stream that flushes it; rank 0 also holds the file's writer."""
+    tr, t = job.trace, job.train
+    recorder_cls = Recorder if tr.events else StepRecorder
+    window = StepWindow(tr.first_step, tr.last_step, tr.every)
+    # rows per step: the actions plus a few (all-reduce, optimizer, step, the sends' wait)
+    held_steps = min(max(t.steps, 1), tr.flush_steps if tr.path and tr.flush_steps else 64)
+    recorder = recorder_cls(world.rank, dp_rank, (num_actions + 8) * held_steps, window)
+    hostnames = world.gather(socket.gethostname(), root=0)
+    writer = None
+    if tr.path and world.rank == 0:
+        attrs = _run_attrs(world, job, hostnames)
+        writer = TraceWriter(tr.path, config=to_toml(job), attrs=attrs, overwrite=tr.overwrite)
+    stream = TraceStream(world, recorder, writer, bool(tr.path), tr.flush_steps, tr.flush_seconds)
+    return recorder, stream
 
 
 def _train_step(
@@ -214,27 +256,75 @@ def _train_step(
     rec.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
     for s, n in result.peak_inflight.items():
         run.peak_inflight[s] = max(run.peak_inflight[s], n)
-    # One small collective per step: the metrics, and whether any rank was told to stop
-    # (agreed here, at a step boundary, never inside the signal handler).
-    mine = np.array([result.loss_sum, result.correct, result.samples, preempt.requested])
-    sums = run.step_sums
+    # One small collective per step: the metrics, whether any rank was told to stop, whether
+    # any gradient is not finite (agreed here, at a step boundary, never inside a handler).
+    bad = _nonfinite_stages(run)
+    mine = np.array(
+        [result.loss_sum, result.correct, result.samples, preempt.requested, run.trace.asks(),
+         len(bad), preempt.ignored]
+    )  # fmt: skip
+    sums = np.empty_like(mine)
     world.Allreduce(mine, sums, op=MPI.SUM)
     run.losses.append(float(sums[0] / (g.dp * t.microbatches)))
     run.accuracies.append(float(sums[1] / max(sums[2], 1)))
+    finite = bool(np.isfinite(sums[0])) and not sums[5]
+    _trace_step(job, run, step, asked=sums[4] > 0, stopping=bool(sums[3]) or not finite)
     if not quiet and world.rank == 0:
         log.info(
             "step %d/%d  loss %.4f  train acc %.3f  %.1f ms",
             step + 1, t.steps, run.losses[-1], run.accuracies[-1],
             1e3 * (Recorder.clock() - t_step),
         )  # fmt: skip
+    if not finite:  # before any checkpoint: never one of these weights
+        _stop_nonfinite(world, job, step, float(sums[0]), bad)
+    preempt.warn_ignored(world.rank, bool(sums[6]))
     every = job.checkpoint.every
     if sums[3] or (every and (step + 1) % every == 0):
-        path = checkpoint.save_all(
-            world, grid.dp_rank, job, step + 1, run.stages, run.optimizers, run.rings,
-            run.losses, run.accuracies,
-        )  # fmt: skip
+        try:
+            path = checkpoint.save_all(
+                world, grid.dp_rank, job, step + 1, run.stages, run.optimizers, run.rings,
+                run.losses, run.accuracies,
+            )  # fmt: skip
+        except checkpoint.CheckpointError as exc:  # every rank alike
+            raise TrainingStopped(step + 1, str(exc)) from None
         if sums[3]:
             raise Preempted(step + 1, path)
+
+
+def _nonfinite_stages(run: _Run) -> list[int]:
+    """This rank's stages whose reduced gradient holds a nan or an inf: one sum over each flat
+    gradient (nan and inf survive a sum; a finite gradient's fp32 sum overflows only past
+    3e38, and a gradient that large has diverged anyway)."""
+    return [s for s, st in run.stages.items() if not math.isfinite(float(st.flat_grads.sum()))]
+
+
+def _stop_nonfinite(world: MPI.Comm, job: Job, step: int, loss_sum: float, bad: list[int]):
+    """Collective, on every rank alike: name the step and the stages, raise TrainingStopped."""
+    stages = sorted({s for part in world.allgather(bad) for s in part})
+    if not math.isfinite(loss_sum):
+        last = job.grid.pp * job.train.virtual_stages - 1
+        what = f"the loss is {loss_sum} (stage {last}, the last)"
+    else:
+        what = f"the gradient of stage {', '.join(map(str, stages))} is not finite (nan or inf)"
+    raise TrainingStopped(
+        step + 1, f"step {step + 1}: {what}; stopped without writing a checkpoint of these weights"
+    )
+
+
+def _begin_trace(run: _Run, to_run_start: float, resumed: bool) -> None:
+    """The trace's first version (rank 0): a resumed run continues the trace at its path, or
+    starts one holding the checkpoint's losses of the earlier steps."""
+    earlier = {"loss": run.losses, "accuracy": run.accuracies} if resumed else None
+    run.trace.begin(to_run_start, run.start if resumed else None, earlier)
+
+
+def _trace_step(job: Job, run: _Run, step: int, asked: bool, stopping: bool) -> None:
+    """At the step boundary every rank reached: the step's metrics to the trace, and a flush when
+    due (never after the last step: _finish writes that; always before a preemption's exit)."""
+    run.trace.add_step(step, run.losses[-1], run.accuracies[-1])
+    last = step == job.train.steps - 1
+    if stopping or (not last and run.trace.due(step, asked)):
+        run.trace.flush(attrs={"stopped_at_step": step + 1} if stopping else None)
 
 
 def _begin_updates(run: _Run) -> None:
@@ -277,18 +367,18 @@ def _reduce_and_update(run: _Run, step: int) -> None:
 
 
 def _finish(
-    job: Job, world: MPI.Comm, run: _Run, runtime_s: float, to_run_start: float, collect: bool
+    job: Job, world: MPI.Comm, run: _Run, runtime_s: float, collect: bool
 ) -> Summary | None:
-    """Collectives after the last step (evaluation, replica check, bytes, events), then rank 0
-    builds the Summary and writes the trace."""
+    """Collectives after the last step (evaluation, replica check, bytes, the trace's last
+    flush), then rank 0 builds the Summary."""
     g, t = job.grid, job.train
     grid, stages, num_stages = run.grid, run.stages, g.pp * t.virtual_stages
     test_accuracy = _evaluate(world, grid, stages, num_stages, run.task, job.model, run.backend)
     replica_diff = _replica_check(world, grid, stages)
     bytes_sent = _bytes_sent(world, run.runtime, run.rings)
     peaks = world.gather(run.peak_inflight, root=0)
-    events = gather_events(world, run.recorder, to_run_start)
-    hostnames = world.gather(socket.gethostname(), root=0)
+    # the rows since the last flush (every row when no trace file is written), on rank 0
+    events = run.trace.flush(_end_attrs(runtime_s, test_accuracy), finished=True)
     run.gradcomm.close()
     grid.free()  # a sweep calls train() many times in one process
     params = gather_parameters(world, grid, stages, num_stages) if collect else None
@@ -306,32 +396,31 @@ def _finish(
         bytes_sent=bytes_sent,
         replica_max_diff=replica_diff,
         peak_inflight=dict(sorted({s: n for d in peaks for s, n in d.items()}.items())),
-        grid_as_run=grid_as_run(events, g.pp, t.virtual_stages, t.steps - 1) if ran > 0 else "",
+        grid_as_run=_last_grid(events, g.pp, t.virtual_stages, t.steps - 1) if ran > 0 else "",
         params=params,
         events=events,
+        trace_path=job.trace.path,
     )
-    if job.trace.path:
-        _write_trace(job, world, run, summary, hostnames)
     return summary
 
 
-def _write_trace(job: Job, world: MPI.Comm, run: _Run, summary: Summary, hostnames) -> None:
-    # rank 0's own step durations; NaN for steps run before a resume
-    own = step_times(run.recorder.events)
-    step_time = [own.get(step, np.nan) for step in range(job.train.steps)]
-    write_trace(
-        job.trace.path,
-        events=summary.events,
-        steps={
-            "loss": np.array(summary.losses),
-            "accuracy": np.array(summary.accuracies),
-            "step_time": np.array(step_time),
-        },
-        config=to_toml(job),
-        attrs=_run_attrs(world, job, summary, hostnames),
-        overwrite=job.trace.overwrite,
-    )
-    summary.trace_path = job.trace.path
+def _last_grid(events: np.ndarray, pp: int, v: int, step: int) -> str:
+    # a trace window that leaves out the last step leaves nothing to draw
+    return grid_as_run(events, pp, v, step) if np.any(events["step"] == step) else ""
+
+
+def _end_attrs(runtime_s: float, test_accuracy: float) -> dict:
+    """The trace attributes known only at the end (this part's runtime after a resume)."""
+    return {"runtime_s": runtime_s, "test_accuracy": test_accuracy}
+
+
+class TrainingStopped(Exception):
+    """Every rank stopped together at a step boundary: the run cannot go on (a non-finite loss
+    or gradient, a checkpoint the file system refused). The message is one line for the user."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
 
 
 class Preempted(Exception):
@@ -343,19 +432,38 @@ class Preempted(Exception):
 
 
 class _PreemptionFlag:
-    """SIGUSR1 (SLURM's advance warning) or SIGTERM only set a flag; the loop acts on it."""
+    """SIGUSR1 (SLURM's advance warning) or SIGTERM only set a flag; the loop acts on it.
+
+    Without checkpoint.dir there is nowhere to write: SIGUSR1 is noted and the loop warns once
+    (MPICH's own handler would swallow it silently); SIGTERM keeps its default and ends the run.
+    """
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
     def __init__(self, enabled: bool):
-        self.requested = 0
+        self.enabled = enabled
+        self.requested = 0  # a signal asked for a checkpoint and a stop
+        self.ignored = 0  # SIGUSR1 came, but there is no checkpoint.dir to write to
+        self.warned = False
         self.previous = {}
-        if enabled:
-            for sig in self.SIGNALS:
-                self.previous[sig] = signal.signal(sig, self._handle)
+        for sig in self.SIGNALS if enabled else (signal.SIGUSR1,):
+            self.previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.requested = 1
+        if self.enabled:
+            self.requested = 1
+        else:
+            self.ignored = 1
+
+    def warn_ignored(self, rank: int, any_rank: bool) -> None:
+        """Once per run, on rank 0, when any rank got SIGUSR1 without checkpoint.dir."""
+        if any_rank and not self.warned:
+            self.warned = True
+            if rank == 0:
+                log.warning(
+                    "preemption signal received but checkpoint.dir is not set: cannot "
+                    "checkpoint; training goes on until it ends or is killed"
+                )
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
@@ -453,7 +561,8 @@ def layout_attrs(job: Job, world_size: int) -> dict:
     }
 
 
-def _run_attrs(world, job: Job, summary: Summary, hostnames: list[str]) -> dict:
+def _run_attrs(world, job: Job, hostnames: list[str]) -> dict:
+    """The trace attributes known at the start (the versions, the layout, each rank's host)."""
     return {
         "mpihybrid_version": __version__,
         "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
@@ -461,8 +570,6 @@ def _run_attrs(world, job: Job, summary: Summary, hostnames: list[str]) -> dict:
         "numpy_version": np.__version__,
         "python_version": platform.python_version(),
         **layout_attrs(job, world.Get_size()),
-        "hostnames": ",".join(sorted(set(hostnames))),
-        "runtime_s": summary.runtime_s,
-        "test_accuracy": summary.test_accuracy,
+        "hostnames": list(hostnames),
         "command": " ".join(sys.argv),
     }
