@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from mpihybrid.analysis.metrics import analyze
 from mpihybrid.cli import main
-from mpihybrid.trace.file import load, write_trace
+from mpihybrid.trace.file import WRITER_ATTRS, load, write_trace
 from mpihybrid.trace.recorder import KIND
 from tests.helpers import ROOT, run_mpi
 
@@ -250,8 +250,7 @@ def test_compare_shows_differences_and_ratios(trace_path, tmp_path):
     slow["start"] *= 2
     slow["end"] *= 2
     other = tmp_path / "slow.h5"
-    attrs = {k: v for k, v in trace.attrs.items() if k not in ("format", "schema_version",
-             "created", "complete")}  # fmt: skip
+    attrs = {k: v for k, v in trace.attrs.items() if k not in WRITER_ATTRS}
     config = trace.config.replace('codec = "fp32"', 'codec = "int8"')
     write_trace(other, events=slow, steps=trace.steps, config=config, attrs=attrs)
     proc = cli("compare", trace_path, other)

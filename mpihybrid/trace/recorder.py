@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,19 +45,45 @@ EVENT_DTYPE = np.dtype(
 )
 # the compute kinds as the schedule letters F, B, W (what a trace row ran, as an Action kind)
 COMPUTE = {KIND["forward"]: "F", KIND["backward"]: "B", KIND["weight"]: "W"}
+_STEP = KIND["step"]
 _CLOCK_TAG = 32767  # the largest tag MPI guarantees; used only before any other traffic
 
 
+@dataclass(frozen=True)
+class StepWindow:
+    """Which steps are traced: every `every`-th step from `first` to `last` (1-based, as the
+    progress line counts them; last = 0: to the end). Step numbers given to keeps() are the
+    0-based ones the loop and the trace rows use."""
+
+    first: int = 1
+    last: int = 0
+    every: int = 1
+
+    def keeps(self, step: int) -> bool:
+        n = step + 1
+        return (
+            n >= self.first
+            and (self.last == 0 or n <= self.last)
+            and ((n - self.first) % self.every == 0)
+        )
+
+
 class Recorder:
-    """One rank's events, appended into a preallocated structured array."""
+    """One rank's events of the steps its window keeps, appended into a structured array that
+    grows as needed; clear() empties it after a flush, so it holds only the rows since then."""
 
     clock = staticmethod(time.perf_counter)  # the clock every start/end is read from
 
-    def __init__(self, rank: int, replica: int, capacity: int = 4096) -> None:
+    def __init__(
+        self, rank: int, replica: int, capacity: int = 4096, window: StepWindow | None = None
+    ) -> None:
         self.rank = rank
         self.replica = replica
         self._rows = np.zeros(max(1, capacity), dtype=EVENT_DTYPE)
         self._n = 0
+        self.window = window or StepWindow()
+        self._step, self._keep = None, True  # the step last seen and whether it is traced
+        self.last_step_time = float("nan")  # seconds of the last "step" row, traced or not
 
     def record(
         self,
@@ -72,6 +99,12 @@ class Recorder:
         # hot path: one tuple store; the check stops an unknown code wrapping silently in u1
         if not 0 <= kind < len(KINDS):
             raise ValueError(f"unknown event kind code {kind}; kinds are {KINDS}")
+        if kind == _STEP:
+            self.last_step_time = end - start
+        if step != self._step:
+            self._step, self._keep = step, self.window.keeps(step)
+        if not self._keep:
+            return
         if self._n == len(self._rows):
             self._grow()
         self._rows[self._n] = (
@@ -88,6 +121,10 @@ class Recorder:
     def events(self) -> np.ndarray:
         """The filled rows (a view: copy before keeping it past the next record)."""
         return self._rows[: self._n]
+
+    def clear(self) -> None:
+        """Forget the rows (after they were flushed); the buffer is kept for the next ones."""
+        self._n = 0
 
     @property
     def capacity(self) -> int:
