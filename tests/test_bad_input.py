@@ -34,6 +34,13 @@ def train(n, *args, cwd=None):
         ),
         (2, ["--trace", "/nonexistent-dir/run.h5"], "/nonexistent-dir"),
         (2, ["jobs/does-not-exist.toml"], "does not exist"),
+        (2, ["jobs"], "'jobs' is a directory"),
+        (2, ["--set", "train.lr=nan"], "train.lr = nan: must be a finite number"),
+        (2, ["--set", "train.momentum=-5"], "train.momentum = -5.0: must be in [0, 1)"),
+        # os.access says yes to root everywhere; creating the temporary says no
+        (2, ["--trace", "/proc/run.h5"], "cannot write /proc/run.h5"),
+        (2, ["--set", "checkpoint.dir=/proc/ckpt"], "checkpoint.dir = '/proc/ckpt'"),
+        (2, ["--set", "model.hidden=1000000000"], "the job needs about"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(n, args, message):
@@ -64,6 +71,55 @@ def test_a_rank_failing_mid_run_ends_the_job(tmp_path):
     t0 = time.monotonic()
     proc = run_mpi(4, "tests/_mpi_fault.py", timeout=60)
     elapsed = time.monotonic() - t0
-    assert proc.returncode != 0
-    assert "injected failure" in proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("mpihybrid: error:")]
+    assert lines == [
+        "mpihybrid: error: training failed on rank 1, step 1: RuntimeError: injected failure"
+    ], proc.stderr
+    assert "Traceback" not in proc.stderr and "UnboundLocalError" not in proc.stderr
     assert elapsed < 30, elapsed
+
+
+def test_debug_shows_the_failing_ranks_traceback():
+    proc = run_mpi(4, "tests/_mpi_fault.py", timeout=60, env={"MPIHYBRID_DEBUG": "1"})
+    assert proc.returncode == 1
+    assert proc.stderr.count("Traceback") == 1 and "failing_forward" in proc.stderr
+
+
+def test_a_rank_killed_by_the_os_ends_the_job():
+    t0 = time.monotonic()
+    proc = run_mpi(3, "tests/_mpi_inject.py", "kill", "train", "--quiet",
+                   "--set", "model.hidden=16", timeout=60)  # fmt: skip
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_checkpoint_dir_is_checked_before_training(tmp_path, under):
+    """A regular file, or a path under one: refused at the start (exit 2), not when the first
+    checkpoint (maybe the preemption's) is due."""
+    blocker = tmp_path / "file"
+    blocker.write_text("mine")
+    target = blocker / "ckpt" if under else blocker
+    proc = train(2, "--set", f"checkpoint.dir={target}", "--set", "train.steps=1")
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"checkpoint.dir = '{target}'" in lines[0], proc.stderr
+    assert "step 1/" not in proc.stdout and blocker.read_text() == "mine"
+
+
+def test_usage_error_is_printed_once():
+    proc = run_mpi(2, "-m", "mpihybrid", "train", "--no-such-option", timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("No such option") == 1, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--repeats", "0"], "0 is not in the range"), (["--sizes", "-4K"], "at least 4 bytes")],
+)
+def test_bench_allreduce_bad_arguments(args, message):
+    proc = run_mpi(2, "-m", "mpihybrid", "bench", "allreduce", *args, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count(message) == 1 and "Traceback" not in proc.stderr, proc.stderr
