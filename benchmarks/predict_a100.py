@@ -1,0 +1,156 @@
+"""Projection of jobs/a100_gpt.toml from 1 x 8 to 128 x 8 A100 with `mpihybrid predict`:
+for every node count, the best predicted layout (pp, dp, placement, schedule, M, codec) that
+fits in the GPU's memory, under weak scaling (8 sequences per GPU) and strong scaling (a fixed
+global batch of 1024 sequences); and which schedule and codec win.
+
+    python benchmarks/predict_a100.py                                   # the table
+    python benchmarks/predict_a100.py --plot runs/a100_projection.png   # and the plot (plot extra)
+    python benchmarks/predict_a100.py --cluster clusters/a100_40gb.toml
+
+Predictions, not measurements: the cluster file's figures (peaks, nccl-tests) and the cost
+model of mpihybrid.predict; the runtime as it is (fp32 GEMMs, the ring on host copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mpihybrid.config import ConfigError, build_job, load_table, resolve
+from mpihybrid.pipeline.schedules import ScheduleError
+from mpihybrid.predict.cluster import load_cluster
+from mpihybrid.predict.model import predict
+
+ROOT = Path(__file__).resolve().parent.parent
+NODES = (1, 2, 4, 8, 16, 32, 64, 128)
+PIPELINES = (1, 2, 4, 8)
+SCHEDULES = (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("gpipe", 1))
+MICROBATCHES = (4, 8, 16, 32)
+CODECS = ("fp32", "bf16", "int8")
+ORDERS = ("data-inner", "pipeline-inner")
+
+
+def candidates(world: int, global_batch: int):
+    """Every layout of `world` ranks the job accepts for this global batch."""
+    for pp in PIPELINES:
+        dp = world // pp
+        for m in MICROBATCHES:
+            if global_batch % (dp * m):
+                continue
+            for (schedule, v), codec, order in (
+                (s, c, o) for s in SCHEDULES for c in CODECS for o in ORDERS
+            ):
+                yield [f"grid.pp={pp}", f"grid.dp={dp}", f"grid.order={order}",
+                       f"train.schedule={schedule}", f"train.virtual_stages={v}",
+                       f"train.microbatches={m}", f"train.global_batch={global_batch}",
+                       f"comm.codec={codec}"]  # fmt: skip
+
+
+def best(job_file: str, cluster, world: int, global_batch: int) -> tuple[dict, dict] | None:
+    """(the fastest prediction that fits, the fastest per (schedule, codec)) for one size."""
+    table = load_table(job_file)
+    top, per_choice = None, {}
+    for sets in candidates(world, global_batch):
+        try:
+            job = resolve(build_job(table, sets), world)
+        except (ConfigError, ScheduleError, ValueError):
+            continue  # e.g. interleaving needs M % pp == 0
+        r = predict(job, cluster)
+        if r["peak_memory_bytes"] > cluster.node.memory_bytes:
+            continue
+        r["sets"] = sets
+        key = (job.train.schedule, job.comm.codec)
+        if key not in per_choice or r["step_time_s"] < per_choice[key]["step_time_s"]:
+            per_choice[key] = r
+        if top is None or r["step_time_s"] < top["step_time_s"]:
+            top = r
+    return (top, per_choice) if top else None
+
+
+def _row(mode: str, nodes: int, r: dict, per_choice: dict) -> str:
+    j = r["job"]
+    schedule = j["schedule"] + (f" v={j['virtual_stages']}" if j["virtual_stages"] > 1 else "")
+    fp32 = per_choice.get((j["schedule"], "fp32"))
+    vs_fp32 = f"{fp32['step_time_s'] / r['step_time_s']:.2f}x" if fp32 else "-"
+    return (
+        f"| {mode} | {nodes} x 8 | {j['global_batch']} | {j['pp']} x {j['dp']} {j['order']} | "
+        f"{schedule} | {j['microbatches']} | {j['codec']} | {r['step_time_s']:.3f} | "
+        f"{r['throughput']:,.0f} | {100 * r['efficiency']:.0f}% | {r['bubble']:.3f} | "
+        f"{r['exposed_comm_s']:.3f} | {r['peak_memory_bytes'] / 1e9:.1f} | {vs_fp32} |"
+    )
+
+
+def project(job_file: str, cluster_file: str) -> list[dict]:
+    cluster = load_cluster(cluster_file)
+    rows = []
+    for mode in ("weak", "strong"):
+        for nodes in NODES:
+            world = 8 * nodes
+            global_batch = 8 * world if mode == "weak" else 1024
+            found = best(job_file, cluster, world, global_batch)
+            if found:
+                rows.append({"mode": mode, "nodes": nodes, "best": found[0], "choices": found[1]})
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [
+        "| scaling | GPUs | batch | pp x dp, placement | schedule | M | codec | step s | "
+        "tokens/s | efficiency | bubble | exposed comm s | peak GB | fp32 ring: slower by |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [_row(r["mode"], r["nodes"], r["best"], r["choices"]) for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for mode, marker in (("weak", "o"), ("strong", "s")):
+        mine = [r for r in rows if r["mode"] == mode]
+        gpus = [8 * r["nodes"] for r in mine]
+        step = [r["best"]["step_time_s"] for r in mine]
+        eff = [100 * r["best"]["efficiency"] for r in mine]
+        mem = [r["best"]["peak_memory_bytes"] / 1e9 for r in mine]
+        for ax, ys in zip(axes, (step, eff, mem), strict=True):
+            ax.plot(gpus, ys, marker=marker, label=f"{mode} scaling")
+        for g, y, r in zip(gpus, step, mine, strict=True):
+            j = r["best"]["job"]
+            label = f"{j['pp']}x{j['dp']} {j['schedule'][:5]} {j['codec']}"
+            axes[0].annotate(
+                label, (g, y), fontsize=7, rotation=30, textcoords="offset points", xytext=(3, 3)
+            )
+    titles = ("predicted step time (s)", "efficiency (% of achieved SGEMM rate)",
+              "peak memory per GPU (GB)")  # fmt: skip
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("A100 GPUs (8 per node)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0].set_yscale("log")
+    axes[2].axhline(80, color="grey", linestyle="--", linewidth=1)
+    fig.suptitle("jobs/a100_gpt.toml (780 M GPT) predicted on clusters/a100_80gb.toml: the best "
+                 "layout per size (weak: 8 sequences per GPU; strong: 1024 sequences)")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--job", default=str(ROOT / "jobs/a100_gpt.toml"))
+    parser.add_argument("--cluster", default=str(ROOT / "clusters/a100_80gb.toml"))
+    parser.add_argument("--plot", metavar="PNG")
+    args = parser.parse_args()
+    rows = project(args.job, args.cluster)
+    print(format_rows(rows))
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
