@@ -21,6 +21,7 @@ from typing import NoReturn
 import click
 
 from mpihybrid.pipeline.schedules import SCHEDULES  # pure Python: --help stays fast
+from mpihybrid.pipeline.simulate import GRID_RANKS, GRID_ROWS
 
 EXIT_FAILED = 1  # the run stopped (nan, a refused checkpoint) or a rank failed (job aborted)
 EXIT_USAGE = 2
@@ -301,19 +302,43 @@ def schedule() -> None:
     help="As training runs it (train.early_grad_send): a backward whose gradient goes to "
     "another rank is B, send, then W.",
 )
-def schedule_show(name, pp, microbatches, virtual, show_all, early_grad_send) -> None:
+@click.option(
+    "--grid",
+    type=click.Choice(["auto", "full", "none"]),
+    default="auto",
+    show_default=True,
+    help=f"auto: past {GRID_RANKS} ranks or {GRID_ROWS} rows, the first and last only.",
+)
+def schedule_show(name, pp, microbatches, virtual, show_all, early_grad_send, grid) -> None:
     """Print a schedule's step x rank grid, predicted bubble and peak activations."""
     from mpihybrid.pipeline.schedules import ScheduleError
     from mpihybrid.pipeline.simulate import compare, describe
 
+    v = virtual if virtual is not None else (2 if show_all or name == "interleaved-1f1b" else 1)
+    _check_schedule_size(pp, microbatches, v)
     try:
         if show_all:
-            click.echo(compare(pp, microbatches, virtual or 2))
+            click.echo(compare(pp, microbatches, v, early_grad_send))
         else:
-            v = virtual if virtual is not None else (2 if name == "interleaved-1f1b" else 1)
-            click.echo(describe(name, pp, microbatches, v, early_grad_send))
+            click.echo(describe(name, pp, microbatches, v, early_grad_send, grid))
     except ScheduleError as exc:
         _fail(str(exc).splitlines()[0])
+
+
+# schedule show simulates in Python at about 20 us per action: these bound it to seconds
+SHOW_LIMITS = {"--pp": 256, "--microbatches": 4096, "--virtual": 16}
+SHOW_CELLS = 25_000  # pp x microbatches x virtual
+
+
+def _check_schedule_size(pp: int, microbatches: int, v: int) -> None:
+    for option, value in (("--pp", pp), ("--microbatches", microbatches), ("--virtual", v)):
+        if not 1 <= value <= SHOW_LIMITS[option]:
+            _fail(f"{option} {value}: must be between 1 and {SHOW_LIMITS[option]}")
+    if pp * microbatches * v > SHOW_CELLS:
+        _fail(
+            f"pp({pp}) x microbatches({microbatches}) x virtual({v}) = {pp * microbatches * v:,}"
+            f" > {SHOW_CELLS:,}: too big to simulate here in seconds; choose a smaller grid"
+        )
 
 
 @main.group()

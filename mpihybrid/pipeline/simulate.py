@@ -165,10 +165,23 @@ def _unit_costs(actions: dict[int, list[Action]]) -> Costs:
     return Costs(forward=1.0, backward=1.0, weight=1.0 if has_w else 0.0)
 
 
-def render_grid(actions: dict[int, list[Action]], virtual_stages: int | None = None) -> str:
-    """ASCII step x rank grid of a unit-cost run: `F0`, `B3`, `W1`, `-` idle; `1F0` when v > 1."""
-    result = simulate(actions, _unit_costs(actions), virtual_stages)
+def render_grid(
+    actions: dict[int, list[Action]],
+    virtual_stages: int | None = None,
+    max_ranks: int | None = None,
+    max_rows: int | None = None,
+    result: SimResult | None = None,
+) -> str:
+    """ASCII step x rank grid of a unit-cost run: `F0`, `B3`, `W1`, `-` idle; `1F0` when v > 1.
+
+    A grid wider than max_ranks shows the first and last max_ranks // 2 ranks with a `...`
+    column between; longer than max_rows, the first and last max_rows // 2 rows with a line
+    saying how many are left out. `result`: the unit-cost simulation, when already run."""
+    result = result or simulate(actions, _unit_costs(actions), virtual_stages)
     ranks = sorted(actions)
+    if max_ranks is not None and len(ranks) > max_ranks:
+        half = max(max_ranks // 2, 1)
+        ranks = ranks[:half] + [None] + ranks[-half:]  # None: the column of ranks left out
     chunks = _num_stages(actions, virtual_stages) > len(actions)
     running = {}
     for a, t0 in result.start.items():
@@ -178,35 +191,64 @@ def render_grid(actions: dict[int, list[Action]], virtual_stages: int | None = N
             )
     steps = math.ceil(result.makespan)
     digits = len(str(max(steps - 1, 0)))
-    width = max([len(f"rank {r}") for r in ranks] + [len(c) for c in running.values()])
-    lines = [" " * (digits + 7) + "  ".join(f"rank {r}".ljust(width) for r in ranks).rstrip()]
-    for t in range(steps):
-        row = "  ".join(running.get((r, t), "-").ljust(width) for r in ranks)
+    width = max(
+        [len(f"rank {r}") for r in ranks if r is not None] + [len(c) for c in running.values()]
+    )
+
+    def cell(r, t) -> str:
+        return "..." if r is None else running.get((r, t), "-")
+
+    head = "  ".join(("..." if r is None else f"rank {r}").ljust(width) for r in ranks)
+    lines = [" " * (digits + 7) + head.rstrip()]
+    rows = range(steps)
+    if max_rows is not None and steps > max_rows:
+        half = max(max_rows // 2, 1)
+        rows = [*range(half), None, *range(steps - half, steps)]
+    for t in rows:
+        if t is None:
+            lines.append(f"... {steps - 2 * half} steps left out ...")
+            continue
+        row = "  ".join(cell(r, t).ljust(width) for r in ranks)
         lines.append(f"step {t:0{digits}d}: {row}".rstrip())
     return "\n".join(lines)
 
 
-def describe(name: str, pp: int, m: int, v: int = 1, early_grad_send: bool = False) -> str:
-    """Grid + predicted and simulated bubble + peak activations per stage, for one schedule."""
+GRID_RANKS = 8  # describe(): ranks shown before the grid is summarised
+GRID_ROWS = 64  # ... and rows
+
+
+def describe(
+    name: str, pp: int, m: int, v: int = 1, early_grad_send: bool = False, grid: str = "auto"
+) -> str:
+    """Grid + predicted and simulated bubble + peak activations per stage, for one schedule.
+    grid: "full", "auto" (summarised past GRID_RANKS ranks or GRID_ROWS rows) or "none"."""
     actions = build_schedule(name, pp, m, v, early_grad_send)
     result = simulate(actions, _unit_costs(actions), v)
     peaks = " ".join(f"s{s}:{n}" for s, n in enumerate(result.peak_inflight))
+    if len(result.peak_inflight) > GRID_RANKS and grid != "full":
+        most = max(result.peak_inflight)
+        peaks = f"at most {most} (stage {result.peak_inflight.index(most)})"
     early = ", gradients sent before W" if early_grad_send else ""
-    return "\n".join(
-        [
-            f"{name}: pp={pp} num_microbatches={m} virtual_stages={v} (one step per action{early})",
-            render_grid(actions, v),
-            f"bubble: predicted {BUBBLE_FORMULAS[name]} = {bubble_formula(name, pp, m, v):.3f}, "
-            f"simulated {result.bubble_fraction:.3f}",
-            f"peak activations in flight per stage: {peaks}",
-        ]
-    )
-
-
-def compare(pp: int, m: int, v: int = 2) -> str:
-    """One row per schedule: closed form, simulated bubble (F = B = W = 1), peak activations."""
     lines = [
-        f"pp={pp} num_microbatches={m}; F = B = W = 1 (an unsplit backward costs B + W);",
+        f"{name}: pp={pp} num_microbatches={m} virtual_stages={v} (one step per action{early})"
+    ]
+    if grid != "none":
+        limits = (None, None) if grid == "full" else (GRID_RANKS, GRID_ROWS)
+        lines.append(render_grid(actions, v, *limits, result=result))
+    lines += [
+        f"bubble: predicted {BUBBLE_FORMULAS[name]} = {bubble_formula(name, pp, m, v):.3f}, "
+        f"simulated {result.bubble_fraction:.3f}",
+        f"peak activations in flight per stage: {peaks}",
+    ]
+    return "\n".join(lines)
+
+
+def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False) -> str:
+    """One row per schedule: closed form, simulated bubble (F = B = W = 1), peak activations;
+    early_grad_send simulates each as training runs it (B, send, then W)."""
+    early = "; gradients sent before W" if early_grad_send else ""
+    lines = [
+        f"pp={pp} num_microbatches={m}; F = B = W = 1 (an unsplit backward costs B + W){early};",
         "peak = most micro-batches alive on one stage (an interleaved stage is 1/v of a rank)",
         f"{'schedule':<17} {'v':>2}  {'formula':<34} {'predicted':>9} {'simulated':>9}  peak",
     ]
@@ -217,7 +259,8 @@ def compare(pp: int, m: int, v: int = 2) -> str:
         except ScheduleError as exc:
             lines.append(f"{name:<17} {nv:>2}  not legal: {exc}")
             continue
-        result = simulate(build_schedule(name, pp, m, nv), Costs(1.0, 1.0, 1.0), nv)
+        actions = build_schedule(name, pp, m, nv, early_grad_send)
+        result = simulate(actions, Costs(1.0, 1.0, 1.0), nv)
         predicted = bubble_formula(name, pp, m, nv)
         lines.append(
             f"{name:<17} {nv:>2}  {BUBBLE_FORMULAS[name]:<34} {predicted:>9.3f}"
