@@ -139,6 +139,8 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, debug) -> N
         error = f"{exc} (--overwrite replaces it)"
     except OSError as exc:
         error = str(exc)
+    except Exception as exc:  # rank 0 alone, while the others wait below: end them all
+        abort_job(world, exc, "checking the job", debug or _debug_env())
     exit_on_any_error(world, error)
     try:
         check_fits(job, world)  # collective: the same verdict on every rank
