@@ -20,9 +20,11 @@ from mpihybrid.files import write_atomic
 from mpihybrid.trace.file import Trace
 from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS
 
-# tid 0 carries the work (compute, messages, all-reduce, optimizer), tid 1 the whole steps:
-# complete events on one thread must nest, and a step encloses everything its rank did
-WORK_TID, STEP_TID = 0, 1
+# tid 0 carries the main thread's work (compute, messages, the wait for the gradients), tid 1
+# the whole steps, tid 2 the gradient buckets (ring, then optimizer), which may run behind the
+# compute: complete events on one thread must nest, and a step encloses everything its rank did
+WORK_TID, STEP_TID, BUCKET_TID = 0, 1, 2
+_TID = {KIND["step"]: STEP_TID, KIND["allreduce"]: BUCKET_TID, KIND["optimizer"]: BUCKET_TID}
 CSV_COLUMNS = (
     "rank", "stage", "replica", "kind", "step", "microbatch", "start", "end", "duration", "bytes",
     "peer",
@@ -40,7 +42,7 @@ def event_name(e: np.void, direction: str | None = None, chunks: bool = False) -
             return f"{name} wait"  # waiting for a step's outstanding sends
         return f"{name} {direction or ''}{mb}"
     if name in ("allreduce", "optimizer"):
-        return f"{name} s{stage}"
+        return f"{name} s{stage}" + (f" bucket {mb}" if mb >= 0 else "")
     return f"{name} {int(e['step'])}"
 
 
@@ -64,6 +66,7 @@ def to_chrome(trace: Trace) -> dict:
             meta | {"name": "process_sort_index", "args": {"sort_index": pid}},
             meta | {"tid": WORK_TID, "name": "thread_name", "args": {"name": "work"}},
             meta | {"tid": STEP_TID, "name": "thread_name", "args": {"name": "step"}},
+            meta | {"tid": BUCKET_TID, "name": "thread_name", "args": {"name": "gradient buckets"}},
         ]
     for i, e in enumerate(ev):
         args = {
@@ -79,7 +82,7 @@ def to_chrome(trace: Trace) -> dict:
                 "name": event_name(e, direction.get(i), chunks),
                 "cat": KINDS[int(e["kind"])],
                 "pid": int(e["rank"]),
-                "tid": STEP_TID if e["kind"] == KIND["step"] else WORK_TID,
+                "tid": _TID.get(int(e["kind"]), WORK_TID),
                 "ts": float(e["start"]) * 1e6,
                 "dur": float(e["end"] - e["start"]) * 1e6,
                 "args": args,

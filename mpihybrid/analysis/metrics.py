@@ -24,6 +24,9 @@ from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS, step_times
 
 # the columns of the time split, in table order; "recv" is time blocked waiting for a message
 SPLIT = ("forward", "backward", "weight", "recv", "send", "allreduce", "optimizer")
+# what the main thread does; with exposed_comm (its wait for the gradient buckets) and idle
+# these add up to the step, while allreduce and optimizer may run behind them (comm.overlap)
+MAIN_THREAD = ("forward", "backward", "weight", "recv", "send")
 
 
 def _durations(events: np.ndarray) -> np.ndarray:
@@ -242,15 +245,23 @@ def _peak_activations(events: np.ndarray, num_stages: int) -> tuple[list[int], l
 
 def _allreduce_bandwidth(rows: np.ndarray, params: list[int] | None, n: int) -> list[dict]:
     """nccl-tests figures per stage: size = the fp32 gradient, algbw = size / time,
-    busbw = algbw * 2(n-1)/n; time = the mean over steps of the call's shortest duration."""
+    busbw = algbw * 2(n-1)/n; time = the mean over steps of the sum over the stage's buckets
+    (the microbatch column; -1 in traces from before buckets) of each ring's shortest duration.
+    A bucket that overlapped compute shares the core with it: its bandwidth reads low."""
     out = []
     for s in np.unique(rows["stage"]):
         mine = rows[rows["stage"] == s]
         # a ring finishes together: the last rank to arrive waits least, so the shortest
         # duration of one call is the collective's own time (nccl-tests times after a barrier)
-        seconds = float(
-            np.mean([_durations(mine[mine["step"] == t]).min() for t in np.unique(mine["step"])])
-        )
+        per_step = []
+        for t in np.unique(mine["step"]):
+            of_step = mine[mine["step"] == t]
+            buckets = np.unique(of_step["microbatch"])
+            per_step.append(
+                sum(_durations(of_step[of_step["microbatch"] == b]).min() for b in buckets)
+            )
+        seconds = float(np.mean(per_step))
+        calls = len(np.unique(mine[["step", "rank"]]))  # one rank's reduction of one step
         size = 4 * params[s] if params is not None else None
         algbw = size / seconds if size is not None and seconds > 0 else None
         out.append(
@@ -261,7 +272,7 @@ def _allreduce_bandwidth(rows: np.ndarray, params: list[int] | None, n: int) -> 
                 "seconds": seconds,
                 "algbw": algbw,
                 "busbw": algbw * 2 * (n - 1) / n if algbw is not None else None,
-                "wire_bytes": float(mine["bytes"].mean()),  # what one rank sent per call
+                "wire_bytes": float(mine["bytes"].sum() / calls),  # one rank, one step
             }
         )
     return out
@@ -278,6 +289,10 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     ev, attrs = trace.events, trace.attrs
     config = flat_config(trace)
     run = _run_info(attrs, config)
+    run["finished"] = bool(attrs.get("finished", True))
+    run["stopped_at_step"] = attrs.get("stopped_at_step")
+    if not trace.has_actions:
+        return _steps_only(trace, run, config, skip_steps)
     pp, dp, schedule, m = run["pp"], run["dp"], run["schedule"], run["microbatches"]
     v, early = run["virtual_stages"], run["early_grad_send"]
     num_stages = pp * v
@@ -301,6 +316,7 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     run["world_size"] = int(attrs.get("world_size", len(ranks)))
     run["steps"] = len(step_time["per_step"])
     return {
+        "events": "all",
         "run": run,
         "counts": {name: int(len(of[name])) for name in KINDS},
         "ranks": ranks,
@@ -319,6 +335,31 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     }
 
 
+STEPS_ONLY = "steps only"  # analyze()["events"] of a trace.events = false run
+
+
+def _steps_only(trace: Trace, run: dict, config: dict, skip_steps: int) -> dict:
+    """What a trace with one row per rank and step (trace.events = false) can tell: step times,
+    throughput, each rank's step time, quality. No time split, bubble, bytes or memory."""
+    step_rows = trace.events[trace.events["kind"] == KIND["step"]]
+    step_time = _step_time(step_rows, _measured_steps(step_rows, skip_steps))
+    run["world_size"] = int(trace.attrs.get("world_size", len(np.unique(step_rows["rank"]))))
+    run["steps"] = len(step_time["per_step"])
+    ranks = [
+        {"rank": int(r), "step": _sum(step_rows[step_rows["rank"] == r])}
+        for r in np.unique(step_rows["rank"])
+    ]
+    return {
+        "events": STEPS_ONLY,
+        "run": run,
+        "counts": {name: int(np.sum(trace.events["kind"] == KIND[name])) for name in KINDS},
+        "ranks": ranks,
+        "step_time": step_time,
+        "throughput": _throughput(step_rows, config, run["steps"]),
+        "quality": _quality(trace),
+    }
+
+
 def _run_info(attrs: dict, config: dict) -> dict:
     """How the run was laid out, from the trace's attributes (the job as a fallback)."""
     return {
@@ -333,6 +374,23 @@ def _run_info(attrs: dict, config: dict) -> dict:
     }
 
 
+def _exposed(mine: np.ndarray, row: dict) -> dict:
+    """How much of a rank's gradient work (ring + optimizer) the step waited for.
+
+    Traces with grad_wait rows ran the buckets behind the compute (comm.overlap): what the main
+    thread waited after its pipeline is exposed, the rest of the bucket time was hidden. Older
+    traces ran the all-reduce and the optimizer after the pipeline: all of it is exposed.
+    """
+    work = row["allreduce"] + row["optimizer"]
+    wait = mine[mine["kind"] == KIND["grad_wait"]]
+    exposed = _sum(wait) if len(wait) else work
+    return {
+        "exposed_comm": exposed,
+        "hidden_comm": max(0.0, work - exposed),
+        "hidden_fraction": max(0.0, 1.0 - exposed / work) if work > 0 else 0.0,
+    }
+
+
 def _rank_rows(ev: np.ndarray) -> list[dict]:
     """Per rank: seconds in each SPLIT column, the whole steps, idle and busy."""
     ranks = []
@@ -343,7 +401,9 @@ def _rank_rows(ev: np.ndarray) -> list[dict]:
         for name in SPLIT:
             row[name] = _sum(mine[mine["kind"] == KIND[name]])
         row["total"] = _sum(mine[mine["kind"] == KIND["step"]])
-        row["idle"] = max(0.0, row["total"] - sum(row[name] for name in SPLIT))
+        row.update(_exposed(mine, row))
+        main_thread = sum(row[name] for name in MAIN_THREAD) + row["exposed_comm"]
+        row["idle"] = max(0.0, row["total"] - main_thread)
         row["busy"] = row["forward"] + row["backward"] + row["weight"] + row["optimizer"]
         ranks.append(row)
     return ranks

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpihybrid.analysis.metrics import SPLIT
+from mpihybrid.analysis.metrics import SPLIT, STEPS_ONLY
 from mpihybrid.units import human_bytes, human_rate
 
 
@@ -26,6 +26,8 @@ def format_analysis(result: dict) -> str:
     def ms(seconds: float) -> str:  # per step
         return f"{1e3 * seconds / n:.2f}"
 
+    if result.get("events") == STEPS_ONLY:
+        return "\n".join(_steps_only_lines(result, ms))
     lines = _summary_lines(result, ms)
     lines += _time_tables(result, ms)
     lines += _bytes_lines(result)
@@ -43,21 +45,64 @@ def format_analysis(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _run_line(run: dict) -> str:
+    v = f", v={run['virtual_stages']}" if run["virtual_stages"] > 1 else ""
+    v += ", gradients sent before W" if run.get("early_grad_send") else ""
+    return (
+        f"== {run['schedule']}{v}, pp={run['pp']} x dp={run['dp']}, M={run['microbatches']}, "
+        f"codec {run['codec']}, {run['steps']} step{'s' * (run['steps'] != 1)} traced "
+        f"on {run['world_size']} ranks"
+    )
+
+
+def _state_line(run: dict) -> list[str]:
+    """A line saying the run did not finish, when it did not (preempted, stopped or running)."""
+    if run.get("finished", True):
+        return []
+    stopped = run.get("stopped_at_step")
+    if stopped is not None:
+        return [
+            f"state           stopped after step {stopped} (preempted or stopped); traced so far"
+        ]
+    return ["state           not finished: the run is going on or died; its last flush is here"]
+
+
+def _steps_only_lines(result: dict, ms) -> list[str]:
+    """A trace.events = false trace: what it holds and what it cannot show."""
+    st, tp, q = result["step_time"], result["throughput"], result["quality"]
+    lines = [
+        _run_line(result["run"]),
+        *_state_line(result["run"]),
+        "events          one row per rank and step (trace.events = false): step times only; "
+        "no time split, bubble, bytes or activation memory (run with trace.events = true)",
+        f"step time       mean {1e3 * st['mean']:.2f} ms, median {1e3 * st['median']:.2f} ms "
+        f"(step 1 took {1e3 * st['first']:.2f} ms)",
+    ]
+    if tp["samples_per_s"] is not None:
+        lines.append(f"throughput      {tp['samples_per_s']:,.0f} samples/s")
+    if q["final_loss"] is not None:
+        lines.append(
+            f"quality         final loss {q['final_loss']:.4f}, "
+            f"train accuracy {q['train_accuracy']:.3f}"
+        )
+    lines += ["", "step time by rank (ms per step)"]
+    lines += table(["rank", "step ms"], [[str(r["rank"]), ms(r["step"])] for r in result["ranks"]])
+    return lines
+
+
 def _summary_lines(result: dict, ms) -> list[str]:
     """The run, step time, throughput, bubble, quality and the straggler, a line each."""
     run, st, bubble = result["run"], result["step_time"], result["bubble"]
-    v = f", v={run['virtual_stages']}" if run["virtual_stages"] > 1 else ""
-    v += ", gradients sent before W" if run.get("early_grad_send") else ""
-    measured_steps = bubble["steps"]
+    # steps as the progress line counts them: from 1
+    measured_steps = [s + 1 for s in bubble["steps"]]
     span = f"steps {measured_steps[0]}-{measured_steps[-1]}" if measured_steps else "no steps"
     if len(measured_steps) == 1:
         span = f"step {measured_steps[0]}"
     lines = [
-        f"== {run['schedule']}{v}, pp={run['pp']} x dp={run['dp']}, M={run['microbatches']}, "
-        f"codec {run['codec']}, {run['steps']} step{'s' * (run['steps'] != 1)} "
-        f"on {run['world_size']} ranks",
+        _run_line(run),
+        *_state_line(run),
         f"step time       mean {1e3 * st['mean']:.2f} ms, median {1e3 * st['median']:.2f} ms "
-        f"({span}; step 0 took {1e3 * st['first']:.2f} ms)",
+        f"({span}; the first traced step took {1e3 * st['first']:.2f} ms)",
     ]
     tp = result["throughput"]
     if tp["samples_per_s"] is not None:
@@ -93,16 +138,27 @@ def _summary_lines(result: dict, ms) -> list[str]:
 def _time_tables(result: dict, ms) -> list[str]:
     """Time by rank and by stage."""
     run = result["run"]
-    cols = ["forward", "backward", "weight", "recv", "send", "allreduce", "optimizer", "idle"]
-    heads = ["F", "B", "W", "p2p wait", "send", "allreduce", "optim", "idle"]
+    # the main thread's columns add up to the step; all-reduce and optimizer run per bucket,
+    # behind them when comm.overlap is on, and "grad wait" is the part the step waited for
+    cols = ["forward", "backward", "weight", "recv", "send", "exposed_comm", "idle"]
+    heads = ["F", "B", "W", "p2p wait", "send", "grad wait", "idle"]
     rows = [
         [str(r["rank"]), ",".join(map(str, r["stages"])), str(r["replica"])]
         + [ms(r[c]) for c in cols]
         + [ms(r["total"]), f"{r['bubble']:.3f}" if r["bubble"] is not None else "-"]
+        + [ms(r["allreduce"]), ms(r["optimizer"]), f"{100 * r['hidden_fraction']:.0f}%"]
         for r in result["ranks"]
     ]
-    lines = ["", "time by rank (ms per step)"]
-    lines += table(["rank", "stage", "dp", *heads, "step", "bubble"], rows)
+    lines = [
+        "",
+        "time by rank (ms per step; F..idle add up to the step; grad wait = the step waiting for "
+        "its gradient buckets after the pipeline; all-reduce and optim run per bucket, hidden "
+        "= their share behind the compute)",
+    ]
+    lines += table(
+        ["rank", "stage", "dp", *heads, "step", "bubble", "all-reduce", "optim", "hidden"], rows
+    )
+    heads = ["F", "B", "W", "p2p wait", "send", "allreduce", "optim"]
 
     replicas = max(run["dp"], 1)
     rows = [
@@ -112,7 +168,7 @@ def _time_tables(result: dict, ms) -> list[str]:
         for s in result["stages"]
     ]
     lines += ["", "time by stage (one F/B/W in us; totals in ms per step, mean over replicas)"]
-    lines += table(["stage", "F us", "B us", "W us", *heads[:-1]], rows)
+    lines += table(["stage", "F us", "B us", "W us", *heads], rows)
     return lines
 
 
