@@ -430,3 +430,31 @@ def test_bench_codecs_under_mpiexec_prints_once() -> None:
                    "--codecs", "bf16", timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert len([line for line in proc.stdout.splitlines() if line.startswith("bf16")]) == 4
+
+
+# --- device arrays: the references run on the array module of their arguments ---------------
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_codecs_run_on_device_arrays_without_host_copies(name: str) -> None:
+    from tests import fakegpu  # numpy underneath, but refuses to mix host and device arrays
+
+    codec = get_codec(name, block=7)
+    host = get_codec(name, block=7, kernels="numpy")
+    for count in (0, 1, 300, 1001):
+        x = awkward(count, 7, seed=count)
+        acc = normal(count, seed=1)
+        want_wire, want_res = np.empty(host.nbytes(count), np.uint8), np.empty_like(x)
+        host.encode(x, want_wire, want_res)
+        host.decode_add(want_wire, count, acc)
+        dx, dacc = fakegpu.asarray(x), fakegpu.asarray(normal(count, seed=1))
+        wire, res = fakegpu.empty(codec.nbytes(count), np.uint8), fakegpu.empty(count, np.float32)
+        decoded = fakegpu.empty(count, np.float32)
+        before = dict(fakegpu.counts)
+        codec.encode(dx, wire, res)
+        codec.decode(wire, count, decoded)
+        codec.decode_add(wire, count, dacc)
+        assert dict(fakegpu.counts) == before  # nothing crossed between host and device
+        assert_same_bits(wire.get(), want_wire, f"{name} device encode")
+        assert_same_bits(res.get(), want_res, f"{name} device residual")
+        assert_same_bits(dacc.get(), acc, f"{name} device decode-add")

@@ -13,6 +13,9 @@ Two implementations give the same bytes: the numpy references in this file (what
 like; a reference keeps scratch buffers, grown on demand and reused) and the numba kernels of
 codec_kernels.py (one fused pass per operation, no allocation), which run when numba is installed
 (`mpihybrid._numba`). `get_codec(name, kernels="numpy")` gives the references, as the tests use.
+The references call the array module of their arguments (`device.array_module`), so given CuPy
+arrays a codec runs on the GPU and only encoded bytes need to cross PCIe; the kernels take host
+arrays.
 
 Byte layouts (native byte order; every rank of a job shares one machine type):
     fp32  count * float32
@@ -30,10 +33,13 @@ Byte layouts (native byte order; every rank of a job shares one machine type):
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from mpihybrid import _numba
 from mpihybrid.comm import codec_kernels
+from mpihybrid.comm.device import array_module
 
 CODECS = ("fp32", "fp16", "bf16", "int8")
 KERNELS = ("auto", "numpy")  # auto: the numba kernels where numba is enabled
@@ -53,7 +59,7 @@ class Codec:
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         self.fast = kernels == "auto" and _numba.ENABLED
-        self._scratch: dict[str, np.ndarray] = {}
+        self._scratch: dict[tuple[str, str], Any] = {}
 
     def nbytes(self, count: int) -> int:
         raise NotImplementedError
@@ -65,19 +71,19 @@ class Codec:
         _check(out, np.uint8, self.nbytes(len(x)), "out")
         if residual is not None:
             _check(residual, np.float32, len(x), "residual")
-        if self.fast:
+        if self.fast and array_module(x) is np:
             self._encode_fast(x, out, residual)
             return
         self._encode_numpy(x, out)
         if residual is not None:
             self._decode_numpy(out, len(x), residual)
-            np.subtract(x, residual, out=residual)
+            array_module(x).subtract(x, residual, out=residual)
 
     def decode(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         """buf: uint8 1-D of length nbytes(count); out: float32 1-D of length count."""
         _check(buf, np.uint8, self.nbytes(count), "buf")
         _check(out, np.float32, count, "out")
-        if self.fast:
+        if self.fast and array_module(out) is np:
             self._decode_fast(buf, out)
         else:
             self._decode_numpy(buf, count, out)
@@ -86,21 +92,22 @@ class Codec:
         """out += decode(buf), the reduce-scatter hot path."""
         _check(buf, np.uint8, self.nbytes(count), "buf")
         _check(out, np.float32, count, "out")
-        if self.fast:
+        if self.fast and array_module(out) is np:
             self._decode_add_fast(buf, out)
         else:
             self._decode_add_numpy(buf, count, out)
 
     def _decode_add_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
-        tmp = self._buffer("f32", np.float32, count)
+        tmp = self._buffer("f32", np.float32, count, out)
         self._decode_numpy(buf, count, tmp)
         out += tmp
 
-    def _buffer(self, key: str, dtype: type, n: int) -> np.ndarray:
-        """A reusable scratch array of `n` elements (grown, never shrunk)."""
-        buf = self._scratch.get(key)
+    def _buffer(self, key: str, dtype: type, n: int, like: Any) -> Any:
+        """A reusable scratch array of `n` elements where `like` lives (grown, never shrunk)."""
+        xp = array_module(like)
+        buf = self._scratch.get((xp.__name__, key))
         if buf is None or len(buf) < n:
-            buf = self._scratch[key] = np.empty(n, dtype)
+            buf = self._scratch[xp.__name__, key] = xp.empty(n, dtype)
         return buf[:n]
 
     def __repr__(self) -> str:
@@ -159,8 +166,9 @@ class Fp16Codec(Codec):
         with np.errstate(over="ignore"):  # past +-65504 is inf, on purpose
             out.view(np.float16)[:] = x
         # NaN: numpy's cast keeps the payload or quiets it depending on its build; fix one rule
-        if len(x) and np.isnan(x.max()):  # max propagates NaN: one pass, no mask in the usual case
-            nan = np.isnan(x)
+        xp = array_module(x)
+        if len(x) and xp.isnan(x.max()):  # max propagates NaN: one pass, no mask in the usual case
+            nan = xp.isnan(x)
             bits = x.view(np.uint32)[nan]
             half = ((bits >> 16) & 0x8000) | 0x7E00 | ((bits >> 13) & 0x3FF)
             out.view(np.uint16)[nan] = half.astype(np.uint16)
@@ -188,22 +196,23 @@ class Bf16Codec(Codec):
         bits = x.view(np.uint32)
         # round to nearest even: add 0x7FFF plus the lowest kept bit, then drop 16 bits.
         # Infinities stay infinite; a finite value past the bf16 range rounds to inf as in IEEE.
-        t = self._buffer("u32", np.uint32, len(x))
-        np.right_shift(bits, 16, out=t)
+        xp = array_module(x)
+        t = self._buffer("u32", np.uint32, len(x), x)
+        xp.right_shift(bits, 16, out=t)
         t &= 1
         t += 0x7FFF
         t += bits
         t >>= 16
         out16 = out.view(np.uint16)
-        np.copyto(out16, t, casting="unsafe")
+        xp.copyto(out16, t, casting="unsafe")
         # NaN payloads could carry into the exponent and become inf: keep them quiet NaNs
-        if len(x) and np.isnan(x.max()):  # max propagates NaN: one pass, no mask in the usual case
-            nan = np.isnan(x)
+        if len(x) and xp.isnan(x.max()):  # max propagates NaN: one pass, no mask in the usual case
+            nan = xp.isnan(x)
             out16[nan] = (bits[nan] >> 16).astype(np.uint16) | 0x0040
 
     def _decode_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         u32 = out.view(np.uint32)
-        np.copyto(u32, buf.view(np.uint16), casting="unsafe")
+        array_module(out).copyto(u32, buf.view(np.uint16), casting="unsafe")
         u32 <<= 16
 
     def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
@@ -251,45 +260,47 @@ class Int8Codec(Codec):
         if count == 0:
             return
         # scales = per-block absmax
-        work = self._buffer("f32", np.float32, count)
-        np.abs(x, out=work)
+        xp = array_module(x)
+        work = self._buffer("f32", np.float32, count, x)
+        xp.abs(x, out=work)
         full, tail = self._blocks(work)
         nfull = len(full)
-        np.max(full, axis=1, out=scales[:nfull])
+        xp.max(full, axis=1, out=scales[:nfull])
         if len(tail):
             scales[nfull] = tail.max()
-        scales[np.isnan(scales)] = np.nan  # one NaN, whichever payload max() met first
+        scales[xp.isnan(scales)] = np.nan  # one NaN, whichever payload max() met first
         # factor = 127 / scale, and 0 where that is not a finite positive number (zero, tiny,
         # infinite or NaN scale): those blocks get q = 0 and their scale tells the decoder
-        factor = self._buffer("factor", np.float32, len(scales))
+        factor = self._buffer("factor", np.float32, len(scales), x)
         with np.errstate(divide="ignore", over="ignore"):
-            np.divide(np.float32(127), scales, out=factor)
+            xp.divide(np.float32(127), scales, out=factor)
         ok = (factor > 0) & (factor < np.inf)
         factor[~ok] = 0
         xfull, xtail = self._blocks(x)
         wfull, wtail = self._blocks(work)
         with np.errstate(invalid="ignore"):  # inf * 0 = NaN, set to 0 below
-            np.multiply(xfull, factor[:nfull, None], out=wfull)
+            xp.multiply(xfull, factor[:nfull, None], out=wfull)
             if len(tail):
-                np.multiply(xtail, factor[nfull], out=wtail)
+                xp.multiply(xtail, factor[nfull], out=wtail)
         if not ok.all():
-            np.nan_to_num(work, copy=False, nan=0.0, posinf=0.0, neginf=0.0)  # inf * 0
-        np.rint(work, out=work)
-        np.copyto(q, work, casting="unsafe")
+            xp.nan_to_num(work, copy=False, nan=0.0, posinf=0.0, neginf=0.0)  # inf * 0
+        xp.rint(work, out=work)
+        xp.copyto(q, work, casting="unsafe")
 
     def _decode_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         scales, q = self._split(buf, count)
         if count == 0:
             return
-        step = self._buffer("step", np.float32, len(scales))
+        xp = array_module(out)
+        step = self._buffer("step", np.float32, len(scales), out)
         qfull, qtail = self._blocks(q)
         ofull, otail = self._blocks(out)
         nfull = len(qfull)
         with np.errstate(invalid="ignore", over="ignore"):  # a NaN or inf scale: NaN, on purpose
-            np.divide(scales, np.float32(127), out=step)
-            np.multiply(qfull, step[:nfull, None], out=ofull)
+            xp.divide(scales, np.float32(127), out=step)
+            xp.multiply(qfull, step[:nfull, None], out=ofull)
             if len(qtail):
-                np.multiply(qtail, step[nfull], out=otail)
+                xp.multiply(qtail, step[nfull], out=otail)
 
     def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
         codec_kernels.int8_encode(x, out, residual, self.block)
