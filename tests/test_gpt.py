@@ -636,6 +636,8 @@ def test_bench_train_reports_consistent_figures():
         assert t["gemm"] > 0 and t["elementwise"] >= 0 and t["communication"] > 0
         compute = t["gemm"] + t["elementwise"] + t["optimizer"]
         assert compute == pytest.approx(busy[t["rank"]], rel=1e-6)
+        assert 0 <= t["exposed_allreduce"] <= t["communication"]
+        assert 0 <= t["allreduce_hidden"] <= 1
 
 
 @pytest.mark.mpi
