@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.comm.allreduce import RingAllreduce
+from mpihybrid.comm.allreduce import DEFAULT_SEGMENT, RingAllreduce
 from mpihybrid.comm.codecs import CODECS, get_codec
 from mpihybrid.units import human_bytes
 
@@ -64,12 +64,17 @@ def _row(size: int, codec: str, impl: str, seconds: float, n: int, wire: int | N
 
 
 def bench_allreduce(
-    comm: MPI.Comm, sizes_bytes: list[int], codecs: list[str], repeats: int = 5, warmup: int = 2
+    comm: MPI.Comm,
+    sizes_bytes: list[int],
+    codecs: list[str],
+    repeats: int = 5,
+    warmup: int = 2,
+    segment: int = DEFAULT_SEGMENT,
 ) -> list[dict]:
     """One row per (size, implementation): MPI's Allreduce first, then the ring for each codec.
 
-    Both compute a sum (op="sum"), the ring with error feedback as training uses it. Every rank
-    returns the same rows.
+    Both compute a sum (op="sum"), the ring with error feedback as training uses it, cutting its
+    chunks into messages of `segment` elements. Every rank returns the same rows.
     """
     for name in codecs:
         get_codec(name)  # reject unknown names before any timing
@@ -90,7 +95,7 @@ def bench_allreduce(
         native_time = _median_time(comm, native, reset, repeats, warmup)
         rows.append(_row(count * 4, "fp32", "mpi", native_time, n, None))
         for name in codecs:
-            ring = RingAllreduce(comm, count, get_codec(name))
+            ring = RingAllreduce(comm, count, get_codec(name), segment=segment)
             sent = []
 
             def call(ring=ring, flat=flat, sent=sent) -> None:

@@ -357,7 +357,13 @@ def bench() -> None:
 )
 @click.option("--codecs", default=None, help="Comma list of codecs (default: every codec).")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
-def bench_allreduce(sizes, codecs, repeats) -> None:
+@click.option(
+    "--segment-kb",
+    type=click.IntRange(min=1),
+    default=None,
+    help="KiB of float32 per ring message (default: comm.segment_kb's default).",
+)
+def bench_allreduce(sizes, codecs, repeats, segment_kb) -> None:
     """Hand-written ring vs MPI's own Allreduce: time, algbw, busbw, bytes on the wire."""
     from mpi4py import MPI
 
@@ -377,7 +383,8 @@ def bench_allreduce(sizes, codecs, repeats) -> None:
     unknown = [c for c in codec_list if c not in CODECS]
     if unknown:
         _fail(f"unknown codec {unknown[0]!r}; choose from {', '.join(CODECS)}", rank)
-    rows = run(MPI.COMM_WORLD, size_list, codec_list, repeats=repeats)
+    segment = {} if segment_kb is None else {"segment": 256 * segment_kb}
+    rows = run(MPI.COMM_WORLD, size_list, codec_list, repeats=repeats, **segment)
     if MPI.COMM_WORLD.rank == 0:
         click.echo(format_table(rows))
 
