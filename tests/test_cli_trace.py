@@ -119,10 +119,10 @@ def test_timeline_png_has_the_expected_size(trace_path, tmp_path):
     out = tmp_path / "last.png"
     proc = cli("timeline", trace_path, "-o", out)
     assert proc.returncode == 0, proc.stderr
-    assert f"step {STEPS - 1}" in proc.stdout  # the last step by default
+    assert f"step {STEPS})" in proc.stdout  # the last step by default, counted from 1
     assert png_size(out) == (1400, 150 + 50 * PP * DP)  # WIDTH_PX, HEADER_PX + ROW_PX per rank
     first = tmp_path / "first.png"
-    assert cli("timeline", trace_path, "-o", first, "--steps", "0:2").returncode == 0
+    assert cli("timeline", trace_path, "-o", first, "--steps", "1:3").returncode == 0
     assert png_size(first) == png_size(out) and first.read_bytes() != out.read_bytes()
     assert not list(tmp_path.glob(".*.tmp"))  # written through a temporary, nothing left over
 
@@ -134,7 +134,7 @@ def test_timeline_default_output_and_bad_steps(trace_path, tmp_path):
     assert cli("timeline", run, "--step", "1").returncode == 0
     assert png_size(tmp_path / "copy.png")[0] == 1400
     assert failed(cli("timeline", run, "--step", "1"), "already exists")
-    assert failed(cli("timeline", run, "--step", str(STEPS)), f"steps 0..{STEPS - 1}")
+    assert failed(cli("timeline", run, "--step", str(STEPS + 1)), f"steps 1..{STEPS}")
     assert failed(cli("timeline", run, "--steps", "x:y"), "expected N or A:B")
 
 

@@ -33,9 +33,10 @@ COLOURS = {
 
 
 def step_range(trace: Trace, spec: str | int | None) -> range:
-    """The steps to draw: None = the last step, N = step N, "A:B" = A .. B-1 (either may be
-    left out); ValueError naming the steps the trace holds when the selection is empty."""
-    steps = trace.events["step"][trace.events["step"] >= 0]
+    """The steps to draw, as the trace numbers them (from 0), chosen by `spec` in the numbers
+    users see (from 1, as the progress line): None = the last step, N = step N, "A:B" = A .. B-1
+    (either may be left out); ValueError naming the steps the trace holds when none is chosen."""
+    steps = trace.events["step"][trace.events["step"] >= 0] + 1
     if not len(steps):
         raise ValueError("the trace holds no steps")
     first, last = int(steps.min()), int(steps.max())
@@ -53,10 +54,17 @@ def step_range(trace: Trace, spec: str | int | None) -> range:
                 chosen = range(int(text), int(text) + 1)
         except ValueError:
             raise ValueError(f"steps {spec!r}: expected N or A:B, e.g. 2:5") from None
-    kept = range(max(chosen.start, first), min(chosen.stop, last + 1))
+    kept = range(max(chosen.start, first) - 1, min(chosen.stop, last + 1) - 1)
     if not len(kept):
         raise ValueError(f"steps {spec}: the trace holds steps {first}..{last}")
     return kept
+
+
+def steps_text(steps: range) -> str:
+    """'step 3' or 'steps 3-5', counted from 1 (a range of the trace's steps, from 0)."""
+    if len(steps) == 1:
+        return f"step {steps.start + 1}"
+    return f"steps {steps.start + 1}-{steps[-1] + 1}"
 
 
 def _rank_labels(events: np.ndarray, pp: int) -> dict[int, str]:
@@ -84,7 +92,11 @@ def render_png(trace: Trace, steps: range) -> bytes:
     pp = int(trace.attrs.get("pp", 1))
     labels = _rank_labels(ev, pp)
     ranks = sorted(labels)
-    rows = ev[np.isin(ev["step"], list(steps)) & (ev["kind"] != KIND["step"])]
+    # a trace.events = false trace has only whole steps: draw those, and say so
+    only_steps = not trace.has_actions
+    colours = {"step": "#8c8c8c"} if only_steps else COLOURS
+    is_step = ev["kind"] == KIND["step"]
+    rows = ev[np.isin(ev["step"], list(steps)) & (is_step if only_steps else ~is_step)]
     t0 = float(rows["start"].min()) if len(rows) else 0.0
     t1 = float(rows["end"].max()) if len(rows) else 1.0
     scale = 1e3  # ms on the axis
@@ -97,7 +109,7 @@ def render_png(trace: Trace, steps: range) -> bytes:
     # a label fits when its bar is at least ~14 px wide
     min_width = (t1 - t0) * 14 / (0.86 * WIDTH_PX)
     y_of = {r: i for i, r in enumerate(ranks)}
-    _draw_bars(ax, rows, y_of, t0, scale, min_width)
+    _draw_bars(ax, rows, y_of, t0, scale, min_width, colours)
     for step in steps:  # dashed line where each step starts on its first rank
         starts = ev["start"][(ev["step"] == step) & (ev["kind"] == KIND["step"])]
         if len(starts):
@@ -105,27 +117,33 @@ def render_png(trace: Trace, steps: range) -> bytes:
     ax.set_yticks(range(len(ranks)), [labels[r] for r in ranks], fontsize=8)
     ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_xlim(0, (t1 - t0) * scale)
-    ax.set_xlabel(f"ms since step {steps.start} began", fontsize=8)
-    shown = [n for n in COLOURS if np.any(rows["kind"] == KIND[n])]
-    ax.legend(
-        handles=[Patch(color=COLOURS[n], label=n) for n in shown],
-        loc="lower left",
-        bbox_to_anchor=(0, 1.0),
-        ncol=len(shown),
-        fontsize=8,
-        frameon=False,
+    ax.set_xlabel(f"ms since step {steps.start + 1} began", fontsize=8)
+    shown = [n for n in colours if np.any(rows["kind"] == KIND[n])]
+    if shown:
+        ax.legend(
+            handles=[Patch(color=colours[n], label=n) for n in shown],
+            loc="lower left",
+            bbox_to_anchor=(0, 1.0),
+            ncol=len(shown),
+            fontsize=8,
+            frameon=False,
+        )
+    a = trace.attrs
+    title = (
+        f"{a.get('schedule', '')}, pp={a.get('pp', '?')} x dp={a.get('dp', '?')}, "
+        f"M={a.get('microbatches', '?')}, codec {a.get('codec', '?')}: {steps_text(steps)}"
     )
-    what = f"step {steps.start}" if len(steps) == 1 else f"steps {steps.start}-{steps[-1]}"
-    schedule = trace.attrs.get("schedule", "")
-    ax.set_title(f"{schedule} {what}", loc="right", fontsize=9)
+    if only_steps:
+        title += " (trace.events = false: whole steps only, no F/B/W)"
+    ax.set_title(title, loc="right", fontsize=9)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)
     return buf.getvalue()
 
 
-def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, min_width: float):
+def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, min_width, colours):
     """A bar per event in its kind's colour; micro-batch numbers on the F/B/W bars wide enough."""
-    for name, colour in COLOURS.items():
+    for name, colour in colours.items():
         sel = rows[rows["kind"] == KIND[name]]
         if not len(sel):
             continue
@@ -163,10 +181,15 @@ def ascii_timeline(trace: Trace, step: int, replica: int = 0) -> str:
     the order they started, drawn by simulate.render_grid (one grid step per action)."""
     pp = int(trace.attrs.get("pp", 1))
     v = int(trace.attrs.get("virtual_stages", 1))
+    if not trace.has_actions:
+        raise ValueError(
+            "the trace holds one row per rank and step (trace.events = false), not the order of "
+            "F/B/W: draw the steps with `timeline -o OUT.png`, or train with trace.events = true"
+        )
     rows = compute_rows(trace.events, step, replica)
     if not len(rows):
-        raise ValueError(f"no F/B/W events for step {step}, replica {replica}")
+        raise ValueError(f"no F/B/W events for step {step + 1}, replica {replica}")
     world = {stage_rank(int(e["stage"]), pp, v): int(e["rank"]) for e in rows}
     ranks = ", ".join(f"{p} = world {world[p]}" for p in sorted(world))
-    head = f"step {step}, replica {replica}: F/B/W in the order they started (pp rank {ranks})"
+    head = f"step {step + 1}, replica {replica}: F/B/W in the order they started (pp rank {ranks})"
     return head + "\n" + grid_as_run(trace.events, pp, v, step, replica)

@@ -71,15 +71,15 @@ def analyze(run, as_json) -> None:
 @click.command()
 @click.argument("run", metavar="RUN.h5")
 @click.option("-o", "--output", metavar="OUT.png", help="PNG to write (default: RUN.png).")
-@click.option("--step", type=int, help="The step to draw (default: the last).")
-@click.option("--steps", "step_span", metavar="A:B", help="Draw steps A..B-1, e.g. 2:5.")
+@click.option("--step", type=int, help="The step to draw, from 1 (default: the last).")
+@click.option("--steps", "step_span", metavar="A:B", help="Draw steps A..B-1 (from 1), e.g. 2:5.")
 @click.option("--ascii", "as_ascii", is_flag=True, help="Print the step x rank grid instead.")
 @click.option("--replica", type=int, default=0, show_default=True, help="Replica for --ascii.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
 def timeline(run, output, step, step_span, as_ascii, replica, overwrite) -> None:
     """Gantt chart of RUN.h5: one row per rank, a colour per event kind, micro-batch numbers on
     the F/B/W bars; or, with --ascii, the step x rank grid of the order each rank ran."""
-    from mpihybrid.analysis.timeline import ascii_timeline, step_range, write_png
+    from mpihybrid.analysis.timeline import ascii_timeline, step_range, steps_text, write_png
 
     if step is not None and step_span is not None:
         _fail("give --step or --steps, not both")
@@ -102,8 +102,7 @@ def timeline(run, output, step, step_span, as_ascii, replica, overwrite) -> None
         _write(lambda: write_png(trace, out, steps, overwrite))
     except ImportError as exc:
         _fail(str(exc))
-    what = f"step {steps.start}" if len(steps) == 1 else f"steps {steps.start}-{steps[-1]}"
-    click.echo(f"wrote {out} ({what})")
+    click.echo(f"wrote {out} ({steps_text(steps)})")
 
 
 @click.command()
@@ -177,4 +176,15 @@ def compare(runs) -> None:
         metric("train accuracy", lambda r: r["quality"]["train_accuracy"], "{:.3f}".format),
         metric("held-out accuracy", lambda r: r["quality"]["test_accuracy"], "{:.3f}".format),
     ]
-    click.echo("\n".join(table(["", *(Path(r).name for r in runs)], rows)))
+    click.echo("\n".join(table(["", *short_labels(runs)], rows)))
+
+
+def short_labels(paths: list[str]) -> list[str]:
+    """Each path's last few components, as few as keep the labels apart (runs/a/trace.h5 and
+    runs/b/trace.h5 -> a/trace.h5, b/trace.h5); the whole path when nothing shorter does."""
+    parts = [Path(p).resolve().parts for p in paths]
+    for n in range(1, max(len(p) for p in parts) + 1):
+        labels = [str(Path(*p[-n:])) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]
