@@ -6,7 +6,8 @@
 
 Runs M micro-batches of forward, then backward_input + backward_weight, as a pipeline stage
 does (activations of all M alive at once), a few times, on one core; prints ms per micro-batch
-summed over the layers of each type, largest first, and the optimizer step.
+summed over the layers of each type, largest first (the last chunk's loss included), and the
+optimizer step. `MPIHYBRID_KERNELS=numpy` profiles the numpy references instead of the kernels.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import time
 
 import numpy as np
 
+from mpihybrid import _numba
 from mpihybrid.comm.device import keep_freed_host_memory
 from mpihybrid.config import load_job
 from mpihybrid.nn.data import build_task, microbatches
+from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
 from mpihybrid.nn.optim import build_optimizer
 from mpihybrid.nn.transformer import Residual
@@ -74,13 +77,15 @@ def main() -> None:
     totals: dict = collections.defaultdict(float)
     for layer in stage.layers:
         timed(layer, totals)
+    last = args.chunk == chunks - 1
+    loss_fn = SoftmaxCrossEntropy()
     for repeat in range(args.repeats + 1):
         if repeat == 1:  # the first pass warms up
             totals.clear()
             start = time.perf_counter()
         caches = [stage.forward(xb) for xb in inputs]
-        for out, cache in caches:
-            dy = np.full(out.shape, 1e-3, np.float32)
+        for (out, cache), (_, targets) in zip(caches, batches, strict=True):
+            dy = _loss_gradient(loss_fn, out, targets, totals) if last else np.full_like(out, 1e-3)
             _, wcache = stage.backward_input(dy, cache, need_dx=args.chunk > 0)
             stage.backward_weight(wcache)
     per_mb = (time.perf_counter() - start) / args.repeats / m
@@ -89,12 +94,23 @@ def main() -> None:
     for _ in range(args.repeats):
         optimizer.step(stage.flat_grads)
     opt = (time.perf_counter() - t0) / args.repeats
+    print(f"kernels: {_numba.describe()}")
     print(f"chunk {args.chunk} of {chunks}: {stage.num_params:,} parameters, "
           f"F+B+W {1e3 * per_mb:.1f} ms per micro-batch, {job.train.optimizer} step "
           f"{1e3 * opt:.1f} ms")  # fmt: skip
     for (name, method), seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
         if seconds:
             print(f"  {name:<28} {method:<16} {1e3 * seconds / args.repeats / m:7.2f} ms")
+
+
+def _loss_gradient(loss_fn, logits: np.ndarray, targets: np.ndarray, totals: dict) -> np.ndarray:
+    """The loss's forward and backward on the logits (in place, as the runtime does), timed."""
+    start = time.perf_counter()
+    _, cache = loss_fn.forward(logits, targets)
+    loss_fn.correct(cache)
+    dy = loss_fn.backward(cache)
+    totals[("SoftmaxCrossEntropy", "forward+backward")] += time.perf_counter() - start
+    return dy
 
 
 def job_world(path: str) -> int:

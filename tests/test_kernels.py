@@ -13,7 +13,7 @@ import pytest
 
 from mpihybrid import _numba
 from mpihybrid.nn import kernels
-from mpihybrid.nn.layers import GELU, LayerNorm
+from mpihybrid.nn.layers import GELU, LayerNorm, SoftmaxCrossEntropy
 from mpihybrid.nn.optim import AdamW
 from mpihybrid.nn.transformer import CausalAttention
 
@@ -112,6 +112,29 @@ def test_causal_attention_forward_backward():
     fast, reference = both(run)
     assert_close("attention", fast, reference, atol=1e-6)
     assert np.all(np.triu(fast[1], k=1) == 0)  # nothing above the diagonal
+
+
+def test_cross_entropy_forward_backward():
+    rng = _rng()
+    logits = (rng.standard_normal((b, T, 1000)) * 4).astype(np.float32)
+    logits[0, 0, :] = -200.0  # a flat row, and one far below the rest: exp's clamp at -87
+    logits[0, 0, 3] = 50.0
+    targets = rng.integers(0, 1000, (b, T))
+
+    def run():
+        loss_fn = SoftmaxCrossEntropy()
+        loss, cache = loss_fn.forward(logits.copy(), targets)
+        exps = cache[0].copy()
+        correct = loss_fn.correct(cache)
+        return loss, exps, correct, loss_fn.backward(cache, 0.5)
+
+    (loss, exps, correct, grad), (ref_loss, ref_exps, ref_correct, ref_grad) = both(run)
+    rel = float(np.abs(exps - ref_exps).max())  # the exponentials are <= 1
+    print(f"cross-entropy: loss {loss:.6f} vs {ref_loss:.6f}, exps max abs diff {rel:.2e}")
+    assert abs(loss - ref_loss) <= 1e-5 and correct == ref_correct
+    np.testing.assert_allclose(exps, ref_exps, rtol=2e-6, atol=1e-37)
+    # the gradient is (softmax - onehot) * 0.5 / 128: rtol 2e-6 of 4e-3
+    assert_close("cross-entropy grad", (grad,), (ref_grad,), atol=1e-8)
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
