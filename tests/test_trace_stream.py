@@ -160,3 +160,16 @@ def test_a_preempted_run_keeps_its_trace_and_the_resumed_run_continues_it(tmp_pa
     np.testing.assert_array_equal(trace_after.steps["loss"][:n], stopped.steps["loss"])
     assert sorted(set(trace_after.events["step"].tolist())) == list(range(n + 3))
     assert np.all(np.diff(trace_after.events["start"]) >= 0)
+
+
+def test_more_ranks_than_cores_is_warned_once_with_the_numbers(caplog):
+    from mpihybrid.train import loop
+
+    assert loop.oversubscribed([("a", 2), ("a", 2), ("b", 4)]) is None
+    message = loop.oversubscribed([("vm", 2)] * 12)
+    assert "12 ranks on vm, which has 2 cores" in message and "at most 2 ranks" in message
+    loop._oversubscription_told = False
+    with caplog.at_level("WARNING", logger="mpihybrid"):
+        loop.warn_oversubscribed([("vm", 2)] * 3)
+        loop.warn_oversubscribed([("vm", 2)] * 3)
+    assert [r.getMessage().startswith("oversubscribed: 3 ranks") for r in caplog.records] == [True]

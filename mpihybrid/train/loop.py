@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import platform
 import signal
 import socket
@@ -227,13 +228,45 @@ def _build_trace(job: Job, world: MPI.Comm, dp_rank: int, num_actions: int):
     # rows per step: the actions plus a few (all-reduce, optimizer, step, the sends' wait)
     held_steps = min(max(t.steps, 1), tr.flush_steps if tr.path and tr.flush_steps else 64)
     recorder = recorder_cls(world.rank, dp_rank, (num_actions + 8) * held_steps, window)
-    hostnames = world.gather(socket.gethostname(), root=0)
+    hosts = world.gather((socket.gethostname(), os.cpu_count() or 1), root=0)
+    hostnames = [name for name, _ in hosts] if hosts else None
+    if world.rank == 0:
+        warn_oversubscribed(hosts)
     writer = None
     if tr.path and world.rank == 0:
         attrs = _run_attrs(world, job, hostnames)
         writer = TraceWriter(tr.path, config=to_toml(job), attrs=attrs, overwrite=tr.overwrite)
     stream = TraceStream(world, recorder, writer, bool(tr.path), tr.flush_steps, tr.flush_seconds)
     return recorder, stream
+
+
+_oversubscription_told = False  # warn once per process (a sweep trains many times)
+
+
+def oversubscribed(hosts: list[tuple[str, int]]) -> str | None:
+    """The warning for (hostname, cores) of every rank when a host has more ranks than cores."""
+    ranks: dict[str, int] = {}
+    cores: dict[str, int] = {}
+    for name, n in hosts:
+        ranks[name] = ranks.get(name, 0) + 1
+        cores[name] = n
+    worst = max(ranks, key=lambda h: ranks[h] / cores[h])
+    if ranks[worst] <= cores[worst]:
+        return None
+    return (
+        f"oversubscribed: {ranks[worst]} ranks on {worst}, which has {cores[worst]} cores: ranks "
+        "wait for a core, so step times and bubbles measure the machine, not the schedule. Run "
+        f"at most {cores[worst]} ranks per host (a smaller grid: --set grid.pp=... grid.dp=...) "
+        "or read the figures as oversubscribed."
+    )
+
+
+def warn_oversubscribed(hosts: list[tuple[str, int]]) -> None:
+    global _oversubscription_told
+    message = oversubscribed(hosts)
+    if message and not _oversubscription_told:
+        log.warning("%s", message)
+        _oversubscription_told = True
 
 
 def _train_step(
