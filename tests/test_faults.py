@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from collections import namedtuple
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -145,3 +147,30 @@ def test_nonfinite_gradient_sum_flags_nan_and_inf():
     grads[1][17], grads[2][999] = np.nan, -np.inf
     run = Run({s: Stage(g) for s, g in grads.items()})
     assert _nonfinite_stages(run) == [1, 2]
+
+
+def test_commit_fsyncs_files_manifest_directory_and_parent(tmp_path, monkeypatch):
+    """After a node crash a renamed step-N/ must not hold empty files: every file, the manifest,
+    the directory and its parent are flushed before (and after) the rename."""
+    synced = []
+    real_fsync, real_open = os.fsync, os.open
+    names = {}
+
+    def recording_open(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        names[fd] = Path(path)
+        return fd
+
+    def recording_fsync(fd):
+        synced.append(names.get(fd))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    partial = checkpoint.new_partial(tmp_path, 2)
+    (partial / "stage-000.h5").write_bytes(b"weights")
+    final = checkpoint.commit(tmp_path, partial, 2, {"format": checkpoint.FORMAT}, keep=2)
+    synced_names = {p.name for p in synced if p is not None}
+    assert {"stage-000.h5", partial.name, tmp_path.name} <= synced_names, synced_names
+    assert any(p is not None and p.name.startswith(".manifest.json") for p in synced)
+    assert (final / "manifest.json").is_file()
