@@ -80,6 +80,7 @@ class DeviceArray(np.ndarray):
 
     def get(self, out: np.ndarray | None = None) -> np.ndarray:
         counts["to_host"] += 1
+        counts["to_host_bytes"] += self.nbytes
         host = self.view(np.ndarray)
         if out is None:
             return host.copy()
@@ -88,6 +89,7 @@ class DeviceArray(np.ndarray):
 
     def set(self, host: np.ndarray) -> None:
         counts["to_device"] += 1
+        counts["to_device_bytes"] += self.nbytes
         if not _is_host(host) or host.shape != self.shape:
             raise TypeError(f"set() takes a host array of shape {self.shape}")
         np.copyto(self.view(np.ndarray), host)

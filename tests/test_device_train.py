@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from mpihybrid import _numba
+from mpihybrid.comm.codecs import CODECS
 from mpihybrid.config import ConfigError, load_job
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
@@ -218,3 +219,20 @@ def test_cuda_seed_job_on_a_real_gpu(real_gpu):
           f"final loss {run['losses'][-1]:.5f}")  # fmt: skip
     assert run["device"].startswith("cuda:")
     assert run["test_accuracy"] >= 0.95 and run["replica_max_diff"] == 0.0
+
+
+@pytest.mark.mpi
+def test_ring_on_the_device_sends_only_encoded_bytes():
+    """The gradient ring on device arrays (host staging): the same bits as on the host, the
+    residual kept on the device, and to the host only what goes on the wire."""
+    runs = results(run_mpi(2, "tests/_mpi_device_ring.py", timeout=120))
+    assert [r["codec"] for r in runs] == list(CODECS)
+    for run in runs:
+        for rank in run["ranks"]:
+            label = f"{run['codec']}: {rank}"
+            assert rank["same_bits"] and rank["residual_on_device"], label
+            # the ring's own messages (the result is left on the device), plus the vector's
+            # copy the test itself takes (`.get()` comes after the count)
+            assert rank["to_host_bytes"] == rank["sent_bytes"], label
+            if run["codec"] == "int8":
+                assert rank["sent_bytes"] < 0.27 * rank["vector_bytes"], label

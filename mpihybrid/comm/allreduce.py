@@ -17,6 +17,10 @@ is still on the wire and k - 1 is being encoded for the next step. Every receive
 posted before its data can arrive, so no send waits on the receiver reaching its loop, whatever
 MPI's eager limit. All buffers are allocated once, in __init__.
 
+Where the vector lives: on a GPU (`backend`, comm.device.Backend) the codecs run on the device
+and the wire buffers live there too; without CUDA-aware MPI each message goes through the
+backend's persistent host staging, so only encoded bytes cross PCIe. On the CPU nothing is copied.
+
 Compressed (lossy codec): every segment that goes on the wire is encoded once, by the rank that
 computed it. In the all-gather the owner encodes its reduced chunk once and those exact bytes go
 round the ring unchanged; every rank, the owner included, decodes the same bytes, so all replicas
@@ -34,6 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid.comm.codecs import Codec
+from mpihybrid.comm.device import CPU, Backend
 
 # the ring's message tags on dp_comm (its own communicator: no clash with pipeline tags)
 TAG_REDUCE_SCATTER = 101
@@ -67,12 +72,13 @@ class RingAllreduce:
         error_feedback: bool = True,
         segment: int = DEFAULT_SEGMENT,
         residual: np.ndarray | None = None,
+        backend: Backend = CPU,
     ) -> None:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         if segment < 1:
             raise ValueError(f"segment must be >= 1 element, got {segment}")
-        self.dp_comm = dp_comm
+        self.dp_comm, self.backend = dp_comm, backend
         self.count = count
         self.codec = codec
         self.dp_rank = dp_comm.Get_rank()
@@ -83,7 +89,7 @@ class RingAllreduce:
         self.compress = codec.lossy and self.dp_size > 1 and count > 0
         self.residual: np.ndarray | None = None
         if codec.lossy and error_feedback:
-            self.residual = np.zeros(count, np.float32) if residual is None else residual
+            self.residual = backend.zeros(count, np.float32) if residual is None else residual
             if self.residual.shape != (count,) or self.residual.dtype != np.float32:
                 raise ValueError(f"residual must be float32 of length {count}")
         self._layout(segment)
@@ -106,10 +112,10 @@ class RingAllreduce:
         self.chunk_nbytes = [sum(s[3] for s in segs) for segs in self.segments]
         # compressed: the wire holds every chunk's encoded segments (sent, or received and
         # forwarded); fp32 sends from the vector and receives the reduce-scatter into recv_buf
-        self.wire = np.empty(offset if self.compress else 0, np.uint8)
+        self.wire = self.backend.empty(offset if self.compress else 0, np.uint8)
         # the reduce-scatter receives step s into half s % 2 (two steps may be in flight)
         half = max((self._span(c) for c in range(p)), default=0)
-        self.recv_buf = np.empty(2 * half if p > 1 else 0, np.uint8)
+        self.recv_buf = self.backend.empty(2 * half if p > 1 else 0, np.uint8)
         self._recv_half = half
 
     def _span(self, c: int) -> int:
@@ -166,11 +172,18 @@ class RingAllreduce:
         if op == "mean":
             flat /= self.dp_size
 
-    def _send(self, buf: np.ndarray, tag: int) -> MPI.Request:
-        return self.dp_comm.Isend([buf, MPI.BYTE], self.next_rank, tag)
+    def _send(self, buf: np.ndarray, tag: int, key: tuple) -> MPI.Request:
+        """Isend `buf` (through the backend's host copy for `key` on a staging GPU)."""
+        wire = self.backend.mpi_send_buffer(buf, ("ring", id(self), *key))
+        return self.dp_comm.Isend([wire, MPI.BYTE], self.next_rank, tag)
 
-    def _recv(self, buf: np.ndarray, tag: int) -> MPI.Request:
-        return self.dp_comm.Irecv([buf, MPI.BYTE], self.prev_rank, tag)
+    def _recv(self, buf: np.ndarray, tag: int, key: tuple) -> MPI.Request:
+        """Irecv into `buf`, or its host buffer for `key`: then _received(buf, key) after it."""
+        wire = self.backend.mpi_recv_buffer(buf, ("ring", id(self), *key))
+        return self.dp_comm.Irecv([wire, MPI.BYTE], self.prev_rank, tag)
+
+    def _received(self, buf: np.ndarray, key: tuple) -> None:
+        self.backend.finish_recv(buf, ("ring", id(self), *key))
 
     def _reduce_scatter(self, flat: np.ndarray) -> Iterator[MPI.Request]:
         """Pass partial sums round the ring; each hop adds its own contribution."""
@@ -179,9 +192,15 @@ class RingAllreduce:
 
         def post(s: int) -> list[MPI.Request]:
             c = recv_chunk[s]
-            return [self._recv(self._recv_slot(s, c, k), tag) for k in range(len(self.segments[c]))]
+            return [
+                self._recv(self._recv_slot(s, c, k), tag, ("rs", c, k))
+                for k in range(len(self.segments[c]))
+            ]
 
-        sends = [self._send(self._encode(flat, r, k), tag) for k in range(len(self.segments[r]))]
+        sends = [
+            self._send(self._encode(flat, r, k), tag, ("rs", r, k))
+            for k in range(len(self.segments[r]))
+        ]
         sent = self.chunk_nbytes[r]
         pending = post(0)
         for s in range(p - 1):
@@ -191,9 +210,10 @@ class RingAllreduce:
             for k, request in enumerate(pending):
                 yield request
                 lo, hi, _, _ = self.segments[c][k]
+                self._received(self._recv_slot(s, c, k), ("rs", c, k))
                 self.codec.decode_add(self._recv_slot(s, c, k), hi - lo, flat[lo:hi])
                 if s + 1 < p - 1:  # this segment is what we pass on next step
-                    sends.append(self._send(self._encode(flat, c, k), tag))
+                    sends.append(self._send(self._encode(flat, c, k), tag, ("rs", c, k)))
             if s + 1 < p - 1:
                 sent += self.chunk_nbytes[c]
             pending = following
@@ -208,12 +228,15 @@ class RingAllreduce:
         recv_chunk = [(r - s) % p for s in range(p - 1)]
         # every chunk is received once, into its own place: post them all now
         pending = [
-            [self._recv(self._landing(flat, c, k), tag) for k in range(len(self.segments[c]))]
+            [
+                self._recv(self._landing(flat, c, k), tag, ("ag", c, k))
+                for k in range(len(self.segments[c]))
+            ]
             for c in recv_chunk
         ]
         sends = []
         for k in range(len(self.segments[own])):
-            sends.append(self._send(self._encode(flat, own, k), tag))
+            sends.append(self._send(self._encode(flat, own, k), tag, ("ag", own, k)))
             if self.compress:  # the owner decodes its own bytes, like everyone else
                 self._decode(flat, own, k)
         sent = self.chunk_nbytes[own]
@@ -221,8 +244,9 @@ class RingAllreduce:
             c = recv_chunk[s]
             for k, request in enumerate(pending[s]):
                 yield request
+                self._received(self._landing(flat, c, k), ("ag", c, k))
                 if s + 1 < p - 1:  # forward the bytes as they came
-                    sends.append(self._send(self._landing(flat, c, k), tag))
+                    sends.append(self._send(self._landing(flat, c, k), tag, ("ag", c, k)))
                 if self.compress:
                     self._decode(flat, c, k)
             if s + 1 < p - 1:

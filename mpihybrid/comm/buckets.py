@@ -37,6 +37,7 @@ from mpi4py import MPI
 
 from mpihybrid.comm.allreduce import DEFAULT_SEGMENT, RingAllreduce
 from mpihybrid.comm.codecs import Codec
+from mpihybrid.comm.device import CPU, Backend
 
 PROGRESS = ("thread", "poll", "off")
 
@@ -87,11 +88,12 @@ class Reducer:
         n = flat_grads.size
         self.buckets = bucket_ranges(param_ranges, bucket_bytes) if n else []
         # one residual for the stage (what checkpoints keep); each ring works on its slice
-        self.residual = np.zeros(n, np.float32) if codec.lossy and error_feedback else None
+        lossy = codec.lossy and error_feedback
+        self.residual = owner.backend.zeros(n, np.float32) if lossy else None
         self.rings = [
             RingAllreduce(
                 owner.dp_comm, hi - lo, codec, error_feedback, segment,
-                None if self.residual is None else self.residual[lo:hi],
+                None if self.residual is None else self.residual[lo:hi], owner.backend,
             )
             for lo, hi in self.buckets
         ]  # fmt: skip
@@ -134,13 +136,20 @@ class GradientComm:
     """The rank's gradient communication: its reducers and how their rings make progress."""
 
     def __init__(
-        self, dp_comm: MPI.Comm, progress: str = "thread", segment: int = DEFAULT_SEGMENT
+        self,
+        dp_comm: MPI.Comm,
+        progress: str = "thread",
+        segment: int = DEFAULT_SEGMENT,
+        backend: Backend = CPU,
     ) -> None:
+        """backend: where the gradients live; a GPU's rings encode on the device and MPI sees
+        only the encoded bytes (comm.allreduce)."""
         if progress not in PROGRESS:
             raise ValueError(f"comm.overlap = {progress!r}: choose one of {', '.join(PROGRESS)}")
         if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             progress = "poll"  # this MPI cannot take calls from two threads at once
         self.dp_comm, self.progress, self.segment = dp_comm, progress, segment
+        self.backend = backend
         self.reducers: list[Reducer] = []
         self.events: list[BucketEvent] = []
         self._todo: list[tuple[Reducer, int]] = []  # poll: queued, not started

@@ -112,7 +112,7 @@ def save_rank(partial: Path, s: int, dp_rank: int, stage, optimizer, ring, step:
     if ring.residual is not None:
         digests |= _write_h5(
             partial / f"residual-s{s:03d}-r{dp_rank:03d}.h5",
-            {"residual": ring.residual},
+            {"residual": host_array(ring.residual)},
             {"stage": s, "replica": dp_rank, "step": step},
         )
     return digests
@@ -285,7 +285,7 @@ def load_rank(path: Path, manifest: dict, same_dp: bool, s: int, dp_rank: int, s
             res, _ = _read_h5(path / name)
             if "residual" not in res or res["residual"].shape != ring.residual.shape:
                 raise CheckpointError(f"{path}: {name} holds no residual of this stage's size")
-            ring.residual[...] = res["residual"]
+            copy_from_host(ring.residual, res["residual"])
         else:  # each replica's quantisation error is its own; a new dp starts them afresh
             ring.residual[...] = 0.0
 

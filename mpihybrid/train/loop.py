@@ -24,7 +24,6 @@ from mpihybrid.comm.buckets import GradientComm
 from mpihybrid.comm.codecs import get_codec
 from mpihybrid.comm.device import (
     Backend,
-    copy_from_host,
     host_array,
     keep_freed_host_memory,
     select_backend,
@@ -149,7 +148,6 @@ class _Run:
     gradcomm: GradientComm  # the gradient buckets of every stage and how they make progress
     rings: dict  # stage -> its buckets.Reducer (the buckets' rings, the residual)
     optimizers: dict
-    host_grads: dict  # stage -> host copy of a device gradient, for the ring
     ring_peer: int  # world rank the ring sends to (the trace's peer of an all-reduce)
     start: int = 0  # first step to run (after a resume, the checkpoint's)
     losses: list = field(default_factory=list)
@@ -181,19 +179,14 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, mb_size)
     recorder, trace = _build_trace(job, world, grid.dp_rank, len(actions))
     peer_ranks = [grid.world_rank_of(p, grid.dp_rank, g.order) for p in range(g.pp)]
-    # the ring (numpy codecs) runs on host copies of device gradients; dp = 1 moves nothing
-    host_grads = {
-        s: np.empty(st.num_params, np.float32)
-        for s, st in stages.items()
-        if not on_host and grid.dp_size > 1
-    }
-    # a GPU's arrays belong to the main thread's device context: its buckets go after the step
-    gradcomm = GradientComm(grid.dp_comm, c.overlap if on_host else "off", c.segment_kb * 256)
+    # a GPU's arrays belong to the main thread's device context: its buckets go after the step;
+    # its rings encode on the device and MPI sees the encoded bytes (staged through the host)
+    overlap = c.overlap if on_host else "off"
+    gradcomm = GradientComm(grid.dp_comm, overlap, c.segment_kb * 256, backend)
     codec = get_codec(c.codec, c.block)
     rings = {
         s: gradcomm.reducer(
-            s, host_grads.get(s, st.flat_grads), st.param_ranges, codec, c.error_feedback,
-            c.bucket_kb * 1024,
+            s, st.flat_grads, st.param_ranges, codec, c.error_feedback, c.bucket_kb * 1024
         )
         for s, st in stages.items()
     }  # fmt: skip
@@ -212,7 +205,6 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
         gradcomm=gradcomm,
         rings=rings,
         optimizers={s: build_optimizer(t, st.flat_params) for s, st in stages.items()},
-        host_grads=host_grads,
         ring_peer=grid.world_rank_of(grid.pp_rank, (grid.dp_rank + 1) % grid.dp_size, g.order),
         peak_inflight=dict.fromkeys(stages, 0),
         trace=trace,
@@ -362,22 +354,14 @@ def _trace_step(job: Job, run: _Run, step: int, asked: bool, stopping: bool) -> 
 
 def _begin_updates(run: _Run) -> None:
     """Each stage's optimizer starts its step; a reduced bucket updates its slice of the
-    parameters (on a GPU after the gradient's host copy went back to the device)."""
+    parameters (where they live: on a GPU the update's kernels finish before the trace's clock)."""
     for s, st in run.stages.items():
         optimizer = run.optimizers[s]
         optimizer.begin_step()
-        if s in run.host_grads:
-            host, backend = run.host_grads[s], run.backend
 
-            def update(lo, hi, st=st, optimizer=optimizer, host=host, backend=backend) -> None:
-                copy_from_host(st.flat_grads[lo:hi], host[lo:hi])
-                optimizer.update(st.flat_grads, lo, hi)
-                backend.synchronize()
-
-        else:
-
-            def update(lo, hi, st=st, optimizer=optimizer) -> None:
-                optimizer.update(st.flat_grads, lo, hi)
+        def update(lo, hi, st=st, optimizer=optimizer, backend=run.backend) -> None:
+            optimizer.update(st.flat_grads, lo, hi)
+            backend.synchronize()  # a no-op on the CPU
 
         run.rings[s].begin_step(update)
 
@@ -386,8 +370,6 @@ def _reduce_and_update(run: _Run, step: int) -> None:
     """Wait for every gradient bucket to be reduced and its parameters updated (most are, behind
     the pipeline's compute); trace each bucket's ring and update, and the wait itself."""
     rec = run.recorder
-    for s, host in run.host_grads.items():  # a GPU: the rings start after the pipeline
-        run.backend.to_host(run.stages[s].flat_grads, out=host)
     t0 = Recorder.clock()
     events = run.gradcomm.finish()
     rec.record(KIND["grad_wait"], step, -1, -1, t0, Recorder.clock())
