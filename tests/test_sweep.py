@@ -284,3 +284,48 @@ def test_existing_output_is_refused(tmp_path):
     proc = sweep(str(job), "--schedules", "1f1b", "--microbatches", "2", "-o", str(out))
     assert proc.returncode == 2 and "--overwrite" in proc.stderr, proc.stderr
     assert out.read_text() == "precious"
+
+
+def test_fixed_global_batch_keeps_the_batch_and_skips_what_does_not_divide():
+    job = resolve(build_job({"grid": {"pp": 2, "dp": 1}, "train": {"global_batch": 12}}), 2)
+    cells, notes = plan(job, ["1f1b"], [2, 4, 5], 2, 2, fixed_batch=True)
+    assert [(c.microbatches, j.train.global_batch) for c, j in cells] == [(2, 12), (4, 12)]
+    assert len(notes) == 1 and "M=5" in notes[0] and "not divisible" in notes[0]
+
+
+def test_medians_carry_the_spread_over_repeats():
+    from mpihybrid.cli.sweep import medians
+
+    rows = []
+    for repeat, (ms, bubble) in enumerate([(10.0, 0.2), (14.0, 0.3), (11.0, 0.25)]):
+        rows.append({"schedule": "1f1b", "virtual_stages": 1, "microbatches": 4, "repeat": repeat,
+                     "step_ms": ms, "samples_per_s": 100 / ms, "bubble_measured": bubble,
+                     "bubble_predicted": 0.2, "peak_inflight": 2, "peak_activation_mib": 1.0,
+                     "speedup_vs_gpipe": None})  # fmt: skip
+    (row,) = medians(rows)
+    assert row["bubble_measured"] == 0.25 and row["bubble_measured_range"] == (0.2, 0.3)
+    assert row["samples_per_s_range"] == (100 / 14, 10.0)
+    assert row["speedup_vs_gpipe_range"] is None
+
+
+@pytest.mark.mpi
+def test_traces_per_cell_and_a_fixed_global_batch(tmp_path):
+    job = tmp_path / "tiny.toml"
+    job.write_text(TINY_JOB)
+    out, traces = tmp_path / "sweep.csv", tmp_path / "traces"
+    proc = sweep(str(job), "--schedules", "1f1b", "--microbatches", "2,3", "--repeats", "1",
+                 "--fixed-global-batch", "--traces", str(traces), "-o", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_csv(out)
+    assert [(r["microbatches"], r["global_batch"]) for r in rows] == [("2", "12"), ("3", "12")]
+    assert [r["microbatch_size"] for r in rows] == ["6", "4"]
+    from mpihybrid.trace.file import load
+
+    for m in (2, 3):
+        trace = load(traces / f"1f1b-M{m}" / "repeat-1.h5")
+        assert trace.attrs["microbatches"] == m and trace.attrs["finished"] is True
+        assert len(trace.events) > 0
+    assert "[1/2]" not in proc.stdout + proc.stderr  # no progress lines when not on a terminal
+    again = sweep(str(job), "--schedules", "1f1b", "--microbatches", "2", "--repeats", "1",
+                  "--traces", str(traces), "-o", str(tmp_path / "b.csv"))  # fmt: skip
+    assert again.returncode == 2 and "repeat-1.h5 already exists" in again.stderr

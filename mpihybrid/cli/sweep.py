@@ -99,9 +99,10 @@ def parse_microbatches(text: str) -> list[int]:
     return values
 
 
-def cell_job(job: Job, cell: Cell, world_size: int) -> Job:
-    """The job for one cell: same micro-batch size, global batch scaled to dp * M, no trace.
-    Raises ConfigError when the schedule rejects the combination."""
+def cell_job(job: Job, cell: Cell, world_size: int, fixed_batch: bool = False) -> Job:
+    """The job for one cell, no trace: same micro-batch size, global batch scaled to dp * M;
+    or, with fixed_batch, the job's global batch split into M micro-batches. Raises ConfigError
+    when the schedule (or, fixed_batch, the global batch) rejects the combination."""
     t, dp = job.train, job.grid.dp
     microbatch_size = t.global_batch // (dp * t.microbatches)
     train = dataclasses.replace(
@@ -109,14 +110,19 @@ def cell_job(job: Job, cell: Cell, world_size: int) -> Job:
         schedule=cell.schedule,
         microbatches=cell.microbatches,
         virtual_stages=cell.virtual_stages,
-        global_batch=microbatch_size * dp * cell.microbatches,
+        global_batch=t.global_batch if fixed_batch else microbatch_size * dp * cell.microbatches,
     )
     trace = dataclasses.replace(job.trace, path="", overwrite=False)
     return resolve(dataclasses.replace(job, train=train, trace=trace), world_size)
 
 
 def plan(
-    job: Job, schedules: list[str], microbatches: list[int], virtual: int, world_size: int
+    job: Job,
+    schedules: list[str],
+    microbatches: list[int],
+    virtual: int,
+    world_size: int,
+    fixed_batch: bool = False,
 ) -> tuple[list[tuple[Cell, Job]], list[str]]:
     """The legal cells with their jobs, and one note per combination a schedule rejects."""
     cells, notes = [], []
@@ -124,7 +130,7 @@ def plan(
         for name in schedules:
             cell = Cell(name, m, virtual if name == "interleaved-1f1b" else 1)
             try:
-                cells.append((cell, cell_job(job, cell, world_size)))
+                cells.append((cell, cell_job(job, cell, world_size, fixed_batch)))
             except ConfigError as exc:
                 notes.append(f"skipped {name} M={m}: {exc}")
     return cells, notes
@@ -196,6 +202,25 @@ def add_speedups(rows: list[dict]) -> None:
                     r["speedup_vs_gpipe"] = reference / r["step_ms"]
 
 
+def cell_dir(traces: Path, cell: Cell) -> Path:
+    """One cell's directory of traces, a file per repeat: 1f1b-M4, interleaved-1f1b-v2-M8, ..."""
+    v = f"-v{cell.virtual_stages}" if cell.virtual_stages > 1 else ""
+    return traces / f"{cell.schedule}{v}-M{cell.microbatches}"
+
+
+def trace_path(traces: Path, cell: Cell, repeat: int) -> Path:
+    return cell_dir(traces, cell) / f"repeat-{repeat + 1}.h5"
+
+
+def with_trace(job: Job, path: Path, overwrite: bool) -> Job:
+    """The cell's job writing its trace to `path`, flushed once at the end (so the Summary
+    keeps every event for the measurements)."""
+    trace = dataclasses.replace(
+        job.trace, path=str(path), overwrite=overwrite, flush_steps=0, flush_seconds=0.0
+    )
+    return dataclasses.replace(job, trace=trace)
+
+
 def run_sweep(
     world,
     cells: list[tuple[Cell, Job]],
@@ -203,14 +228,19 @@ def run_sweep(
     warmup_steps: int,
     echo: Callable[[str], None],
     backend=None,
+    traces: Path | None = None,
+    overwrite: bool = False,
 ) -> list[dict] | None:
     """Train every cell `repeats` times (repeat-major, so drift spreads over all cells); rank 0
-    returns one row per run, the other ranks None."""
+    returns one row per run, the other ranks None. echo gets a progress line per run; traces:
+    keep each run's trace in the cell's directory there."""
     from mpihybrid.train.loop import train
 
     rows, total = [], repeats * len(cells)
     for repeat in range(repeats):
         for cell, job in cells:
+            if traces is not None:
+                job = with_trace(job, trace_path(traces, cell, repeat), overwrite)
             summary = train(job, world, quiet=True, backend=backend)
             if summary is None:
                 continue
@@ -218,7 +248,7 @@ def run_sweep(
             rows.append(row)
             echo(
                 f"[{len(rows):>{len(str(total))}}/{total}] {row_label(row)} M={row['microbatches']}"
-                f" repeat {repeat}: {row['step_ms']:.1f} ms/step, bubble"
+                f" repeat {repeat + 1}: {row['step_ms']:.1f} ms/step, bubble"
                 f" {row['bubble_measured']:.3f} (predicted {row['bubble_predicted']:.3f})"
             )
     if world.rank != 0:
@@ -250,6 +280,11 @@ def medians(rows: list[dict]) -> list[dict]:
         med["peak_activation_mib"] = max(r["peak_activation_mib"] for r in group)
         speedups = [r["speedup_vs_gpipe"] for r in group if r["speedup_vs_gpipe"] is not None]
         med["speedup_vs_gpipe"] = statistics.median(speedups) if speedups else None
+        # the spread over repeats, drawn around the medians: (min, max) per measured key
+        for key in ("samples_per_s", "bubble_measured", "peak_activation_mib"):
+            values = [r[key] for r in group]
+            med[f"{key}_range"] = (min(values), max(values))
+        med["speedup_vs_gpipe_range"] = (min(speedups), max(speedups)) if speedups else None
         out.append(med)
     return out
 
@@ -354,13 +389,25 @@ def _csv_value(value):
 )
 @click.option("-o", "--output", required=True, metavar="CSV", help="One row per run.")
 @click.option("--plots", metavar="DIR", help="Also draw PNGs here (needs matplotlib).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing CSV.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing CSV (and traces).")
+@click.option(
+    "--traces",
+    metavar="DIR",
+    help="Keep every run's trace: DIR/<schedule>-M<m>/repeat-<r>.h5, one directory per cell.",
+)
+@click.option(
+    "--fixed-global-batch",
+    is_flag=True,
+    help="Keep the job's global batch in every cell (micro-batches shrink as M grows).",
+)
+@click.option("--quiet", is_flag=True, help="No progress line per run (none when not a tty).")
 def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup_steps,
-          output, plots, overwrite) -> None:  # fmt: skip
+          output, plots, overwrite, traces, fixed_global_batch, quiet) -> None:  # fmt: skip
     """Train JOB_FILE under every schedule x M x repeat in one launch; CSV, table, plots.
 
     The micro-batch size stays the job's, global_batch / (dp * microbatches): each cell's
-    global batch is that size x dp x M. Combinations a schedule rejects are skipped with a note.
+    global batch is that size x dp x M (--fixed-global-batch: the job's global batch, split
+    into M). Combinations a schedule rejects are skipped with a note.
     """
     from mpi4py import MPI
 
@@ -369,13 +416,14 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
 
     world = MPI.COMM_WORLD
     echo = click.echo if world.rank == 0 else (lambda _text: None)
+    progress = _progress_echo(world.rank, quiet)
     # Every rank checks the same inputs (rank 0 also the file system) and all agree on the first
     # error, so a bad sweep stops everywhere before any training message is sent.
     error, cells, notes, backend = None, [], [], None
     try:
         cells, notes, backend = _prepare(
             world, job_file, overrides, schedules, microbatches, repeats, virtual, warmup_steps,
-            output, plots, overwrite,
+            output, plots, overwrite, traces, fixed_global_batch,
         )  # fmt: skip
     except (ConfigError, DeviceError) as exc:
         error = str(exc)
@@ -384,7 +432,10 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
     for note in notes:
         echo(f"note: {note}")
     try:
-        rows = run_sweep(world, cells, repeats, warmup_steps, echo, backend)
+        rows = run_sweep(
+            world, cells, repeats, warmup_steps, progress, backend,
+            Path(traces) if traces else None, overwrite,
+        )  # fmt: skip
         if rows is not None:
             write_csv(Path(output), rows, overwrite)
             echo("")
@@ -393,7 +444,8 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
             if plots:
                 from mpihybrid.cli.sweep_plots import write_plots
 
-                for path in write_plots(medians(rows), Path(plots)):
+                title = _plot_title(job_file, cells[0][1], fixed_global_batch)
+                for path in write_plots(medians(rows), Path(plots), title):
                     echo(f"plot -> {path}")
     except Exception:
         # One rank failing must end the whole job, never leave the others waiting.
@@ -402,8 +454,35 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
         world.Abort(1)
 
 
+def _progress_echo(rank: int, quiet: bool) -> Callable[[str], None]:
+    """Progress lines on stderr from rank 0 when it is a terminal and not --quiet."""
+    if rank == 0 and not quiet and sys.stderr.isatty():
+        return lambda text: click.echo(text, err=True)
+    return lambda _text: None
+
+
+def _plot_title(job_file: str, job: Job, fixed_batch: bool) -> str:
+    g, c = job.grid, job.comm
+    batch = f"global batch {job.train.global_batch}" if fixed_batch else "micro-batch size fixed"
+    return f"{Path(job_file).name}: pp={g.pp} x dp={g.dp}, codec {c.codec}, {batch}"
+
+
+def _prepare_traces(cells: list[tuple[Cell, Job]], repeats: int, traces: Path, overwrite: bool):
+    """Rank 0: each cell's trace directory, and no trace there that would be replaced unasked."""
+    for cell, _ in cells:
+        try:
+            cell_dir(traces, cell).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            why = f"--traces {traces}: cannot create {exc.filename} ({exc.strerror})"
+            raise ConfigError(why) from None
+        for repeat in range(repeats):
+            path = trace_path(traces, cell, repeat)
+            if path.exists() and not overwrite:
+                raise ConfigError(f"{path} already exists; choose another --traces or --overwrite")
+
+
 def _prepare(world, job_file, overrides, schedules, microbatches, repeats, virtual, warmup_steps,
-             output, plots, overwrite):  # fmt: skip
+             output, plots, overwrite, traces=None, fixed_batch=False):  # fmt: skip
     """The sweep's cells, notes and backend, after every check (ConfigError or DeviceError)."""
     from mpihybrid.comm.device import select_backend
 
@@ -418,13 +497,15 @@ def _prepare(world, job_file, overrides, schedules, microbatches, repeats, virtu
         raise ConfigError(
             f"train.steps({job.train.steps}) must exceed --warmup-steps({warmup_steps})"
         )
-    cells, notes = plan(job, names, ms, virtual, world.Get_size())
+    cells, notes = plan(job, names, ms, virtual, world.Get_size(), fixed_batch)
     if not cells:
         raise ConfigError("every combination was rejected: " + "; ".join(notes))
     # collective, reached by every rank alike: each has passed the same checks so far
     backend = select_backend(job.grid.device, job.comm.cuda_aware, world)
     if world.rank == 0:
         check_output(Path(output), overwrite)
+        if traces:
+            _prepare_traces(cells, repeats, Path(traces), overwrite)
         if plots:
             from mpihybrid.cli.sweep_plots import import_pyplot, make_directory
 
