@@ -29,7 +29,11 @@ COLOURS = {
     "recv": "#d0d0d0",  # waiting: light, so the compute stands out
     "allreduce": "#c44e52",
     "optimizer": "#937860",
+    "grad_wait": "#f2b5b7",  # the step waiting for its gradient buckets: pale, like recv
 }
+# the gradient buckets' rings and updates run behind the compute (comm.overlap): a thin lane
+# under each rank's row, so both stay visible; everything else fills the row
+BUCKET_KINDS = ("allreduce", "optimizer")
 
 
 def step_range(trace: Trace, spec: str | int | None) -> range:
@@ -147,14 +151,16 @@ def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, min_wi
         sel = rows[rows["kind"] == KIND[name]]
         if not len(sel):
             continue
-        y = np.array([y_of[int(r)] for r in sel["rank"]])
+        y = np.array([y_of[int(r)] for r in sel["rank"]], dtype=float)
+        lane = name in BUCKET_KINDS
         ax.barh(
-            y,
+            y + 0.3 if lane else y - 0.1,
             (sel["end"] - sel["start"]) * scale,
             left=(sel["start"] - t0) * scale,
-            height=0.8,
+            height=0.2 if lane else 0.6,
             color=colour,
-            edgecolor="none",
+            edgecolor="white" if lane else "none",  # bucket after bucket stays readable
+            linewidth=0.4,
         )
         if KIND[name] not in COMPUTE:
             continue
@@ -162,7 +168,7 @@ def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, min_wi
             if e["end"] - e["start"] >= min_width:
                 ax.text(
                     (float(e["start"] + e["end"]) / 2 - t0) * scale,
-                    yy,
+                    yy - 0.1,
                     str(int(e["microbatch"])),
                     ha="center",
                     va="center",
