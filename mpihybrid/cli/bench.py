@@ -70,8 +70,10 @@ def bench_allreduce(
     repeats: int = 5,
     warmup: int = 2,
     segment: int = DEFAULT_SEGMENT,
+    progress=None,
 ) -> list[dict]:
-    """One row per (size, implementation): MPI's Allreduce first, then the ring for each codec.
+    """One row per (size, implementation): MPI's Allreduce first, then the ring for each codec
+    (progress: a line per size).
 
     Both compute a sum (op="sum"), the ring with error feedback as training uses it, cutting its
     chunks into messages of `segment` elements. Every rank returns the same rows.
@@ -105,6 +107,10 @@ def bench_allreduce(
             row = _row(count * 4, name, "ring", ring_time, n, comm.allreduce(max(sent), op=MPI.MAX))
             row["ratio"] = ring_time / native_time if native_time > 0 else float("nan")
             rows.append(row)
+        if progress is not None:
+            done = sizes_bytes.index(size) + 1
+            what = f"{human_bytes(size)}: MPI_Allreduce {_human_time(native_time)}"
+            progress(f"[{done}/{len(sizes_bytes)}] {what}")
     return rows
 
 

@@ -220,8 +220,9 @@ def bench_train(
     steps: int,
     repeats: int,
     against: tuple[Job, list[str]] | None = None,
+    progress=None,
 ) -> dict | None:
-    """Run the benchmark on every rank; rank 0 gets the results.
+    """Run the benchmark on every rank; rank 0 gets the results (progress: a line per repeat).
 
     against: (another job, the overrides that made it): each repeat also runs that job, right
     after this one, so the two are compared pair by pair under the same machine drift.
@@ -235,7 +236,7 @@ def bench_train(
     rows = job.train.global_batch // (job.grid.dp * job.train.microbatches) * tokens
     gemms = model_gemms(blocks, rows)
 
-    runs, other_walls, last = _run_repeats(job, other, world, warmup, repeats)
+    runs, other_walls, last = _run_repeats(job, other, world, warmup, repeats, progress)
     # the roofline: every rank measures at the same time, as every core is busy in training
     world.Barrier()
     rates = world.gather(measure_gemm_rate(gemms), root=0)
@@ -306,7 +307,9 @@ def _gemm_seconds(
     }
 
 
-def _run_repeats(job: Job, other: Job | None, world: MPI.Comm, warmup: int, repeats: int):
+def _run_repeats(
+    job: Job, other: Job | None, world: MPI.Comm, warmup: int, repeats: int, progress=None
+):
     """Train the job `repeats` times (and `other` right after each); on rank 0 the runs as
     (wall, median step time, analysis, events), the other job's walls and the last Summary."""
     from mpihybrid.analysis.metrics import analyze
@@ -320,6 +323,9 @@ def _run_repeats(job: Job, other: Job | None, world: MPI.Comm, warmup: int, repe
             measured = [t for s, t in step_times(summary.events).items() if s >= warmup]
             report = analyze(_as_trace(job, summary, world.size), skip_steps=warmup)
             runs.append((wall, statistics.median(measured), report, summary.events))
+            if progress is not None:
+                step_ms = 1e3 * runs[-1][1]
+                progress(f"[{len(runs)}/{repeats}] repeat {len(runs)}: {step_ms:.1f} ms/step")
         if other is not None:
             other_summary = train(other, world, quiet=True)
             if world.rank == 0:

@@ -363,7 +363,8 @@ def bench() -> None:
     default=None,
     help="KiB of float32 per ring message (default: comm.segment_kb's default).",
 )
-def bench_allreduce(sizes, codecs, repeats, segment_kb) -> None:
+@click.option("--quiet", is_flag=True, help="No progress line per size (none when not a tty).")
+def bench_allreduce(sizes, codecs, repeats, segment_kb, quiet) -> None:
     """Hand-written ring vs MPI's own Allreduce: time, algbw, busbw, bytes on the wire."""
     from mpi4py import MPI
 
@@ -384,7 +385,10 @@ def bench_allreduce(sizes, codecs, repeats, segment_kb) -> None:
     if unknown:
         _fail(f"unknown codec {unknown[0]!r}; choose from {', '.join(CODECS)}", rank)
     segment = {} if segment_kb is None else {"segment": 256 * segment_kb}
-    rows = run(MPI.COMM_WORLD, size_list, codec_list, repeats=repeats, **segment)
+    from mpihybrid.cli.progress import progress_echo
+
+    progress = progress_echo(rank, quiet)
+    rows = run(MPI.COMM_WORLD, size_list, codec_list, repeats=repeats, progress=progress, **segment)
     if MPI.COMM_WORLD.rank == 0:
         click.echo(format_table(rows))
 
@@ -446,7 +450,8 @@ def bench_codecs(size, codecs, repeats) -> None:
     "print the throughput ratio repeat by repeat.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json) -> None:
+@click.option("--quiet", is_flag=True, help="No progress line per repeat (none when not a tty).")
+def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json, quiet) -> None:
     """Training throughput of JOB_FILE: tokens/s, busy fractions, FLOPs, roofline, memory."""
     from mpi4py import MPI
 
@@ -468,9 +473,10 @@ def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json) -
     exit_on_any_error(world, error)
     from mpihybrid.cli.bench_train import bench_train as run
     from mpihybrid.cli.bench_train import format_bench
+    from mpihybrid.cli.progress import progress_echo
 
     try:
-        result = run(job, world, warmup, steps, repeats, other)
+        result = run(job, world, warmup, steps, repeats, other, progress_echo(world.rank, quiet))
     except Exception as exc:
         abort_job(world, exc, "benchmark", _debug_env())
     if result is not None:

@@ -412,11 +412,12 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
     from mpi4py import MPI
 
     from mpihybrid.cli.commands import exit_on_any_error
+    from mpihybrid.cli.progress import progress_echo
     from mpihybrid.comm.device import DeviceError
 
     world = MPI.COMM_WORLD
     echo = click.echo if world.rank == 0 else (lambda _text: None)
-    progress = _progress_echo(world.rank, quiet)
+    progress = progress_echo(world.rank, quiet)
     # Every rank checks the same inputs (rank 0 also the file system) and all agree on the first
     # error, so a bad sweep stops everywhere before any training message is sent.
     error, cells, notes, backend = None, [], [], None
@@ -452,13 +453,6 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
         sys.stderr.write(f"[rank {world.rank}] sweep failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         world.Abort(1)
-
-
-def _progress_echo(rank: int, quiet: bool) -> Callable[[str], None]:
-    """Progress lines on stderr from rank 0 when it is a terminal and not --quiet."""
-    if rank == 0 and not quiet and sys.stderr.isatty():
-        return lambda text: click.echo(text, err=True)
-    return lambda _text: None
 
 
 def _plot_title(job_file: str, job: Job, fixed_batch: bool) -> str:
