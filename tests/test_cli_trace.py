@@ -95,6 +95,14 @@ def test_analyze_prints_tables_and_json(trace_path):
     assert proc.returncode == 0, proc.stderr
     for needle in ("interleaved-1f1b, v=2", "bubble", "time by rank", "all-reduce per stage"):
         assert needle in proc.stdout
+    lines = proc.stdout.splitlines()
+    rank_header = lines[lines.index(next(x for x in lines if x.startswith("rank  stage")))]
+    # every time column names its unit; the legend says what p2p wait and idle count
+    for column in ("F ms", "p2p wait ms", "idle ms", "step ms", "all-reduce ms"):
+        assert column in rank_header
+    assert "p2p wait = blocked in a receive" in proc.stdout
+    assert "idle = what no event" in proc.stdout
+    assert "steps 2-3" in proc.stdout  # steps counted from 1: step 1 is the warm-up left out
     proc = cli("analyze", trace_path, "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)

@@ -141,7 +141,7 @@ def _time_tables(result: dict, ms) -> list[str]:
     # the main thread's columns add up to the step; all-reduce and optimizer run per bucket,
     # behind them when comm.overlap is on, and "grad wait" is the part the step waited for
     cols = ["forward", "backward", "weight", "recv", "send", "exposed_comm", "idle"]
-    heads = ["F", "B", "W", "p2p wait", "send", "grad wait", "idle"]
+    heads = [f"{h} ms" for h in ("F", "B", "W", "p2p wait", "send", "grad wait", "idle")]
     rows = [
         [str(r["rank"]), ",".join(map(str, r["stages"])), str(r["replica"])]
         + [ms(r[c]) for c in cols]
@@ -154,11 +154,14 @@ def _time_tables(result: dict, ms) -> list[str]:
         "time by rank (ms per step; F..idle add up to the step; grad wait = the step waiting for "
         "its gradient buckets after the pipeline; all-reduce and optim run per bucket, hidden "
         "= their share behind the compute)",
+        "  p2p wait = blocked in a receive of activations or gradients from a neighbour stage;"
+        " idle = what no event covers (the loop between actions, the step's metrics)",
     ]
     lines += table(
-        ["rank", "stage", "dp", *heads, "step", "bubble", "all-reduce", "optim", "hidden"], rows
+        ["rank", "stage", "dp", *heads, "step ms", "bubble", "all-reduce ms", "optim ms", "hidden"],
+        rows,
     )
-    heads = ["F", "B", "W", "p2p wait", "send", "allreduce", "optim"]
+    heads = [f"{h} ms" for h in ("F", "B", "W", "p2p wait", "send", "allreduce", "optim")]
 
     replicas = max(run["dp"], 1)
     rows = [
