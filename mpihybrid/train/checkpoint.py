@@ -260,11 +260,12 @@ def _verify(path: Path, name: str, manifest: dict) -> None:
         )
 
 
-def load_rank(path: Path, manifest: dict, same_dp: bool, s: int, dp_rank: int, stage, optimizer,
-              ring) -> None:  # fmt: skip
-    """Restore this rank's stage `s` in place, each file checked against the manifest's digest
-    first (residuals only when dp and the codec are unchanged)."""
-    _verify(path, f"stage-{s:03d}.h5", manifest)
+def load_rank(
+    path: Path, s: int, dp_rank: int, same_dp: bool, stage, optimizer, ring, manifest=None
+) -> None:
+    """Restore this rank's stage `s` in place (residuals only when dp and the codec are
+    unchanged), each file first checked against the manifest's digest when one is given."""
+    _verify(path, f"stage-{s:03d}.h5", manifest or {})
     arrays, attrs = _read_h5(path / f"stage-{s:03d}.h5")
     params = arrays.get("params")
     if params is None or params.shape != stage.flat_params.shape:
@@ -281,7 +282,7 @@ def load_rank(path: Path, manifest: dict, same_dp: bool, s: int, dp_rank: int, s
     if ring.residual is not None:
         if same_dp:
             name = f"residual-s{s:03d}-r{dp_rank:03d}.h5"
-            _verify(path, name, manifest)
+            _verify(path, name, manifest or {})
             res, _ = _read_h5(path / name)
             if "residual" not in res or res["residual"].shape != ring.residual.shape:
                 raise CheckpointError(f"{path}: {name} holds no residual of this stage's size")
@@ -381,7 +382,7 @@ def _restore_one(world, dp_rank, job, path: Path, stages, optimizers, rings) -> 
         check_compatible(manifest, job, path)
         same = manifest["dp"] == job.grid.dp and manifest["codec"] == job.comm.codec
         for s, st in stages.items():
-            load_rank(path, manifest, same, s, dp_rank, st, optimizers[s], rings[s])
+            load_rank(path, s, dp_rank, same, st, optimizers[s], rings[s], manifest)
     except CheckpointError as exc:
         error, damaged = str(exc), isinstance(exc, CheckpointDamaged)
     verdicts = [v for v in world.allgather((error, damaged)) if v[0] is not None]
