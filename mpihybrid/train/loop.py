@@ -103,29 +103,29 @@ def train(
         log.info("rank %d: %s", world.rank, backend.describe())  # which GPU, which MPI path
     # the handlers first: a signal that comes while the model is built still counts
     preempt = _PreemptionFlag(enabled=bool(job.checkpoint.dir))
-    run = _build(job, world, backend)
-    if resume_from is not None:
-        run.start, run.losses, run.accuracies = checkpoint.restore_all(
-            world, run.grid.dp_rank, job, resume_from, run.stages, run.optimizers, run.rings
-        )
-
-    offset = clock_offset(world)
-    world.Barrier()
-    t_start = Recorder.clock()
-    # Rank 0's clock at the start, for traces relative to the run's start.
-    t_origin = world.bcast(t_start + offset if world.rank == 0 else None, root=0)
-    _begin_trace(run, offset - t_origin, resumed=resume_from is not None)
-    step = run.start
-    # overflow and nan are checked once per step (the loss, each gradient): no numpy warnings
     try:
+        run = _build(job, world, backend)
+        if resume_from is not None:
+            run.start, run.losses, run.accuracies = checkpoint.restore_all(
+                world, run.grid.dp_rank, job, resume_from, run.stages, run.optimizers, run.rings
+            )
+
+        offset = clock_offset(world)
+        world.Barrier()
+        t_start = Recorder.clock()
+        # Rank 0's clock at the start, for traces relative to the run's start.
+        t_origin = world.bcast(t_start + offset if world.rank == 0 else None, root=0)
+        _begin_trace(run, offset - t_origin, resumed=resume_from is not None)
+        # overflow and nan are checked once per step (the loss, each gradient): no numpy warnings
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             for step in range(run.start, job.train.steps):
-                _train_step(job, world, run, step, preempt, quiet)
-    except (Preempted, TrainingStopped):
-        raise
-    except Exception as exc:
-        exc.step = step + 1
-        raise
+                try:
+                    _train_step(job, world, run, step, preempt, quiet)
+                except (Preempted, TrainingStopped):
+                    raise
+                except Exception as exc:
+                    exc.step = step + 1  # for the one line the CLI prints
+                    raise
     finally:
         preempt.restore()
     runtime_s = Recorder.clock() - t_start
