@@ -103,6 +103,27 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_choices(rows: list[dict]) -> str:
+    """Per size: the best step time of each schedule (any codec) and each codec (any schedule),
+    relative to the winner."""
+    names = [s for s, _ in SCHEDULES]
+    lines = [
+        "| scaling | GPUs | " + " | ".join(names) + " | " + " | ".join(CODECS) + " |",
+        "|---|---|" + "---|" * (len(names) + len(CODECS)),
+    ]
+    for r in rows:
+        top = r["best"]["step_time_s"]
+
+        def rel(keys, choices=r["choices"], top=top) -> str:
+            found = [choices[k]["step_time_s"] for k in keys if k in choices]
+            return f"{min(found) / top:.2f}" if found else "-"
+
+        cells = [rel([(s, c) for c in CODECS]) for s in names]
+        cells += [rel([(s, c) for s in names]) for c in CODECS]
+        lines.append(f"| {r['mode']} | {8 * r['nodes']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -148,6 +169,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = project(args.job, args.cluster)
     print(format_rows(rows))
+    print()
+    print("best step time of each schedule and each codec / the best of all (1.00 = wins):")
+    print(format_choices(rows))
     if args.plot:
         plot(rows, args.plot)
 

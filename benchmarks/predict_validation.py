@@ -169,6 +169,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", metavar="PATH", help="write every figure here")
     args = parser.parse_args()
+    print(f"load average at the start (1, 5, 15 min): {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
         cluster = calibrate(Path(tmp))
         rows = [
@@ -177,6 +178,7 @@ def main() -> None:
         ]
         fitted = cluster.read_text()
     print(format_table(rows))
+    print(f"load average at the end (1, 5, 15 min): {os.getloadavg()}")
     if args.json:
         Path(args.json).write_text(
             json.dumps({"rows": rows, "summary": summary(rows), "cluster": fitted}, indent=1)

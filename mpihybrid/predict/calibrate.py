@@ -82,13 +82,43 @@ def copy_bandwidth(nbytes: int = 64 << 20) -> float:
     return nbytes / _median_seconds(lambda: np.copyto(b, a))
 
 
+def warm_runtime() -> None:
+    """What a rank loads before its arrays grow: the trainer, MPI, and every compiled kernel (one
+    tiny GPT and MLP step, each codec, both optimizers); prints this process's peak RSS (VmHWM)."""
+    from mpi4py import MPI  # noqa: F401  (MPI_Init: its shared memory counts)
+
+    from mpihybrid.nn.model import build_stage
+    from mpihybrid.nn.optim import SGD, AdamW
+
+    for sets, x in (
+        (["model.kind=gpt", "model.hidden=32", "model.heads=2", "model.depth=1",
+          "data.kind=random-tokens", "data.vocab=64", "data.seq_len=8"], np.zeros((2, 8), int)),
+        (["model.activation=gelu", "model.norm=true", "model.hidden=32", "data.features=8"],
+         np.ones((4, 8), np.float32)),
+        (["model.hidden=32", "data.features=8"], np.ones((4, 8), np.float32)),
+    ):  # fmt: skip
+        job = build_job({}, sets)
+        in_features = job.data.seq_len if job.model.kind == "gpt" else job.data.features
+        classes = job.data.vocab if job.model.kind == "gpt" else 2
+        stage = build_stage(job.model, in_features, classes, 0, 1, seed=0)
+        y, cache = stage.forward(x)
+        dx, wcache = stage.backward_input(np.ones_like(y), cache, False)
+        stage.backward_weight(wcache)
+        for opt in (SGD(stage.flat_params, 0.1, 0.9), AdamW(stage.flat_params, 0.1, (0.9, 0.99))):
+            opt.step(stage.flat_grads)
+    flat = np.ones(4096, np.float32)
+    for name in CODECS:
+        codec = get_codec(name)
+        wire = np.empty(codec.nbytes(flat.size), np.uint8)
+        codec.encode(flat, wire)
+        codec.decode_add(wire, flat.size, flat)
+    print([line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")][0])
+
+
 def base_memory() -> int:
-    """Peak resident bytes of a fresh interpreter that imported the trainer and MPI (VmHWM: a
-    child's ru_maxrss would start from this process's own peak)."""
-    code = (
-        "import mpihybrid.train.loop; from mpi4py import MPI; "
-        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
-    )
+    """Peak resident bytes of a fresh interpreter after warm_runtime (VmHWM: a child's
+    ru_maxrss would start from this process's own peak)."""
+    code = "from mpihybrid.predict.calibrate import warm_runtime; warm_runtime()"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA"))}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     return 1024 * int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
@@ -196,7 +226,7 @@ def calibrate(trace: Trace, network: Link) -> tuple[Cluster, dict[str, str]]:
         "device.op_overhead_s": fitted,
         "device.optimizer_bandwidth": "nominal optimizer bytes / the trace's optimizer time",
         "device.step_overhead_s": f"median measured step {measured:.4f} s less the prediction",
-        "device.base_memory_bytes": "peak RSS of a fresh interpreter importing the trainer + MPI",
+        "device.base_memory_bytes": "peak RSS of a fresh interpreter after warm_runtime()",
         "device.host_copy_bandwidth": "0: arrays live on the host",
         "node.ranks_per_node": "os.cpu_count(): one rank per core",
         "node.memory_bytes": "MemTotal of /proc/meminfo",
