@@ -165,8 +165,6 @@ class RingAllreduce:
         self.last_sent = 0
         if self.dp_size == 1 or self.count == 0:
             return
-        if self.residual is not None:
-            flat += self.residual
         yield from self._reduce_scatter(flat)
         yield from self._all_gather(flat)
         if op == "mean":
@@ -197,10 +195,10 @@ class RingAllreduce:
                 for k in range(len(self.segments[c]))
             ]
 
-        sends = [
-            self._send(self._encode(flat, r, k), tag, ("rs", r, k))
-            for k in range(len(self.segments[r]))
-        ]
+        sends = []
+        for k in range(len(self.segments[r])):
+            self._add_residual(flat, r, k)
+            sends.append(self._send(self._encode(flat, r, k), tag, ("rs", r, k)))
         sent = self.chunk_nbytes[r]
         pending = post(0)
         for s in range(p - 1):
@@ -211,6 +209,7 @@ class RingAllreduce:
                 yield request
                 lo, hi, _, _ = self.segments[c][k]
                 self._received(self._recv_slot(s, c, k), ("rs", c, k))
+                self._add_residual(flat, c, k)
                 self.codec.decode_add(self._recv_slot(s, c, k), hi - lo, flat[lo:hi])
                 if s + 1 < p - 1:  # this segment is what we pass on next step
                     sends.append(self._send(self._encode(flat, c, k), tag, ("rs", c, k)))
@@ -254,6 +253,14 @@ class RingAllreduce:
         yield from sends
         self.bytes_sent["all_gather"] += sent
         self.last_sent += sent
+
+    def _add_residual(self, flat: np.ndarray, c: int, k: int) -> None:
+        """Error feedback: last call's error joins this rank's contribution. Every chunk is either
+        sent at reduce-scatter step 0 or received once in it: the segment is added right before
+        that first use, while it is in cache for the encoding."""
+        if self.residual is not None:
+            lo, hi, _, _ = self.segments[c][k]
+            flat[lo:hi] += self.residual[lo:hi]
 
     def _landing(self, flat: np.ndarray, c: int, k: int) -> np.ndarray:
         """Where segment k of chunk c arrives in the all-gather: its wire slot, or (fp32) the
