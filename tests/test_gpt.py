@@ -624,6 +624,15 @@ def test_bench_train_reports_consistent_figures():
     assert out["achieved_flops"] == pytest.approx(out["flops_per_token"] * out["throughput"])
     assert out["roofline"] == pytest.approx(sum(out["gemm_rate_per_rank"]))
     assert 0 < out["roofline_fraction"] < 1.5
+    # the roofline measured after each repeat; the fraction is the median of the repeats'
+    assert len(out["rooflines"]) == len(out["roofline_fractions"]) == 2
+    fractions = [
+        out["flops_per_token"] * t / r
+        for t, r in zip(out["throughputs"], out["rooflines"], strict=True)
+    ]
+    assert out["roofline_fractions"] == pytest.approx(fractions)
+    assert min(fractions) <= out["roofline_fraction"] <= max(fractions)
+    assert out["roofline"] in [pytest.approx(r) for r in out["rooflines"]]
     assert [s["stage"] for s in out["stages"]] == [0, 1]
     for s in out["stages"]:
         assert 0 < s["busy"] <= 1.0

@@ -20,8 +20,11 @@ the per-step metrics collective included). Reported:
                    every rank at once runs every GEMM of one micro-batch through the whole model
                    (forward, dx, dW, the same shapes, a distinct weight array per layer as in
                    training), timed, median of repeats; the sum over ranks is the machine's
-                   matmul roofline for this model. `hot` is the rate of the largest shape
-                   repeated on the same operands (the best a core can do).
+                   matmul roofline for this model. Measured right after each repeat of the job,
+                   so each repeat's throughput is set against the roofline of its own minute:
+                   `of roofline` is the median over repeats, each repeat's figure shown. `hot`
+                   is the rate of the largest shape repeated on the same operands (the best a
+                   core can do).
     memory         peak resident set per rank; peak activations per stage, measured and
                    predicted by the schedule
     against        (--against KEY=VALUE) the job with those overrides, run right after each
@@ -236,10 +239,9 @@ def bench_train(
     rows = job.train.global_batch // (job.grid.dp * job.train.microbatches) * tokens
     gemms = model_gemms(blocks, rows)
 
-    runs, other_walls, last = _run_repeats(job, other, world, warmup, repeats, progress)
-    # the roofline: every rank measures at the same time, as every core is busy in training
-    world.Barrier()
-    rates = world.gather(measure_gemm_rate(gemms), root=0)
+    runs, other_walls, last, roofs = _run_repeats(
+        job, other, world, warmup, repeats, gemms, progress
+    )
     hot = hot_gemm_rate(max(gemms, key=lambda g: gemm_flops([g]))) if world.rank == 0 else 0.0
     peak_rss = world.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, root=0)
     if world.rank != 0:
@@ -248,13 +250,15 @@ def bench_train(
     per_step = job.train.global_batch * tokens
     throughputs = [steps * per_step / run[0] for run in runs]
     median = statistics.median(throughputs)
-    wall, step_time, report, events = (
-        runs[throughputs.index(median)] if median in throughputs else runs[0]
-    )
+    chosen = throughputs.index(median) if median in throughputs else 0
+    wall, step_time, report, events = runs[chosen]
+    rates = roofs[chosen]  # the GEMM rate of each rank right after the median repeat
     flops_per_token = sum(block_costs(blocks))  # per row: a token (gpt) or a sample (mlp)
     assert gemm_flops(gemms) == flops_per_token * rows, "GEMM list and cost model disagree"
     roofline = float(sum(rates))
     achieved = flops_per_token * median
+    rooflines = [float(sum(r)) for r in roofs]
+    fractions = [flops_per_token * t / r for t, r in zip(throughputs, rooflines, strict=True)]
     return {
         "job": {
             "pp": job.grid.pp,
@@ -280,7 +284,9 @@ def bench_train(
         "gemm_rate_per_rank": [float(r) for r in rates],
         "gemm_rate_hot": hot,
         "roofline": roofline,
-        "roofline_fraction": achieved / roofline if roofline > 0 else 0.0,
+        "roofline_fraction": statistics.median(fractions),
+        "rooflines": rooflines,
+        "roofline_fractions": fractions,
         **_busy_rows(job, report, events, warmup, wall),
         "time_split": _time_split(
             events,
@@ -308,16 +314,26 @@ def _gemm_seconds(
 
 
 def _run_repeats(
-    job: Job, other: Job | None, world: MPI.Comm, warmup: int, repeats: int, progress=None
+    job: Job,
+    other: Job | None,
+    world: MPI.Comm,
+    warmup: int,
+    repeats: int,
+    gemms: list[Gemm],
+    progress=None,
 ):
     """Train the job `repeats` times (and `other` right after each); on rank 0 the runs as
-    (wall, median step time, analysis, events), the other job's walls and the last Summary."""
+    (wall, median step time, analysis, events), the other job's walls, the last Summary and,
+    per repeat, every rank's GEMM rate measured right after it."""
     from mpihybrid.analysis.metrics import analyze
     from mpihybrid.train.loop import train
 
-    runs, other_walls, summary = [], [], None
+    runs, other_walls, summary, roofs = [], [], None, []
     for _ in range(repeats):
         summary = train(job, world, quiet=True)
+        # the roofline: every rank measures at the same time, as every core is busy in training
+        world.Barrier()
+        roofs.append(world.gather(measure_gemm_rate(gemms), root=0))
         if world.rank == 0:
             wall = _measured_wall(summary.events, warmup)
             measured = [t for s, t in step_times(summary.events).items() if s >= warmup]
@@ -330,7 +346,7 @@ def _run_repeats(
             other_summary = train(other, world, quiet=True)
             if world.rank == 0:
                 other_walls.append(_measured_wall(other_summary.events, warmup))
-    return runs, other_walls, summary
+    return runs, other_walls, summary, roofs
 
 
 def _busy_rows(job: Job, report: dict, events: np.ndarray, warmup: int, wall: float) -> dict:
@@ -394,7 +410,13 @@ def format_bench(result: dict) -> str:
         + " + ".join(f"{r / g:.1f}" for r in result["gemm_rate_per_rank"])
         + " (the model's GEMMs, every rank at once; one core, hot: "
         + f"{result['gemm_rate_hot'] / g:.1f})",
-        f"of roofline    {100 * result['roofline_fraction']:.1f}%",
+        f"of roofline    {100 * result['roofline_fraction']:.1f}% (median; repeats, each against "
+        "the roofline measured right after it: "
+        + ", ".join(
+            f"{100 * f:.1f}% of {r / g:.1f}"
+            for f, r in zip(result["roofline_fractions"], result["rooflines"], strict=True)
+        )
+        + ")",
         "busy           "
         + ", ".join(f"rank {r['rank']} {100 * r['busy']:.0f}%" for r in result["ranks"]),
         "time split     "
