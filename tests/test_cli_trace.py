@@ -189,7 +189,11 @@ def test_export_chrome_is_valid_trace_event_json(trace_path, tmp_path):
     for e in complete:
         assert {"ph", "ts", "dur", "pid", "tid", "name", "cat", "args"} <= set(e)
         assert e["dur"] >= 0
-    assert {e["pid"] for e in complete} == set(range(PP * DP))
+        assert {e["pid"] for e in complete} == set(range(PP * DP))
+    # steps from 1, as the progress line and every other command count them
+    assert {e["name"] for e in complete if e["cat"] == "step"} == {
+        f"step {s}" for s in range(1, STEPS + 1)
+    }
     names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
     assert sorted(names) == list(range(PP * DP))
     computes = [e for e in complete if e["cat"] == "forward"]

@@ -43,7 +43,7 @@ def event_name(e: np.void, direction: str | None = None, chunks: bool = False) -
         return f"{name} {direction or ''}{mb}"
     if name in ("allreduce", "optimizer"):
         return f"{name} s{stage}" + (f" bucket {mb}" if mb >= 0 else "")
-    return f"{name} {int(e['step'])}"
+    return f"{name} {int(e['step']) + 1}"  # steps shown from 1, as the progress line counts
 
 
 def to_chrome(trace: Trace) -> dict:
@@ -70,7 +70,7 @@ def to_chrome(trace: Trace) -> dict:
         ]
     for i, e in enumerate(ev):
         args = {
-            "step": int(e["step"]),
+            "step": int(e["step"]) + 1,  # from 1, as every command shows steps (the CSV: from 0)
             "stage": int(e["stage"]),
             "microbatch": int(e["microbatch"]),
             "bytes": int(e["bytes"]),
