@@ -100,7 +100,7 @@ class CommConfig:
     # gradient buckets: how the rings make progress behind the compute (thread | poll | off)
     overlap: str = "thread"
     bucket_kb: int = 4096  # a bucket holds whole layers of at least this many KiB of gradient
-    segment_kb: int = 1024  # the ring sends a chunk in messages of this many KiB of float32
+    segment_kb: int = 2048  # the ring sends a chunk in messages of this many KiB of float32
 
 
 @dataclass(frozen=True)

@@ -458,3 +458,35 @@ def test_codecs_run_on_device_arrays_without_host_copies(name: str) -> None:
         assert_same_bits(wire.get(), want_wire, f"{name} device encode")
         assert_same_bits(res.get(), want_res, f"{name} device residual")
         assert_same_bits(dacc.get(), acc, f"{name} device decode-add")
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("kernels", ["auto", "numpy"])
+def test_feedback_forms_are_the_two_steps_they_fuse(name: str, kernels: str) -> None:
+    """encode(x, add_residual=True) is encode(x + residual) and decode_add(..., residual) is
+    out + residual, then + decode: the same bits, in one pass; x is left as it is."""
+    codec = get_codec(name, 7, kernels=kernels)
+    for count in (0, 1, 7, 300, 4096 * 2 + 13):
+        x = awkward(count, 7, seed=count)
+        old = normal(count, seed=5, scale=1e-3)
+        fused_res, fused_wire = old.copy(), np.full(codec.nbytes(count), 0xAB, np.uint8)
+        x_before = x.copy()
+        with np.errstate(over="ignore", invalid="ignore"):
+            codec.encode(x, fused_wire, fused_res, add_residual=True)
+        assert_same_bits(x, x_before, f"{name} {count} input untouched")
+        steps_res, steps_wire = np.empty(count, np.float32), np.empty_like(fused_wire)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN on purpose
+            total = x + old
+        codec.encode(total, steps_wire, steps_res)
+        assert_same_bits(fused_wire, steps_wire, f"{name} {count} encode x + residual")
+        assert_same_bits(fused_res, steps_res, f"{name} {count} new residual")
+        acc = normal(count, seed=9)
+        fused = acc.copy()
+        with np.errstate(over="ignore", invalid="ignore"):
+            codec.decode_add(fused_wire, count, fused, old)
+        steps = acc + old
+        with np.errstate(over="ignore", invalid="ignore"):
+            codec.decode_add(fused_wire, count, steps)
+        assert_same_bits(fused, steps, f"{name} {count} decode-add with residual")
+    with pytest.raises(ValueError, match="add_residual needs a residual"):
+        codec.encode(np.zeros(3, np.float32), np.zeros(codec.nbytes(3), np.uint8), None, True)

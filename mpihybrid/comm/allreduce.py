@@ -43,7 +43,7 @@ from mpihybrid.comm.device import CPU, Backend
 # the ring's message tags on dp_comm (its own communicator: no clash with pipeline tags)
 TAG_REDUCE_SCATTER = 101
 TAG_ALL_GATHER = 102
-DEFAULT_SEGMENT = 1 << 18  # elements per message: 1 MiB of float32 (measured: bench allreduce)
+DEFAULT_SEGMENT = 1 << 19  # elements per message: 2 MiB of float32 (measured: bench allreduce)
 
 
 def chunk_bounds(count: int, parts: int) -> np.ndarray:
@@ -133,15 +133,27 @@ class RingAllreduce:
         start = (step % 2) * self._recv_half + offset - self.segments[c][0][2]
         return self.recv_buf[start : start + nbytes]
 
-    def _encode(self, flat: np.ndarray, c: int, k: int) -> np.ndarray:
-        """The bytes to send for segment k of chunk c; lossy: encoded once, error kept."""
+    def _encode(self, flat: np.ndarray, c: int, k: int, first_use: bool = False) -> np.ndarray:
+        """The bytes to send for segment k of chunk c; lossy: encoded once, error kept.
+        first_use: the segment has not met its residual yet (see _residual_of)."""
         lo, hi, _, _ = self.segments[c][k]
         if not self.compress:
             return flat[lo:hi].view(np.uint8)
         slot = self._slot(c, k)
-        residual = None if self.residual is None else self.residual[lo:hi]
-        self.codec.encode(flat[lo:hi], slot, residual=residual)
+        residual = self._residual_of(c, k)
+        feedback = first_use and residual is not None
+        self.codec.encode(flat[lo:hi], slot, residual, add_residual=feedback)
         return slot
+
+    def _residual_of(self, c: int, k: int) -> np.ndarray | None:
+        """Error feedback: segment k of chunk c's residual. Last call's error joins this rank's
+        contribution at the segment's first use, which is either reduce-scatter step 0's send
+        (encode x + residual) or its one receive in the reduce-scatter ((x + residual) +
+        received): the codec does the addition in the same pass."""
+        if self.residual is None:
+            return None
+        lo, hi, _, _ = self.segments[c][k]
+        return self.residual[lo:hi]
 
     def _check(self, flat: np.ndarray, op: str) -> None:
         if op not in ("mean", "sum"):
@@ -195,10 +207,10 @@ class RingAllreduce:
                 for k in range(len(self.segments[c]))
             ]
 
-        sends = []
-        for k in range(len(self.segments[r])):
-            self._add_residual(flat, r, k)
-            sends.append(self._send(self._encode(flat, r, k), tag, ("rs", r, k)))
+        sends = [
+            self._send(self._encode(flat, r, k, first_use=True), tag, ("rs", r, k))
+            for k in range(len(self.segments[r]))
+        ]
         sent = self.chunk_nbytes[r]
         pending = post(0)
         for s in range(p - 1):
@@ -209,8 +221,8 @@ class RingAllreduce:
                 yield request
                 lo, hi, _, _ = self.segments[c][k]
                 self._received(self._recv_slot(s, c, k), ("rs", c, k))
-                self._add_residual(flat, c, k)
-                self.codec.decode_add(self._recv_slot(s, c, k), hi - lo, flat[lo:hi])
+                residual = self._residual_of(c, k)
+                self.codec.decode_add(self._recv_slot(s, c, k), hi - lo, flat[lo:hi], residual)
                 if s + 1 < p - 1:  # this segment is what we pass on next step
                     sends.append(self._send(self._encode(flat, c, k), tag, ("rs", c, k)))
             if s + 1 < p - 1:
@@ -253,14 +265,6 @@ class RingAllreduce:
         yield from sends
         self.bytes_sent["all_gather"] += sent
         self.last_sent += sent
-
-    def _add_residual(self, flat: np.ndarray, c: int, k: int) -> None:
-        """Error feedback: last call's error joins this rank's contribution. Every chunk is either
-        sent at reduce-scatter step 0 or received once in it: the segment is added right before
-        that first use, while it is in cache for the encoding."""
-        if self.residual is not None:
-            lo, hi, _, _ = self.segments[c][k]
-            flat[lo:hi] += self.residual[lo:hi]
 
     def _landing(self, flat: np.ndarray, c: int, k: int) -> np.ndarray:
         """Where segment k of chunk c arrives in the all-gather: its wire slot, or (fp32) the

@@ -3,6 +3,8 @@
     from mpihybrid.comm import codec_kernels as k
     k.int8_encode(x, out, residual, block)   # residual: float32 array or None
     k.int8_decode_add(buf, out, block)
+    k.int8_encode_feedback(x, out, residual, block)      # encodes x + residual (error feedback)
+    k.int8_decode_add_feedback(buf, out, residual, block)  # out = (out + residual) + decode
 
 codecs.py holds the numpy references (what the maths reads like) and calls these when
 `_numba.ENABLED`; the tests compare the two byte for byte. Every kernel works on float32 as its
@@ -30,6 +32,30 @@ ROUND_MAGIC = np.float32(1.5 * 2**23)
 
 
 @njit(error_model="numpy")  # 127 / 0 is inf, not ZeroDivisionError
+def _int8_block(xb, bb, qb, scale_bits, scales, b):
+    """Block b: its scale and its values; returns its step (scale / 127)."""
+    # absmax over the sign-cleared bits: an integer max, which vectorises
+    m = np.uint32(0)
+    for i in range(len(bb)):
+        m = max(m, np.uint32(bb[i] & ABS_MASK))
+    scale_bits[b] = QNAN_BITS if m > INF_BITS else m  # any NaN: the one quiet NaN
+    scale = scales[b]
+    factor = np.float32(127) / scale
+    if factor > 0 and factor < np.inf:
+        for i in range(len(xb)):
+            qb[i] = np.int8(np.int32((xb[i] * factor + ROUND_MAGIC) - ROUND_MAGIC))
+    else:  # zero, NaN, infinite or too small to invert: q = 0 (the scale tells which)
+        qb[:] = 0
+    return scale / np.float32(127)
+
+
+@njit
+def _int8_error(xb, qb, rb, step):
+    for i in range(len(xb)):
+        rb[i] = xb[i] - np.float32(qb[i]) * step
+
+
+@njit(error_model="numpy")
 def int8_encode(x, out, residual, block):
     n = len(x)
     nblocks = (n + block - 1) // block
@@ -39,24 +65,28 @@ def int8_encode(x, out, residual, block):
     bits = x.view(np.uint32)
     for b in range(nblocks):
         lo, hi = b * block, min(b * block + block, n)
-        xb, qb, bb = x[lo:hi], q[lo:hi], bits[lo:hi]
-        # absmax over the sign-cleared bits: an integer max, which vectorises
-        m = np.uint32(0)
-        for i in range(len(bb)):
-            m = max(m, np.uint32(bb[i] & ABS_MASK))
-        scale_bits[b] = QNAN_BITS if m > INF_BITS else m  # any NaN: the one quiet NaN
-        scale = scales[b]
-        factor = np.float32(127) / scale
-        if factor > 0 and factor < np.inf:
-            for i in range(len(xb)):
-                qb[i] = np.int8(np.int32((xb[i] * factor + ROUND_MAGIC) - ROUND_MAGIC))
-        else:  # zero, NaN, infinite or too small to invert: q = 0 (the scale tells which)
-            qb[:] = 0
+        step = _int8_block(x[lo:hi], bits[lo:hi], q[lo:hi], scale_bits, scales, b)
         if residual is not None:
-            rb = residual[lo:hi]
-            step = scale / np.float32(127)
-            for i in range(len(xb)):
-                rb[i] = xb[i] - np.float32(qb[i]) * step
+            _int8_error(x[lo:hi], q[lo:hi], residual[lo:hi], step)
+
+
+@njit(error_model="numpy")
+def int8_encode_feedback(x, out, residual, block):
+    """Encode x + residual, block by block in cache: the sum takes the residual's place, then
+    the encoding error does (x itself is left as it is)."""
+    n = len(x)
+    nblocks = (n + block - 1) // block
+    scale_bits = out[: 4 * nblocks].view(np.uint32)
+    scales = out[: 4 * nblocks].view(np.float32)
+    q = out[4 * nblocks :].view(np.int8)
+    rbits = residual.view(np.uint32)
+    for b in range(nblocks):
+        lo, hi = b * block, min(b * block + block, n)
+        xb, rb = x[lo:hi], residual[lo:hi]
+        for i in range(len(rb)):
+            rb[i] = xb[i] + rb[i]
+        step = _int8_block(rb, rbits[lo:hi], q[lo:hi], scale_bits, scales, b)
+        _int8_error(rb, q[lo:hi], rb, step)
 
 
 @njit
@@ -85,6 +115,21 @@ def int8_decode_add(buf, out, block):
         step = scales[b] / np.float32(127)
         for i in range(len(ob)):
             ob[i] += np.float32(qb[i]) * step
+
+
+@njit
+def int8_decode_add_feedback(buf, out, residual, block):
+    """out = (out + residual) + decode(buf), one pass."""
+    n = len(out)
+    nblocks = (n + block - 1) // block
+    scales = buf[: 4 * nblocks].view(np.float32)
+    q = buf[4 * nblocks :].view(np.int8)
+    for b in range(nblocks):
+        lo, hi = b * block, min(b * block + block, n)
+        qb, ob, rb = q[lo:hi], out[lo:hi], residual[lo:hi]
+        step = scales[b] / np.float32(127)
+        for i in range(len(ob)):
+            ob[i] = (ob[i] + rb[i]) + np.float32(qb[i]) * step
 
 
 # --- bf16: the upper half of the float32 bits, rounded to nearest even --------------------
@@ -116,6 +161,23 @@ def bf16_encode(x, out, residual):
             h = _bf16_bits(bits[i])
             out16[i] = h
             residual[i] = x[i] - _bf16_value(h)
+
+
+@njit
+def bf16_encode_feedback(x, out, residual):
+    out16 = out.view(np.uint16)
+    for i in range(len(x)):
+        t = np.float32(x[i] + residual[i])
+        h = _bf16_bits(t.view(np.uint32))
+        out16[i] = h
+        residual[i] = t - _bf16_value(h)
+
+
+@njit
+def bf16_decode_add_feedback(buf, out, residual):
+    in16 = buf.view(np.uint16)
+    for i in range(len(out)):
+        out[i] = (out[i] + residual[i]) + _bf16_value(in16[i])
 
 
 @njit
@@ -182,6 +244,23 @@ def fp16_encode(x, out, residual):
             h = _fp16_bits(bits[i])
             out16[i] = h
             residual[i] = x[i] - _fp16_value(h)
+
+
+@njit
+def fp16_encode_feedback(x, out, residual):
+    out16 = out.view(np.uint16)
+    for i in range(len(x)):
+        t = np.float32(x[i] + residual[i])
+        h = _fp16_bits(t.view(np.uint32))
+        out16[i] = h
+        residual[i] = t - _fp16_value(h)
+
+
+@njit
+def fp16_decode_add_feedback(buf, out, residual):
+    in16 = buf.view(np.uint16)
+    for i in range(len(out)):
+        out[i] = (out[i] + residual[i]) + _fp16_value(in16[i])
 
 
 @njit

@@ -49,7 +49,8 @@ class Codec:
     """Base class: `name`, `lossy`, byte size, encode, decode and decode-add of float32 vectors.
 
     A subclass writes the numpy reference (`_encode_numpy`, `_decode_numpy`, `_decode_add_numpy`)
-    and the calls of its kernels (`_encode_fast`, `_decode_fast`, `_decode_add_fast`).
+    and the calls of its kernels (`_encode_fast`, `_decode_fast`, `_decode_add_fast`, and the
+    error-feedback forms `_encode_feedback_fast`, `_decode_add_feedback_fast`).
     """
 
     name: str = ""
@@ -64,16 +65,33 @@ class Codec:
     def nbytes(self, count: int) -> int:
         raise NotImplementedError
 
-    def encode(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None = None) -> None:
+    def encode(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        residual: np.ndarray | None = None,
+        add_residual: bool = False,
+    ) -> None:
         """x: float32 1-D; out: uint8 1-D of length nbytes(len(x)); residual (float32, len(x)),
-        when given, receives the encoding error x - decode(out) (error feedback)."""
+        when given, receives the encoding error x - decode(out) (error feedback).
+        add_residual: encode x + residual instead (the last call's error joins the input in the
+        same pass; x is left as it is) and keep the new error in `residual`."""
         _check(x, np.float32, len(x), "x")
         _check(out, np.uint8, self.nbytes(len(x)), "out")
         if residual is not None:
             _check(residual, np.float32, len(x), "residual")
+        elif add_residual:
+            raise ValueError("add_residual needs a residual")
         if self.fast and array_module(x) is np:
-            self._encode_fast(x, out, residual)
+            if add_residual:
+                self._encode_feedback_fast(x, out, residual)
+            else:
+                self._encode_fast(x, out, residual)
             return
+        if add_residual:  # the reference: the sum first, then its encoding
+            total = self._buffer("feedback", np.float32, len(x), x)
+            array_module(x).add(x, residual, out=total)
+            x = total
         self._encode_numpy(x, out)
         if residual is not None:
             self._decode_numpy(out, len(x), residual)
@@ -88,14 +106,24 @@ class Codec:
         else:
             self._decode_numpy(buf, count, out)
 
-    def decode_add(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
-        """out += decode(buf), the reduce-scatter hot path."""
+    def decode_add(
+        self, buf: np.ndarray, count: int, out: np.ndarray, residual: np.ndarray | None = None
+    ) -> None:
+        """out += decode(buf), the reduce-scatter hot path; with `residual`,
+        out = (out + residual) + decode(buf) in one pass (error feedback)."""
         _check(buf, np.uint8, self.nbytes(count), "buf")
         _check(out, np.float32, count, "out")
+        if residual is not None:
+            _check(residual, np.float32, count, "residual")
         if self.fast and array_module(out) is np:
-            self._decode_add_fast(buf, out)
-        else:
-            self._decode_add_numpy(buf, count, out)
+            if residual is not None:
+                self._decode_add_feedback_fast(buf, out, residual)
+            else:
+                self._decode_add_fast(buf, out)
+            return
+        if residual is not None:
+            out += residual
+        self._decode_add_numpy(buf, count, out)
 
     def _decode_add_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         tmp = self._buffer("f32", np.float32, count, out)
@@ -131,8 +159,21 @@ class Fp32Codec(Codec):
     def nbytes(self, count: int) -> int:
         return 4 * count
 
-    def encode(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None = None) -> None:
-        super().encode(x, out)
+    def encode(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        residual: np.ndarray | None = None,
+        add_residual: bool = False,
+    ) -> None:
+        if add_residual:
+            if residual is None:
+                raise ValueError("add_residual needs a residual")
+            _check(residual, np.float32, len(x), "residual")
+            _check(out, np.uint8, self.nbytes(len(x)), "out")
+            array_module(x).add(x, residual, out=out.view(np.float32))
+        else:
+            super().encode(x, out)
         if residual is not None:
             _check(residual, np.float32, len(x), "residual")
             residual[:] = 0  # lossless (x - x would turn inf and NaN into NaN)
@@ -154,6 +195,10 @@ class Fp32Codec(Codec):
 
     def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
         self._decode_add_numpy(buf, len(out), out)
+
+    def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
+        out += residual
+        out += buf.view(np.float32)
 
 
 class Fp16Codec(Codec):
@@ -184,6 +229,12 @@ class Fp16Codec(Codec):
 
     def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
         codec_kernels.fp16_decode_add(buf, out)
+
+    def _encode_feedback_fast(self, x: np.ndarray, out: np.ndarray, residual) -> None:
+        codec_kernels.fp16_encode_feedback(x, out, residual)
+
+    def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
+        codec_kernels.fp16_decode_add_feedback(buf, out, residual)
 
 
 class Bf16Codec(Codec):
@@ -223,6 +274,12 @@ class Bf16Codec(Codec):
 
     def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
         codec_kernels.bf16_decode_add(buf, out)
+
+    def _encode_feedback_fast(self, x: np.ndarray, out: np.ndarray, residual) -> None:
+        codec_kernels.bf16_encode_feedback(x, out, residual)
+
+    def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
+        codec_kernels.bf16_decode_add_feedback(buf, out, residual)
 
 
 class Int8Codec(Codec):
@@ -310,6 +367,12 @@ class Int8Codec(Codec):
 
     def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
         codec_kernels.int8_decode_add(buf, out, self.block)
+
+    def _encode_feedback_fast(self, x: np.ndarray, out: np.ndarray, residual) -> None:
+        codec_kernels.int8_encode_feedback(x, out, residual, self.block)
+
+    def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
+        codec_kernels.int8_decode_add_feedback(buf, out, residual, self.block)
 
 
 def get_codec(name: str, block: int = 256, kernels: str = "auto") -> Codec:
