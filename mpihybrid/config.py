@@ -98,7 +98,7 @@ class CommConfig:
     sync_sends: bool = False  # pipeline sends with Issend (proves no reliance on eager buffering)
     cuda_aware: str | bool = "auto"  # device = cuda: MPI takes GPU buffers; auto = ask the MPI
     # gradient buckets: how the rings make progress behind the compute (thread | poll | off)
-    overlap: str = "thread"
+    overlap: str = "poll"
     bucket_kb: int = 4096  # a bucket holds whole layers of at least this many KiB of gradient
     segment_kb: int = 2048  # the ring sends a chunk in messages of this many KiB of float32
 

@@ -207,12 +207,14 @@ class RingAllreduce:
                 for k in range(len(self.segments[c]))
             ]
 
+        # receives first: a large message moves only once its receive is posted, and the
+        # neighbour is encoding its own first chunk meanwhile
+        pending = post(0)
         sends = [
             self._send(self._encode(flat, r, k, first_use=True), tag, ("rs", r, k))
             for k in range(len(self.segments[r]))
         ]
         sent = self.chunk_nbytes[r]
-        pending = post(0)
         for s in range(p - 1):
             c = recv_chunk[s]
             # step s + 1 lands in the other half; step s - 1's half has been consumed

@@ -72,21 +72,35 @@ def int8_encode(x, out, residual, block):
 
 @njit(error_model="numpy")
 def int8_encode_feedback(x, out, residual, block):
-    """Encode x + residual, block by block in cache: the sum takes the residual's place, then
-    the encoding error does (x itself is left as it is)."""
+    """Encode x + residual and keep the new error in residual, one block at a time: the sum is
+    formed in registers twice (the block's absmax, then its values), never stored, so the loops
+    stay free of aliasing and vectorise (x is left as it is)."""
     n = len(x)
     nblocks = (n + block - 1) // block
     scale_bits = out[: 4 * nblocks].view(np.uint32)
     scales = out[: 4 * nblocks].view(np.float32)
     q = out[4 * nblocks :].view(np.int8)
-    rbits = residual.view(np.uint32)
     for b in range(nblocks):
         lo, hi = b * block, min(b * block + block, n)
-        xb, rb = x[lo:hi], residual[lo:hi]
-        for i in range(len(rb)):
-            rb[i] = xb[i] + rb[i]
-        step = _int8_block(rb, rbits[lo:hi], q[lo:hi], scale_bits, scales, b)
-        _int8_error(rb, q[lo:hi], rb, step)
+        xb, rb, qb = x[lo:hi], residual[lo:hi], q[lo:hi]
+        m = np.uint32(0)
+        for i in range(len(xb)):
+            t = np.float32(xb[i] + rb[i])
+            m = max(m, np.uint32(t.view(np.uint32) & ABS_MASK))
+        scale_bits[b] = QNAN_BITS if m > INF_BITS else m  # any NaN: the one quiet NaN
+        scale = scales[b]
+        factor = np.float32(127) / scale
+        step = scale / np.float32(127)
+        if factor > 0 and factor < np.inf:
+            for i in range(len(xb)):
+                t = np.float32(xb[i] + rb[i])
+                v = np.int8(np.int32((t * factor + ROUND_MAGIC) - ROUND_MAGIC))
+                qb[i] = v
+                rb[i] = t - np.float32(v) * step
+        else:  # zero, NaN, infinite or too small to invert: q = 0, the error is all of it
+            for i in range(len(xb)):
+                qb[i] = 0
+                rb[i] = np.float32(xb[i] + rb[i]) - np.float32(0) * step
 
 
 @njit
