@@ -201,11 +201,33 @@ class Fp32Codec(Codec):
         out += buf.view(np.float32)
 
 
-class Fp16Codec(Codec):
-    name, lossy = "fp16", True
+class _HalfCodec(Codec):
+    """fp16 and bf16: two bytes a value; their kernels are codec_kernels.<name>_<operation>."""
 
     def nbytes(self, count: int) -> int:
         return 2 * count
+
+    def _kernel(self, operation: str):
+        return getattr(codec_kernels, f"{self.name}_{operation}")
+
+    def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
+        self._kernel("encode")(x, out, residual)
+
+    def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        self._kernel("decode")(buf, out)
+
+    def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        self._kernel("decode_add")(buf, out)
+
+    def _encode_feedback_fast(self, x: np.ndarray, out: np.ndarray, residual) -> None:
+        self._kernel("encode_feedback")(x, out, residual)
+
+    def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
+        self._kernel("decode_add_feedback")(buf, out, residual)
+
+
+class Fp16Codec(_HalfCodec):
+    name, lossy = "fp16", True
 
     def _encode_numpy(self, x: np.ndarray, out: np.ndarray) -> None:
         with np.errstate(over="ignore"):  # past +-65504 is inf, on purpose
@@ -221,27 +243,9 @@ class Fp16Codec(Codec):
     def _decode_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         out[:] = buf.view(np.float16)
 
-    def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
-        codec_kernels.fp16_encode(x, out, residual)
 
-    def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        codec_kernels.fp16_decode(buf, out)
-
-    def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        codec_kernels.fp16_decode_add(buf, out)
-
-    def _encode_feedback_fast(self, x: np.ndarray, out: np.ndarray, residual) -> None:
-        codec_kernels.fp16_encode_feedback(x, out, residual)
-
-    def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
-        codec_kernels.fp16_decode_add_feedback(buf, out, residual)
-
-
-class Bf16Codec(Codec):
+class Bf16Codec(_HalfCodec):
     name, lossy = "bf16", True
-
-    def nbytes(self, count: int) -> int:
-        return 2 * count
 
     def _encode_numpy(self, x: np.ndarray, out: np.ndarray) -> None:
         bits = x.view(np.uint32)
@@ -265,21 +269,6 @@ class Bf16Codec(Codec):
         u32 = out.view(np.uint32)
         array_module(out).copyto(u32, buf.view(np.uint16), casting="unsafe")
         u32 <<= 16
-
-    def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
-        codec_kernels.bf16_encode(x, out, residual)
-
-    def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        codec_kernels.bf16_decode(buf, out)
-
-    def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        codec_kernels.bf16_decode_add(buf, out)
-
-    def _encode_feedback_fast(self, x: np.ndarray, out: np.ndarray, residual) -> None:
-        codec_kernels.bf16_encode_feedback(x, out, residual)
-
-    def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
-        codec_kernels.bf16_decode_add_feedback(buf, out, residual)
 
 
 class Int8Codec(Codec):
