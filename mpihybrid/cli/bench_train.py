@@ -230,7 +230,7 @@ def bench_train(
     against: (another job, the overrides that made it): each repeat also runs that job, right
     after this one, so the two are compared pair by pair under the same machine drift.
     """
-    # Over 60 lines because half of it is the one literal of the result (--json prints it):
+    # Over 60 lines because most of it is the one literal of the result (--json prints it):
     # its keys read in the order the report prints them.
     job = _bench_job(job, warmup + steps)
     other = _bench_job(against[0], warmup + steps) if against else None
@@ -255,20 +255,8 @@ def bench_train(
     rates = roofs[chosen]  # the GEMM rate of each rank right after the median repeat
     flops_per_token = sum(block_costs(blocks))  # per row: a token (gpt) or a sample (mlp)
     assert gemm_flops(gemms) == flops_per_token * rows, "GEMM list and cost model disagree"
-    roofline = float(sum(rates))
-    achieved = flops_per_token * median
-    rooflines = [float(sum(r)) for r in roofs]
-    fractions = [flops_per_token * t / r for t, r in zip(throughputs, rooflines, strict=True)]
     return {
-        "job": {
-            "pp": job.grid.pp,
-            "dp": job.grid.dp,
-            "schedule": job.train.schedule,
-            "microbatches": job.train.microbatches,
-            "early_grad_send": job.train.early_grad_send,
-            "model": job.model.kind,
-            "tokens_per_step": per_step,
-        },
+        "job": _job_summary(job, per_step),
         "unit": "tokens" if tokens > 1 else "samples",
         "repeats": repeats,
         "warmup_steps": warmup,
@@ -279,14 +267,8 @@ def bench_train(
         "bubble": report["bubble"]["measured"],
         "bubble_predicted": report["bubble"]["formula"],
         "bubble_simulated": report["bubble"]["predicted"],
-        "flops_per_token": flops_per_token,
-        "achieved_flops": achieved,
-        "gemm_rate_per_rank": [float(r) for r in rates],
         "gemm_rate_hot": hot,
-        "roofline": roofline,
-        "roofline_fraction": statistics.median(fractions),
-        "rooflines": rooflines,
-        "roofline_fractions": fractions,
+        **_roofline_figures(flops_per_token, throughputs, roofs, rates),
         **_busy_rows(job, report, events, warmup, wall),
         "time_split": _time_split(
             events,
@@ -298,6 +280,36 @@ def bench_train(
         "peak_rss_bytes": [int(b) for b in peak_rss],
         "final_loss": float(last.losses[-1]) if last.losses else None,
         "against": _against(against, other_walls, throughputs, steps),
+    }
+
+
+def _job_summary(job: Job, per_step: int) -> dict:
+    return {
+        "pp": job.grid.pp,
+        "dp": job.grid.dp,
+        "schedule": job.train.schedule,
+        "microbatches": job.train.microbatches,
+        "early_grad_send": job.train.early_grad_send,
+        "model": job.model.kind,
+        "tokens_per_step": per_step,
+    }
+
+
+def _roofline_figures(
+    flops_per_token: int, throughputs: list[float], roofs: list, rates: list[float]
+) -> dict:
+    """Achieved FLOP/s and the roofline: each repeat against the roofline measured right after
+    it (the machine drifts between minutes), the median repeat's rates per rank."""
+    rooflines = [float(sum(r)) for r in roofs]
+    fractions = [flops_per_token * t / r for t, r in zip(throughputs, rooflines, strict=True)]
+    return {
+        "flops_per_token": flops_per_token,
+        "achieved_flops": flops_per_token * statistics.median(throughputs),
+        "gemm_rate_per_rank": [float(r) for r in rates],
+        "roofline": float(sum(rates)),
+        "roofline_fraction": statistics.median(fractions),
+        "rooflines": rooflines,
+        "roofline_fractions": fractions,
     }
 
 
