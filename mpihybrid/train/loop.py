@@ -153,7 +153,6 @@ class _Run:
     losses: list = field(default_factory=list)
     accuracies: list = field(default_factory=list)
     peak_inflight: dict = field(default_factory=dict)
-    step_sums: np.ndarray = field(default_factory=lambda: np.zeros(5))
     trace: TraceStream | None = None  # flushes the recorder's rows to the trace file as it goes
 
 
