@@ -130,3 +130,17 @@ def test_bench_table_and_sizes() -> None:
         "KiB",
         "3.00",
     ]
+
+
+def test_bench_allreduce_segment_option() -> None:
+    """--segment-kb sets the ring's message size; a size below 1 KiB is one line and exit 2."""
+    argv = "-m mpihybrid bench allreduce --sizes 64K --codecs fp32,int8 --repeats 1".split()
+    proc = run_mpi(2, *argv, "--segment-kb", "1", timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {line.split()[3] for line in proc.stdout.splitlines() if " ring " in line} == {
+        "fp32",
+        "int8",
+    }
+    proc = run_mpi(2, *argv, "--segment-kb", "0", timeout=60)
+    assert proc.returncode == 2
+    assert "--segment-kb" in proc.stderr and "Traceback" not in proc.stderr
