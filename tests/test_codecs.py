@@ -361,7 +361,12 @@ def test_fast_path_does_not_allocate(name: str) -> None:
     x = normal(100_000, seed=12)
     wire = np.empty(codec.nbytes(len(x)), np.uint8)
     residual, acc = np.empty_like(x), np.zeros_like(x)
-    calls = [lambda: codec.encode(x, wire, residual), lambda: codec.decode_add(wire, len(x), acc)]
+    incoming = np.zeros_like(wire)
+    calls = [
+        lambda: codec.encode(x, wire, residual),
+        lambda: codec.decode_add(wire, len(x), acc),
+        lambda: codec.reduce_encode(incoming, acc, wire, residual),
+    ]
     for call in calls:
         call()  # compile (or load the cache) first
     tracemalloc.start()
@@ -490,3 +495,37 @@ def test_feedback_forms_are_the_two_steps_they_fuse(name: str, kernels: str) -> 
         assert_same_bits(fused, steps, f"{name} {count} decode-add with residual")
     with pytest.raises(ValueError, match="add_residual needs a residual"):
         codec.encode(np.zeros(3, np.float32), np.zeros(codec.nbytes(3), np.uint8), None, True)
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("kernels", ["auto", "numpy"])
+@pytest.mark.parametrize("feedback", [True, False])
+def test_reduce_encode_is_the_three_steps_it_fuses(name: str, kernels: str, feedback: bool) -> None:
+    """The ring owner's last hop: decode_add (with the residual), encode (error to the residual)
+    and decode of its own bytes, against the numpy reference's three calls, bit for bit, on
+    awkward values and on slices that start anywhere. The incoming values are finite (an int8
+    block with inf decodes to NaN): where both addends are NaN, IEEE 754 leaves open whose
+    payload the sum keeps."""
+    codec, ref = get_codec(name, 7, kernels=kernels), get_codec(name, 7, kernels="numpy")
+    for count in (0, 1, 7, 300, 4096 * 2 + 13):
+        x = awkward(count + 3, 7, seed=count)[3:]
+        incoming = np.empty(codec.nbytes(count), np.uint8)
+        sent = np.nan_to_num(awkward(count, 7, seed=count + 1), nan=1, posinf=2, neginf=-2)
+        ref.encode(sent, incoming)
+        old = normal(count, seed=5, scale=1e-3) if feedback else None
+        fused_x, fused_wire = x.copy(), np.full(codec.nbytes(count) + 1, 0xAB, np.uint8)[1:]
+        fused_res = None if old is None else old.copy()
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN on purpose
+            codec.reduce_encode(incoming, fused_x, fused_wire, fused_res)
+            steps_x, steps_wire = x.copy(), np.empty_like(fused_wire)
+            steps_res = None if old is None else old.copy()
+            ref.decode_add(incoming, count, steps_x, steps_res)
+            ref.encode(steps_x, steps_wire, steps_res)
+            ref.decode(steps_wire, count, steps_x)
+        tag = f"{name} {count} feedback={feedback}"
+        assert_same_bits(fused_wire, steps_wire, f"{tag} bytes")
+        assert_same_bits(fused_x, steps_x, f"{tag} owner's values")
+        if feedback:
+            assert_same_bits(fused_res, steps_res, f"{tag} new residual")
+    with pytest.raises(ValueError, match="out"):
+        codec.reduce_encode(incoming, x, np.zeros(3, np.uint8))

@@ -5,6 +5,7 @@
     k.int8_decode_add(buf, out, block)
     k.int8_encode_feedback(x, out, residual, block)      # encodes x + residual (error feedback)
     k.int8_decode_add_feedback(buf, out, residual, block)  # out = (out + residual) + decode
+    k.int8_reduce_encode(buf, x, residual, out, block)   # the two above and decode, fused
 
 codecs.py holds the numpy references (what the maths reads like) and calls these when
 `_numba.ENABLED`; the tests compare the two byte for byte. Every kernel works on float32 as its
@@ -94,9 +95,9 @@ def int8_encode_feedback(x, out, residual, block):
         if factor > 0 and factor < np.inf:
             for i in range(len(xb)):
                 t = np.float32(xb[i] + rb[i])
-                v = np.int8(np.int32((t * factor + ROUND_MAGIC) - ROUND_MAGIC))
-                qb[i] = v
-                rb[i] = t - np.float32(v) * step
+                v = np.int32(np.rint(np.float32(t * factor)))  # in [-127, 127]
+                qb[i] = np.int8(v)
+                rb[i] = t - np.float32(v) * step  # from the integer: q = 0 decodes to +0
         else:  # zero, NaN, infinite or too small to invert: q = 0, the error is all of it
             for i in range(len(xb)):
                 qb[i] = 0
@@ -146,6 +147,67 @@ def int8_decode_add_feedback(buf, out, residual, block):
             ob[i] = (ob[i] + rb[i]) + np.float32(qb[i]) * step
 
 
+@njit(error_model="numpy")
+def int8_reduce_encode(buf, x, residual, out, block):
+    """The owner's last reduce-scatter hop in one pass per block (the block stays in L1):
+    x = (x + residual) + decode(buf), then x is encoded into out, its error goes to residual,
+    and x becomes decode(out). residual None: no error feedback. The same float operations, in
+    the same order, as decode_add, encode and decode one after another."""
+    n = len(x)
+    nblocks = (n + block - 1) // block
+    scales_in = buf[: 4 * nblocks].view(np.float32)
+    q_in = buf[4 * nblocks :].view(np.int8)
+    scale_bits = out[: 4 * nblocks].view(np.uint32)
+    scales = out[: 4 * nblocks].view(np.float32)
+    q = out[4 * nblocks :].view(np.int8)
+    for b in range(nblocks):
+        lo, hi = b * block, min(b * block + block, n)
+        xb, qib, qb = x[lo:hi], q_in[lo:hi], q[lo:hi]
+        step_in = scales_in[b] / np.float32(127)
+        m = np.uint32(0)  # the sum's absmax, taken as it is stored
+        if residual is not None:
+            rb = residual[lo:hi]
+            for i in range(len(xb)):
+                t = np.float32((xb[i] + rb[i]) + np.float32(qib[i]) * step_in)
+                xb[i] = t
+                m = max(m, np.uint32(t.view(np.uint32) & ABS_MASK))
+        else:
+            for i in range(len(xb)):
+                t = np.float32(xb[i] + np.float32(qib[i]) * step_in)
+                xb[i] = t
+                m = max(m, np.uint32(t.view(np.uint32) & ABS_MASK))
+        scale_bits[b] = QNAN_BITS if m > INF_BITS else m  # any NaN: the one quiet NaN
+        scale = scales[b]
+        factor = np.float32(127) / scale
+        step = scale / np.float32(127)
+        ok = factor > 0 and factor < np.inf  # else q = 0 (the scale tells why)
+        if residual is not None:
+            rb = residual[lo:hi]
+            if ok:
+                for i in range(len(xb)):
+                    t = xb[i]
+                    v = np.int32(np.rint(np.float32(t * factor)))  # in [-127, 127]
+                    qb[i] = np.int8(v)
+                    d = np.float32(v) * step  # from the integer: q = 0 decodes to +0
+                    rb[i] = t - d
+                    xb[i] = d
+            else:
+                for i in range(len(xb)):
+                    qb[i] = 0
+                    d = np.float32(0) * step
+                    rb[i] = xb[i] - d
+                    xb[i] = d
+        elif ok:
+            for i in range(len(xb)):
+                v = np.int32(np.rint(np.float32(xb[i] * factor)))
+                qb[i] = np.int8(v)
+                xb[i] = np.float32(v) * step
+        else:
+            for i in range(len(xb)):
+                qb[i] = 0
+                xb[i] = np.float32(0) * step
+
+
 # --- bf16: the upper half of the float32 bits, rounded to nearest even --------------------
 # numba widens uint32 arithmetic to 64 bits; np.uint32(...) around each result keeps the
 # vectors 8 lanes wide
@@ -192,6 +254,26 @@ def bf16_decode_add_feedback(buf, out, residual):
     in16 = buf.view(np.uint16)
     for i in range(len(out)):
         out[i] = (out[i] + residual[i]) + _bf16_value(in16[i])
+
+
+@njit
+def bf16_reduce_encode(buf, x, residual, out):
+    """x = (x + residual) + decode(buf); encode x, its error to residual; x = decode(out)."""
+    in16, out16 = buf.view(np.uint16), out.view(np.uint16)
+    if residual is not None:
+        for i in range(len(x)):
+            t = np.float32((x[i] + residual[i]) + _bf16_value(in16[i]))
+            h = _bf16_bits(t.view(np.uint32))
+            out16[i] = h
+            d = _bf16_value(h)
+            residual[i] = t - d
+            x[i] = d
+    else:
+        for i in range(len(x)):
+            t = np.float32(x[i] + _bf16_value(in16[i]))
+            h = _bf16_bits(t.view(np.uint32))
+            out16[i] = h
+            x[i] = _bf16_value(h)
 
 
 @njit
@@ -275,6 +357,26 @@ def fp16_decode_add_feedback(buf, out, residual):
     in16 = buf.view(np.uint16)
     for i in range(len(out)):
         out[i] = (out[i] + residual[i]) + _fp16_value(in16[i])
+
+
+@njit
+def fp16_reduce_encode(buf, x, residual, out):
+    """x = (x + residual) + decode(buf); encode x, its error to residual; x = decode(out)."""
+    in16, out16 = buf.view(np.uint16), out.view(np.uint16)
+    if residual is not None:
+        for i in range(len(x)):
+            t = np.float32((x[i] + residual[i]) + _fp16_value(in16[i]))
+            h = _fp16_bits(t.view(np.uint32))
+            out16[i] = h
+            d = _fp16_value(h)
+            residual[i] = t - d
+            x[i] = d
+    else:
+        for i in range(len(x)):
+            t = np.float32(x[i] + _fp16_value(in16[i]))
+            h = _fp16_bits(t.view(np.uint32))
+            out16[i] = h
+            x[i] = _fp16_value(h)
 
 
 @njit

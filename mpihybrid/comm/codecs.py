@@ -125,6 +125,29 @@ class Codec:
             out += residual
         self._decode_add_numpy(buf, count, out)
 
+    def reduce_encode(
+        self, buf: np.ndarray, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None = None
+    ) -> None:
+        """The ring owner's last reduce-scatter hop and its all-gather encoding, in one call:
+        decode_add(buf, len(x), x, residual), encode(x, out, residual), decode(out, len(x), x).
+        Afterwards x holds exactly what every other replica will decode from `out`, and
+        `residual` (when given) this rank's new encoding error. The kernels do it in one pass."""
+        count = len(x)
+        _check(buf, np.uint8, self.nbytes(count), "buf")
+        _check(x, np.float32, count, "x")
+        _check(out, np.uint8, self.nbytes(count), "out")
+        if residual is not None:
+            _check(residual, np.float32, count, "residual")
+        if self.fast and array_module(x) is np and self._reduce_encode_fast(buf, x, out, residual):
+            return
+        self.decode_add(buf, count, x, residual)
+        self.encode(x, out, residual)
+        self.decode(out, count, x)
+
+    def _reduce_encode_fast(self, buf, x, out, residual) -> bool:
+        """The fused kernel, where the codec has one; False: compose the three calls."""
+        return False
+
     def _decode_add_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         tmp = self._buffer("f32", np.float32, count, out)
         self._decode_numpy(buf, count, tmp)
@@ -224,6 +247,10 @@ class _HalfCodec(Codec):
 
     def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
         self._kernel("decode_add_feedback")(buf, out, residual)
+
+    def _reduce_encode_fast(self, buf, x, out, residual) -> bool:
+        self._kernel("reduce_encode")(buf, x, residual, out)
+        return True
 
 
 class Fp16Codec(_HalfCodec):
@@ -362,6 +389,10 @@ class Int8Codec(Codec):
 
     def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
         codec_kernels.int8_decode_add_feedback(buf, out, residual, self.block)
+
+    def _reduce_encode_fast(self, buf, x, out, residual) -> bool:
+        codec_kernels.int8_reduce_encode(buf, x, residual, out, self.block)
+        return True
 
 
 def get_codec(name: str, block: int = 256, kernels: str = "auto") -> Codec:
