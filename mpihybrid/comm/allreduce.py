@@ -13,9 +13,11 @@ rank r sends to (r + 1) % p and receives from (r - 1) % p.
 Pipelined: every chunk is cut into segments of `segment` elements, each a message of its own, and
 all of them are non-blocking (Isend/Irecv). A segment moves on as soon as it is ready: segment k
 of step s is added (reduce-scatter) or forwarded (all-gather) the moment it arrives, while k + 1
-is still on the wire and k - 1 is being encoded for the next step. Every receive of a phase is
-posted before its data can arrive, so no send waits on the receiver reaching its loop, whatever
-MPI's eager limit. All buffers are allocated once, in __init__.
+is still on the wire and k - 1 is being encoded for the next step; a segment of the rank's own
+chunk leaves for the all-gather as soon as its last reduce-scatter hop is added. Reduce-scatter
+receives are posted before their data can arrive; all-gather receives once this rank's
+reduce-scatter sends are done (they land in the same buffers), and until then MPI holds the
+early all-gather messages. All buffers are allocated once, in __init__.
 
 Where the vector lives: on a GPU (`backend`, comm.device.Backend) the codecs run on the device
 and the wire buffers live there too; without CUDA-aware MPI each message goes through the
@@ -24,8 +26,9 @@ backend's persistent host staging, so only encoded bytes cross PCIe. On the CPU 
 Compressed (lossy codec): every segment that goes on the wire is encoded once, by the rank that
 computed it. In the all-gather the owner encodes its reduced chunk once and those exact bytes go
 round the ring unchanged; every rank, the owner included, decodes the same bytes, so all replicas
-end bit-identical. Error feedback: `residual` (this rank's encoding error per element) is added to
-the input before the ring; each element is encoded by this rank exactly once per call and its new
+end bit-identical (the owner's last add, encode and decode are one pass: Codec.reduce_encode).
+Error feedback: `residual` (this rank's encoding error per element) is added to the input before
+the ring; each element is encoded by this rank exactly once per call and its new
 error replaces the residual there, so errors telescope into the next call instead of piling up.
 With p = 1 nothing travels and nothing is quantised: the call leaves the vector as it is.
 """
@@ -113,6 +116,10 @@ class RingAllreduce:
         # compressed: the wire holds every chunk's encoded segments (sent, or received and
         # forwarded); fp32 sends from the vector and receives the reduce-scatter into recv_buf
         self.wire = self.backend.empty(offset if self.compress else 0, np.uint8)
+        # compressed: the all-gather lands in a wire of its own, so its receives can be posted
+        # before the reduce-scatter and the neighbour's early segments move whenever either
+        # rank is inside MPI (fp32 lands in the vector, after the reduce-scatter's sends)
+        self.gather_wire = self.backend.empty(offset if self.compress else 0, np.uint8)
         # the reduce-scatter receives step s into half s % 2 (two steps may be in flight)
         half = max((self._span(c) for c in range(p)), default=0)
         self.recv_buf = self.backend.empty(2 * half if p > 1 else 0, np.uint8)
@@ -177,8 +184,12 @@ class RingAllreduce:
         self.last_sent = 0
         if self.dp_size == 1 or self.count == 0:
             return
-        yield from self._reduce_scatter(flat)
-        yield from self._all_gather(flat)
+        gather_recvs = self._post_gather(flat) if self.compress else None
+        gather_sends: list[MPI.Request] = []  # the owner's all-gather segments, sent early
+        yield from self._reduce_scatter(flat, gather_sends)
+        if gather_recvs is None:  # they land where the reduce-scatter's sends read from
+            gather_recvs = self._post_gather(flat)
+        yield from self._all_gather(flat, gather_sends, gather_recvs)
         if op == "mean":
             flat /= self.dp_size
 
@@ -195,8 +206,12 @@ class RingAllreduce:
     def _received(self, buf: np.ndarray, key: tuple) -> None:
         self.backend.finish_recv(buf, ("ring", id(self), *key))
 
-    def _reduce_scatter(self, flat: np.ndarray) -> Iterator[MPI.Request]:
-        """Pass partial sums round the ring; each hop adds its own contribution."""
+    def _reduce_scatter(
+        self, flat: np.ndarray, gather_sends: list[MPI.Request]
+    ) -> Iterator[MPI.Request]:
+        """Pass partial sums round the ring; each hop adds its own contribution. The last hop
+        completes a segment of this rank's own chunk, which leaves for the all-gather at once
+        (its request joins gather_sends)."""
         p, r, tag = self.dp_size, self.dp_rank, TAG_REDUCE_SCATTER
         recv_chunk = [(r - s - 1) % p for s in range(p - 1)]
 
@@ -222,11 +237,15 @@ class RingAllreduce:
             for k, request in enumerate(pending):
                 yield request
                 lo, hi, _, _ = self.segments[c][k]
-                self._received(self._recv_slot(s, c, k), ("rs", c, k))
-                residual = self._residual_of(c, k)
-                self.codec.decode_add(self._recv_slot(s, c, k), hi - lo, flat[lo:hi], residual)
+                received = self._recv_slot(s, c, k)
+                self._received(received, ("rs", c, k))
                 if s + 1 < p - 1:  # this segment is what we pass on next step
+                    residual = self._residual_of(c, k)
+                    self.codec.decode_add(received, hi - lo, flat[lo:hi], residual)
                     sends.append(self._send(self._encode(flat, c, k), tag, ("rs", c, k)))
+                else:
+                    own = self._own_segment(flat, received, c, k)
+                    gather_sends.append(self._send(own, TAG_ALL_GATHER, ("ag", c, k)))
             if s + 1 < p - 1:
                 sent += self.chunk_nbytes[c]
             pending = following
@@ -234,24 +253,39 @@ class RingAllreduce:
         self.bytes_sent["reduce_scatter"] += sent
         self.last_sent += sent
 
-    def _all_gather(self, flat: np.ndarray) -> Iterator[MPI.Request]:
-        """The owner encodes its reduced chunk once; the bytes go round the ring unchanged."""
+    def _own_segment(self, flat: np.ndarray, received: np.ndarray, c: int, k: int) -> np.ndarray:
+        """Segment k of this rank's own chunk c after the last reduce-scatter hop: the bytes the
+        all-gather sends. Lossy: the hop's add, the one encoding and the owner's decoding of its
+        own bytes (like everyone else's) are one codec pass."""
+        lo, hi, _, _ = self.segments[c][k]
+        residual = self._residual_of(c, k)
+        if not self.compress:
+            self.codec.decode_add(received, hi - lo, flat[lo:hi], residual)
+            return flat[lo:hi].view(np.uint8)
+        slot = self._slot(c, k)
+        self.codec.reduce_encode(received, flat[lo:hi], slot, residual)
+        return slot
+
+    def _post_gather(self, flat: np.ndarray) -> list[list[MPI.Request]]:
+        """The all-gather's receives, per step and segment: every chunk but our own is received
+        once, into its landing place."""
+        p, r = self.dp_size, self.dp_rank
+        return [
+            [
+                self._recv(self._landing(flat, c, k), TAG_ALL_GATHER, ("ag", c, k))
+                for k in range(len(self.segments[c]))
+            ]
+            for c in ((r - s) % p for s in range(p - 1))
+        ]
+
+    def _all_gather(
+        self, flat: np.ndarray, sends: list[MPI.Request], pending: list[list[MPI.Request]]
+    ) -> Iterator[MPI.Request]:
+        """The owner's encoded chunk (already on its way: `sends`) goes round the ring
+        unchanged; every other chunk is received (`pending`), forwarded and decoded."""
         p, r, tag = self.dp_size, self.dp_rank, TAG_ALL_GATHER
         own = (r + 1) % p
         recv_chunk = [(r - s) % p for s in range(p - 1)]
-        # every chunk is received once, into its own place: post them all now
-        pending = [
-            [
-                self._recv(self._landing(flat, c, k), tag, ("ag", c, k))
-                for k in range(len(self.segments[c]))
-            ]
-            for c in recv_chunk
-        ]
-        sends = []
-        for k in range(len(self.segments[own])):
-            sends.append(self._send(self._encode(flat, own, k), tag, ("ag", own, k)))
-            if self.compress:  # the owner decodes its own bytes, like everyone else
-                self._decode(flat, own, k)
         sent = self.chunk_nbytes[own]
         for s in range(p - 1):
             c = recv_chunk[s]
@@ -269,13 +303,14 @@ class RingAllreduce:
         self.last_sent += sent
 
     def _landing(self, flat: np.ndarray, c: int, k: int) -> np.ndarray:
-        """Where segment k of chunk c arrives in the all-gather: its wire slot, or (fp32) the
-        vector itself."""
+        """Where segment k of chunk c arrives in the all-gather: its slot in the gather wire, or
+        (fp32) the vector itself."""
         if self.compress:
-            return self._slot(c, k)
+            _, _, offset, nbytes = self.segments[c][k]
+            return self.gather_wire[offset : offset + nbytes]
         lo, hi, _, _ = self.segments[c][k]
         return flat[lo:hi].view(np.uint8)
 
     def _decode(self, flat: np.ndarray, c: int, k: int) -> None:
         lo, hi, _, _ = self.segments[c][k]
-        self.codec.decode(self._slot(c, k), hi - lo, flat[lo:hi])
+        self.codec.decode(self._landing(flat, c, k), hi - lo, flat[lo:hi])
