@@ -41,12 +41,24 @@ def _time_call(comm: MPI.Comm, call: Callable[[], None], reset: Callable[[], Non
     return comm.allreduce(elapsed, op=MPI.MAX)
 
 
-def _median_time(
-    comm: MPI.Comm, call: Callable[[], None], reset: Callable[[], None], repeats: int, warmup: int
-) -> float:
+def _median_times(
+    comm: MPI.Comm,
+    calls: list[Callable[[], None]],
+    reset: Callable[[], None],
+    repeats: int,
+    warmup: int,
+) -> list[float]:
+    """Median time of each call, the calls taking turns within every repeat: a ratio between
+    two of them then compares calls made under the same conditions (drift in the machine's
+    load or clock falls on both alike)."""
     for _ in range(warmup):
-        _time_call(comm, call, reset)
-    return statistics.median(_time_call(comm, call, reset) for _ in range(repeats))
+        for call in calls:
+            _time_call(comm, call, reset)
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for call, seen in zip(calls, times, strict=True):
+            seen.append(_time_call(comm, call, reset))
+    return [statistics.median(seen) for seen in times]
 
 
 def _row(size: int, codec: str, impl: str, seconds: float, n: int, wire: int | None) -> dict:
@@ -72,8 +84,8 @@ def bench_allreduce(
     segment: int = DEFAULT_SEGMENT,
     progress=None,
 ) -> list[dict]:
-    """One row per (size, implementation): MPI's Allreduce first, then the ring for each codec
-    (progress: a line per size).
+    """One row per (size, implementation): MPI's Allreduce, then the ring for each codec, timed
+    in turns (progress: a line per size).
 
     Both compute a sum (op="sum"), the ring with error feedback as training uses it, cutting its
     chunks into messages of `segment` elements. Every rank returns the same rows.
@@ -94,17 +106,17 @@ def bench_allreduce(
         def native(flat=flat) -> None:
             comm.Allreduce(MPI.IN_PLACE, [flat, MPI.FLOAT], op=MPI.SUM)
 
-        native_time = _median_time(comm, native, reset, repeats, warmup)
+        rings = [RingAllreduce(comm, count, get_codec(name), segment=segment) for name in codecs]
+        sent: list[list[int]] = [[] for _ in codecs]
+
+        def ring_call(ring: RingAllreduce, sent: list[int], flat=flat) -> Callable[[], None]:
+            return lambda: sent.append(ring(flat, op="sum"))
+
+        calls = [native] + [ring_call(ring, seen) for ring, seen in zip(rings, sent, strict=True)]
+        native_time, *ring_times = _median_times(comm, calls, reset, repeats, warmup)
         rows.append(_row(count * 4, "fp32", "mpi", native_time, n, None))
-        for name in codecs:
-            ring = RingAllreduce(comm, count, get_codec(name), segment=segment)
-            sent = []
-
-            def call(ring=ring, flat=flat, sent=sent) -> None:
-                sent.append(ring(flat, op="sum"))
-
-            ring_time = _median_time(comm, call, reset, repeats, warmup)
-            row = _row(count * 4, name, "ring", ring_time, n, comm.allreduce(max(sent), op=MPI.MAX))
+        for name, ring_time, seen in zip(codecs, ring_times, sent, strict=True):
+            row = _row(count * 4, name, "ring", ring_time, n, comm.allreduce(max(seen), op=MPI.MAX))
             row["ratio"] = ring_time / native_time if native_time > 0 else float("nan")
             rows.append(row)
         if progress is not None:
