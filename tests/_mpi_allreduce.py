@@ -70,6 +70,12 @@ def run_case(count: int, codec_name: str, op: str, segment: int = DEFAULT_SEGMEN
     # one message per chunk: elementwise codecs give the same bits whatever the segments
     whole = x.copy()
     RingAllreduce(comm, count, get_codec(codec_name), segment=max(count, 1))(whole, op=op)
+    # the same ring with every segment sent as a message, not read from shared memory
+    messages = x.copy()
+    by_mpi = RingAllreduce(comm, count, get_codec(codec_name), segment=segment, transport="mpi")
+    by_mpi(messages, op=op)
+    ring.close()
+    same_as_messages = bool(comm.allreduce(np.array_equal(flat, messages), op=MPI.LAND))
     ref_sum, abs_sum = reference(count)
     divisor = size if op == "mean" else 1
     err = np.abs(flat.astype(np.float64) - ref_sum / divisor)
@@ -88,6 +94,9 @@ def run_case(count: int, codec_name: str, op: str, segment: int = DEFAULT_SEGMEN
             op=op,
             segment=segment,
             same_as_whole=bool(np.array_equal(flat, whole)),
+            same_as_messages=same_as_messages,
+            shared=ring.shared is not None,
+            messages_shared=by_mpi.shared is not None,
             err_ratio=err_ratio,
             max_err=float(err.max(initial=0.0)),
             identical=len(set(hashes)) == 1,

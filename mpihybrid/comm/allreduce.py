@@ -14,10 +14,16 @@ Pipelined: every chunk is cut into segments of `segment` elements, each a messag
 all of them are non-blocking (Isend/Irecv). A segment moves on as soon as it is ready: segment k
 of step s is added (reduce-scatter) or forwarded (all-gather) the moment it arrives, while k + 1
 is still on the wire and k - 1 is being encoded for the next step; a segment of the rank's own
-chunk leaves for the all-gather as soon as its last reduce-scatter hop is added. Reduce-scatter
-receives are posted before their data can arrive; all-gather receives once this rank's
-reduce-scatter sends are done (they land in the same buffers), and until then MPI holds the
-early all-gather messages. All buffers are allocated once, in __init__.
+chunk leaves for the all-gather as soon as its last reduce-scatter hop is added. Receives are
+posted before their data can arrive (fp32's all-gather once the reduce-scatter's sends are done:
+it lands where they read from). All buffers are allocated once, in __init__.
+
+Shared memory (transport="auto", a lossy ring whose ranks are all on one node, on the CPU): the
+wire is an MPI-3 shared window (comm.shm). A segment is encoded into this rank's slot and a
+zero-byte message tells the neighbour, whose kernel decodes it where it lies; in the all-gather
+every rank decodes the owner's slot. No byte is copied between ranks (a message's copy is work
+for a core that has none to spare), and an Ibarrier at the end keeps every slot until all have
+read it. Across nodes, or with transport="mpi", the segments travel as messages.
 
 Where the vector lives: on a GPU (`backend`, comm.device.Backend) the codecs run on the device
 and the wire buffers live there too; without CUDA-aware MPI each message goes through the
@@ -42,11 +48,13 @@ from mpi4py import MPI
 
 from mpihybrid.comm.codecs import Codec
 from mpihybrid.comm.device import CPU, Backend
+from mpihybrid.comm.shm import SharedWire, node_local
 
 # the ring's message tags on dp_comm (its own communicator: no clash with pipeline tags)
 TAG_REDUCE_SCATTER = 101
 TAG_ALL_GATHER = 102
 DEFAULT_SEGMENT = 1 << 19  # elements per message: 2 MiB of float32 (measured: bench allreduce)
+TRANSPORTS = ("auto", "mpi")  # auto: shared memory where the whole ring is on one node
 
 
 def chunk_bounds(count: int, parts: int) -> np.ndarray:
@@ -65,6 +73,9 @@ class RingAllreduce:
 
     residual: where the error-feedback residual lives (a float32 vector of `count`, e.g. a view
     of a bigger one); None allocates one when the codec is lossy and error_feedback is on.
+    transport: "auto" reads a lossy ring's segments from the neighbour's shared memory when
+    every rank of dp_comm is on one node and the vector is on the CPU; "mpi" always sends them
+    as messages. Construction is collective over dp_comm; close() frees what it shares.
     """
 
     def __init__(
@@ -76,7 +87,10 @@ class RingAllreduce:
         segment: int = DEFAULT_SEGMENT,
         residual: np.ndarray | None = None,
         backend: Backend = CPU,
+        transport: str = "auto",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         if segment < 1:
@@ -95,9 +109,9 @@ class RingAllreduce:
             self.residual = backend.zeros(count, np.float32) if residual is None else residual
             if self.residual.shape != (count,) or self.residual.dtype != np.float32:
                 raise ValueError(f"residual must be float32 of length {count}")
-        self._layout(segment)
+        self._layout(segment, transport)
 
-    def _layout(self, segment: int) -> None:
+    def _layout(self, segment: int, transport: str) -> None:
         """Chunks, their segments, and each segment's slot in the wire buffers."""
         p, codec = self.dp_size, self.codec
         bounds = [int(b) for b in chunk_bounds(self.count, p)]
@@ -113,6 +127,16 @@ class RingAllreduce:
                 offset += _aligned(nbytes)
             self.segments.append(segs)
         self.chunk_nbytes = [sum(s[3] for s in segs) for segs in self.segments]
+        self.shared: SharedWire | None = None
+        local = transport == "auto" and self.backend is CPU
+        if self.compress and local and node_local(self.dp_comm):  # collective: all or none
+            # a zero-byte message per segment says "ready"; the bytes stay where they were
+            # encoded, and every reader decodes them there
+            self.shared = SharedWire(self.dp_comm, offset)
+            self.wire = self.shared.own
+            self.gather_wire = self.recv_buf = self.backend.empty(0, np.uint8)
+            self._token = np.empty(0, np.uint8)
+            return
         # compressed: the wire holds every chunk's encoded segments (sent, or received and
         # forwarded); fp32 sends from the vector and receives the reduce-scatter into recv_buf
         self.wire = self.backend.empty(offset if self.compress else 0, np.uint8)
@@ -137,6 +161,8 @@ class RingAllreduce:
 
     def _recv_slot(self, step: int, c: int, k: int) -> np.ndarray:
         _, _, offset, nbytes = self.segments[c][k]
+        if self.shared is not None:  # the neighbour's own slot
+            return self.shared.of(self.prev_rank)[offset : offset + nbytes]
         start = (step % 2) * self._recv_half + offset - self.segments[c][0][2]
         return self.recv_buf[start : start + nbytes]
 
@@ -190,20 +216,32 @@ class RingAllreduce:
         if gather_recvs is None:  # they land where the reduce-scatter's sends read from
             gather_recvs = self._post_gather(flat)
         yield from self._all_gather(flat, gather_sends, gather_recvs)
+        if self.shared is not None:  # nobody writes a shared slot again before all have read
+            yield self.dp_comm.Ibarrier()
         if op == "mean":
             flat /= self.dp_size
 
     def _send(self, buf: np.ndarray, tag: int, key: tuple) -> MPI.Request:
-        """Isend `buf` (through the backend's host copy for `key` on a staging GPU)."""
+        """Isend `buf` (through the backend's host copy for `key` on a staging GPU); shared:
+        `buf` lies in the shared wire, and only the news that it is written travels."""
+        if self.shared is not None:
+            self.shared.sync()
+            return self.dp_comm.Isend([self._token, MPI.BYTE], self.next_rank, tag)
         wire = self.backend.mpi_send_buffer(buf, ("ring", id(self), *key))
         return self.dp_comm.Isend([wire, MPI.BYTE], self.next_rank, tag)
 
     def _recv(self, buf: np.ndarray, tag: int, key: tuple) -> MPI.Request:
-        """Irecv into `buf`, or its host buffer for `key`: then _received(buf, key) after it."""
+        """Irecv into `buf`, or its host buffer for `key`: then _received(buf, key) after it.
+        Shared: the news that `buf` (in a neighbour's shared wire) is written."""
+        if self.shared is not None:
+            return self.dp_comm.Irecv([self._token, MPI.BYTE], self.prev_rank, tag)
         wire = self.backend.mpi_recv_buffer(buf, ("ring", id(self), *key))
         return self.dp_comm.Irecv([wire, MPI.BYTE], self.prev_rank, tag)
 
     def _received(self, buf: np.ndarray, key: tuple) -> None:
+        if self.shared is not None:
+            self.shared.sync()  # the writer's bytes, seen after its message
+            return
         self.backend.finish_recv(buf, ("ring", id(self), *key))
 
     def _reduce_scatter(
@@ -307,10 +345,20 @@ class RingAllreduce:
         (fp32) the vector itself."""
         if self.compress:
             _, _, offset, nbytes = self.segments[c][k]
-            return self.gather_wire[offset : offset + nbytes]
+            # shared: the owner's slot, read by every rank in turn (the owner of chunk c is
+            # the rank whose reduce-scatter ends with it)
+            wire = (
+                self.gather_wire if self.shared is None else self.shared.of((c - 1) % self.dp_size)
+            )
+            return wire[offset : offset + nbytes]
         lo, hi, _, _ = self.segments[c][k]
         return flat[lo:hi].view(np.uint8)
 
     def _decode(self, flat: np.ndarray, c: int, k: int) -> None:
         lo, hi, _, _ = self.segments[c][k]
         self.codec.decode(self._landing(flat, c, k), hi - lo, flat[lo:hi])
+
+    def close(self) -> None:
+        """Free the shared wire, if any (collective over dp_comm); the ring is unusable after."""
+        if self.shared is not None:
+            self.shared.close()
