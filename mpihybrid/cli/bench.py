@@ -83,12 +83,14 @@ def bench_allreduce(
     warmup: int = 2,
     segment: int = DEFAULT_SEGMENT,
     progress=None,
+    transport: str = "auto",
 ) -> list[dict]:
     """One row per (size, implementation): MPI's Allreduce, then the ring for each codec, timed
     in turns (progress: a line per size).
 
     Both compute a sum (op="sum"), the ring with error feedback as training uses it, cutting its
-    chunks into messages of `segment` elements. Every rank returns the same rows.
+    chunks into messages of `segment` elements, over `transport` (RingAllreduce). Every rank
+    returns the same rows.
     """
     for name in codecs:
         get_codec(name)  # reject unknown names before any timing
@@ -106,7 +108,10 @@ def bench_allreduce(
         def native(flat=flat) -> None:
             comm.Allreduce(MPI.IN_PLACE, [flat, MPI.FLOAT], op=MPI.SUM)
 
-        rings = [RingAllreduce(comm, count, get_codec(name), segment=segment) for name in codecs]
+        rings = [
+            RingAllreduce(comm, count, get_codec(name), segment=segment, transport=transport)
+            for name in codecs
+        ]
         sent: list[list[int]] = [[] for _ in codecs]
 
         def ring_call(ring: RingAllreduce, sent: list[int], flat=flat) -> Callable[[], None]:
@@ -114,6 +119,8 @@ def bench_allreduce(
 
         calls = [native] + [ring_call(ring, seen) for ring, seen in zip(rings, sent, strict=True)]
         native_time, *ring_times = _median_times(comm, calls, reset, repeats, warmup)
+        for ring in rings:
+            ring.close()
         rows.append(_row(count * 4, "fp32", "mpi", native_time, n, None))
         for name, ring_time, seen in zip(codecs, ring_times, sent, strict=True):
             row = _row(count * 4, name, "ring", ring_time, n, comm.allreduce(max(seen), op=MPI.MAX))

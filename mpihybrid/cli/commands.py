@@ -363,8 +363,15 @@ def bench() -> None:
     default=None,
     help="KiB of float32 per ring message (default: comm.segment_kb's default).",
 )
+@click.option(
+    "--transport",
+    type=click.Choice(["auto", "mpi"]),
+    default="auto",
+    show_default=True,
+    help="auto: a lossy ring on one node reads its neighbours' shared memory; mpi: messages.",
+)
 @click.option("--quiet", is_flag=True, help="No progress line per size (none when not a tty).")
-def bench_allreduce(sizes, codecs, repeats, segment_kb, quiet) -> None:
+def bench_allreduce(sizes, codecs, repeats, segment_kb, transport, quiet) -> None:
     """Hand-written ring vs MPI's own Allreduce: time, algbw, busbw, bytes on the wire."""
     from mpi4py import MPI
 
@@ -388,7 +395,10 @@ def bench_allreduce(sizes, codecs, repeats, segment_kb, quiet) -> None:
     from mpihybrid.cli.progress import progress_echo
 
     progress = progress_echo(rank, quiet)
-    rows = run(MPI.COMM_WORLD, size_list, codec_list, repeats=repeats, progress=progress, **segment)
+    rows = run(
+        MPI.COMM_WORLD, size_list, codec_list, repeats=repeats, progress=progress,
+        transport=transport, **segment,
+    )  # fmt: skip
     if MPI.COMM_WORLD.rank == 0:
         click.echo(format_table(rows))
 
