@@ -150,3 +150,14 @@ def test_bench_allreduce_segment_option() -> None:
     proc = run_mpi(2, *argv, "--segment-kb", "0", timeout=60)
     assert proc.returncode == 2
     assert "--segment-kb" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_allreduce_transport_option() -> None:
+    """--transport mpi sends the lossy rings' segments as messages; a bad name is exit 2."""
+    argv = "-m mpihybrid bench allreduce --sizes 64K --codecs int8 --repeats 1".split()
+    proc = run_mpi(2, *argv, "--transport", "mpi", timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [line.split()[3] for line in proc.stdout.splitlines() if " ring " in line] == ["int8"]
+    proc = run_mpi(2, *argv, "--transport", "shm", timeout=60)
+    assert proc.returncode == 2
+    assert "--transport" in proc.stderr and "Traceback" not in proc.stderr
