@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from mpihybrid import _numba
 from mpihybrid.cli import main
+from mpihybrid.cli.bench import CODEC_OPERATIONS
 from mpihybrid.comm.codecs import CODECS, get_codec
 from tests.helpers import run_mpi
 
@@ -407,7 +408,14 @@ def test_bench_codecs_prints_every_operation_for_both_paths() -> None:
     assert [r[:2] for r in rows] == [
         [c, op]
         for c in ("int8", "fp16")
-        for op in ("encode", "encode+residual", "decode", "decode-add")
+        for op in (
+            "encode",
+            "encode+residual",
+            "encode+feedback",
+            "decode",
+            "decode-add",
+            "reduce-encode",
+        )  # fmt: skip
     ]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
     assert "64.0 KiB" in result.output and _numba.describe() in result.output
@@ -434,7 +442,8 @@ def test_bench_codecs_under_mpiexec_prints_once() -> None:
     proc = run_mpi(2, "-m", "mpihybrid", "bench", "codecs", "--size", "16K", "--repeats", "1",
                    "--codecs", "bf16", timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert len([line for line in proc.stdout.splitlines() if line.startswith("bf16")]) == 4
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("bf16")]
+    assert len(rows) == len(CODEC_OPERATIONS)  # one row per operation: printed once, by rank 0
 
 
 # --- device arrays: the references run on the array module of their arguments ---------------

@@ -164,7 +164,11 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-CODEC_OPERATIONS = ("encode", "encode+residual", "decode", "decode-add")
+# encode+feedback: x + residual encoded, the new error kept (the ring's first hop);
+# reduce-encode: decode-add, encode and decode of the sum in one pass (the ring owner's last hop)
+CODEC_OPERATIONS = (
+    "encode", "encode+residual", "encode+feedback", "decode", "decode-add", "reduce-encode",
+)  # fmt: skip
 
 
 def bench_codecs(size: int, codecs: list[str], repeats: int = 5, block: int = 256) -> list[dict]:
@@ -184,11 +188,14 @@ def bench_codecs(size: int, codecs: list[str], repeats: int = 5, block: int = 25
         impls = {k: get_codec(name, block, kernels=k) for k in ("auto", "numpy")}
         wire = np.empty(impls["auto"].nbytes(count), np.uint8)
         impls["auto"].encode(x, wire)
+        out = np.empty_like(wire)
         calls = {
             "encode": lambda c, wire=wire: c.encode(x, wire),
             "encode+residual": lambda c, wire=wire: c.encode(x, wire, residual),
             "decode": lambda c, wire=wire: c.decode(wire, count, decoded),
             "decode-add": lambda c, wire=wire: c.decode_add(wire, count, acc),
+            "encode+feedback": lambda c, wire=wire: c.encode(x, wire, residual, True),
+            "reduce-encode": lambda c, wire=wire, o=out: c.reduce_encode(wire, acc, o, residual),
         }
         for op in CODEC_OPERATIONS:
             times: dict[str, list[float]] = {k: [] for k in impls}
