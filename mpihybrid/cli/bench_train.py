@@ -25,8 +25,10 @@ the per-step metrics collective included). Reported:
                    `of roofline` is the median over repeats, each repeat's figure shown. `hot`
                    is the rate of the largest shape repeated on the same operands (the best a
                    core can do).
-    memory         peak resident set per rank; peak activations per stage, measured and
-                   predicted by the schedule
+    memory         peak resident set per rank over the training steps (VmHWM, started over
+                   before each repeat, read after its last step: neither evaluation nor the
+                   roofline pass counts), the largest over repeats; peak activations per
+                   stage, measured and predicted by the schedule
     against        (--against KEY=VALUE) the job with those overrides, run right after each
                    repeat: its tokens/s, and this job's over it repeat by repeat (pairs in time
                    cancel most of a drifting machine's noise)
@@ -35,7 +37,6 @@ the per-step metrics collective included). Reported:
 from __future__ import annotations
 
 import dataclasses
-import resource
 import statistics
 import sys
 import time
@@ -239,11 +240,10 @@ def bench_train(
     rows = job.train.global_batch // (job.grid.dp * job.train.microbatches) * tokens
     gemms = model_gemms(blocks, rows)
 
-    runs, other_walls, last, roofs = _run_repeats(
+    runs, other_walls, last, roofs, peak_rss = _run_repeats(
         job, other, world, warmup, repeats, gemms, progress
     )
     hot = hot_gemm_rate(max(gemms, key=lambda g: gemm_flops([g]))) if world.rank == 0 else 0.0
-    peak_rss = world.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, root=0)
     if world.rank != 0:
         return None
 
@@ -335,14 +335,20 @@ def _run_repeats(
     progress=None,
 ):
     """Train the job `repeats` times (and `other` right after each); on rank 0 the runs as
-    (wall, median step time, analysis, events), the other job's walls, the last Summary and,
-    per repeat, every rank's GEMM rate measured right after it."""
+    (wall, median step time, analysis, events), the other job's walls, the last Summary, per
+    repeat every rank's GEMM rate measured right after it, and every rank's peak resident set
+    over the training steps (the largest of the repeats)."""
     from mpihybrid.analysis.metrics import analyze
     from mpihybrid.train.loop import train
+    from mpihybrid.train.memory import reset_peak_rss
 
-    runs, other_walls, summary, roofs = [], [], None, []
+    runs, other_walls, summary, roofs, peak_rss = [], [], None, [], None
     for _ in range(repeats):
+        reset_peak_rss()  # the last repeat's roofline pass and the other job do not count
         summary = train(job, world, quiet=True)
+        if world.rank == 0:
+            mine = summary.peak_rss_bytes
+            peak_rss = mine if peak_rss is None else list(map(max, peak_rss, mine))
         # the roofline: every rank measures at the same time, as every core is busy in training
         world.Barrier()
         roofs.append(world.gather(measure_gemm_rate(gemms), root=0))
@@ -358,7 +364,7 @@ def _run_repeats(
             other_summary = train(other, world, quiet=True)
             if world.rank == 0:
                 other_walls.append(_measured_wall(other_summary.events, warmup))
-    return runs, other_walls, summary, roofs
+    return runs, other_walls, summary, roofs, peak_rss
 
 
 def _busy_rows(job: Job, report: dict, events: np.ndarray, warmup: int, wall: float) -> dict:

@@ -46,6 +46,7 @@ from mpihybrid.trace.recorder import (
 )
 from mpihybrid.trace.stream import TraceStream
 from mpihybrid.train import checkpoint
+from mpihybrid.train.memory import peak_rss_bytes
 
 log = logging.getLogger("mpihybrid")
 
@@ -71,6 +72,8 @@ class Summary:
     events: np.ndarray | None = None
     extra: dict = field(default_factory=dict)
     start: int = 0  # the step this run began at (a resumed run ran steps - start of them)
+    # every rank's peak resident set over the training steps (before evaluation), rank order
+    peak_rss_bytes: list[int] | None = None
 
 
 def train(
@@ -129,6 +132,7 @@ def train(
     finally:
         preempt.restore()
     runtime_s = Recorder.clock() - t_start
+    run.peak_rss = peak_rss_bytes()  # the steps' peak, before evaluation allocates its own
     summary = _finish(job, world, run, runtime_s, collect_params)
     if summary is not None:
         summary.start = run.start
@@ -154,6 +158,7 @@ class _Run:
     accuracies: list = field(default_factory=list)
     peak_inflight: dict = field(default_factory=dict)
     trace: TraceStream | None = None  # flushes the recorder's rows to the trace file as it goes
+    peak_rss: int = 0  # this rank's peak resident set at the end of the training steps
 
 
 def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
@@ -391,8 +396,9 @@ def _finish(
     replica_diff = _replica_check(world, grid, stages)
     bytes_sent = _bytes_sent(world, run.runtime, run.rings)
     peaks = world.gather(run.peak_inflight, root=0)
+    peak_rss = world.gather(run.peak_rss, root=0)
     # the rows since the last flush (every row when no trace file is written), on rank 0
-    events = run.trace.flush(_end_attrs(runtime_s, test_accuracy), finished=True)
+    events = run.trace.flush(_end_attrs(runtime_s, test_accuracy, peak_rss), finished=True)
     run.gradcomm.close()
     grid.free()  # a sweep calls train() many times in one process
     params = gather_parameters(world, grid, stages, num_stages) if collect else None
@@ -414,6 +420,7 @@ def _finish(
         params=params,
         events=events,
         trace_path=job.trace.path,
+        peak_rss_bytes=peak_rss,
     )
     return summary
 
@@ -423,9 +430,11 @@ def _last_grid(events: np.ndarray, pp: int, v: int, step: int) -> str:
     return grid_as_run(events, pp, v, step) if np.any(events["step"] == step) else ""
 
 
-def _end_attrs(runtime_s: float, test_accuracy: float) -> dict:
-    """The trace attributes known only at the end (this part's runtime after a resume)."""
-    return {"runtime_s": runtime_s, "test_accuracy": test_accuracy}
+def _end_attrs(runtime_s: float, test_accuracy: float, peak_rss: list[int] | None) -> dict:
+    """The trace attributes known only at the end (this part's runtime after a resume; every
+    rank's peak resident set over the steps, on rank 0, which writes them)."""
+    attrs = {"runtime_s": runtime_s, "test_accuracy": test_accuracy}
+    return attrs if peak_rss is None else {**attrs, "peak_rss_bytes": [int(b) for b in peak_rss]}
 
 
 class TrainingStopped(Exception):

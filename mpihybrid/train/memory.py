@@ -93,6 +93,33 @@ def mem_available() -> int | None:
     return None
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set in bytes (VmHWM of /proc/self/status; where there is no
+    such file, getrusage's ru_maxrss, which cannot be reset)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start the peak resident set over from the current one (Linux >= 4.0: "5" to
+    /proc/self/clear_refs), so that a later peak_rss_bytes() covers only what came after.
+    False where the kernel does not offer it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def check_fits(job: Job, world: MPI.Comm, available: int | None = None) -> None:
     """Collective: every rank estimates its own need; the ranks of each node add theirs up and
     compare with the node's MemAvailable. ConfigError on every rank (the same message) when a
