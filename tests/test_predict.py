@@ -20,8 +20,12 @@ from mpihybrid.cli import main
 from mpihybrid.config import build_job, load_table, resolve
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.model import build_stage
+from mpihybrid.predict.calibrate import GEMM_SHAPES, fit_gemm
 from mpihybrid.predict.cluster import ClusterError, Link, load_cluster, parse_cluster
-from mpihybrid.predict.model import predict, ring_seconds, stage_work
+from mpihybrid.predict.model import gemm_seconds, predict, ring_seconds
+from mpihybrid.predict.work import stage_work
+from mpihybrid.trace.file import load
+from mpihybrid.train.memory import peak_rss_bytes, reset_peak_rss
 from tests.helpers import ROOT, run_mpi
 
 A100 = ROOT / "clusters" / "a100_80gb.toml"
@@ -102,6 +106,69 @@ def test_activation_bytes_equal_the_runtime_count(path, sets):
         assert stage.activation_nbytes(cache) == work[c].activation_bytes
 
 
+@pytest.mark.parametrize(
+    "path, sets",
+    [
+        ("jobs/gpt_bench.toml", []),
+        ("jobs/bench_pp2.toml", ["model.norm=true", "model.activation=gelu"]),
+        ("jobs/bench_pp2.toml", ["train.schedule=interleaved-1f1b", "train.virtual_stages=2"]),
+    ],
+)
+def test_work_counts_the_gemms_bench_train_counts(path, sets):
+    """predict.work lists every matmul of a chunk's F, B and W: its FLOPs add up to bench
+    train's count of the model's training matmuls (cli.bench_train.chunk_gemm_flops)."""
+    from mpihybrid.cli.bench_train import chunk_gemm_flops
+    from mpihybrid.nn.model import build_blocks
+    from mpihybrid.predict.work import microbatch_rows
+
+    job = _job(path, *sets)
+    blocks = build_blocks(job.model, *task_dims(job.data))
+    expected = chunk_gemm_flops(job, blocks, microbatch_rows(job)[1])
+    assert [sum(w.flops(k) for k in "FBW") for w in stage_work(job)] == expected
+
+
+def test_gemm_fit_recovers_the_rates_it_was_made_from():
+    """fit_gemm on times made by the model itself gives back its three figures."""
+    device = load_cluster(A100).device
+    device = dataclasses.replace(device, gemm_flops=80e9, gemm_bandwidth=9e9, gemm_call_s=2e-6)
+    times = [(shape, gemm_seconds(shape, device)) for shape in GEMM_SHAPES]
+    flops, bandwidth, call = fit_gemm(times)
+    assert flops == pytest.approx(80e9, rel=1e-6) and bandwidth == pytest.approx(9e9, rel=1e-6)
+    assert call == pytest.approx(2e-6, rel=1e-6)
+
+
+def test_buckets_overlap_as_the_runtime_runs_them():
+    """pp = 1 x dp = 2 on two nodes of one rank (the ring crosses the network): with
+    comm.overlap = off every bucket waits for the pipeline; poll reduces the buckets between the
+    backward's layers on the rank's own core, so the step is as long but less of it is exposed;
+    a communication thread (thread) leaves only the ring's own work on that core."""
+    cluster = load_cluster(A100)
+    cpu = {"gemm_flops": 80e9, "mem_bandwidth": 15e9, "host_copy_bandwidth": 0.0}  # one core
+    cluster = dataclasses.replace(
+        cluster,
+        node=dataclasses.replace(cluster.node, ranks_per_node=1),
+        device=dataclasses.replace(cluster.device, **cpu),
+        links={**cluster.links, "network": Link(1e-4, 2.5e8, 2.5e8)},
+    )
+    sets = ["grid.pp=1", "grid.dp=2", "train.global_batch=1024", "comm.bucket_kb=1024"]
+    r = {o: predict(_job("jobs/bench_pp2.toml", *sets, f"comm.overlap={o}"), cluster)
+         for o in ("off", "poll", "thread")}  # fmt: skip
+    assert r["poll"]["step_time_s"] == pytest.approx(r["off"]["step_time_s"], rel=1e-9)
+    assert r["poll"]["exposed_comm_s"] < r["off"]["exposed_comm_s"] / 4
+    assert r["thread"]["step_time_s"] < r["poll"]["step_time_s"] - 0.5 * r["poll"]["exposed_comm_s"]
+
+
+def test_peak_rss_starts_over_after_a_reset():
+    """What bench train compares with the prediction: the steps' own peak, not what came before
+    (an earlier repeat's roofline pass) -- VmHWM started over by reset_peak_rss."""
+    block = np.ones(64 << 20, np.uint8)  # 64 MiB, touched
+    del block
+    before = peak_rss_bytes()
+    if not reset_peak_rss():
+        pytest.skip("this kernel cannot reset the peak resident set (/proc/self/clear_refs)")
+    assert peak_rss_bytes() < before - (48 << 20)
+
+
 def test_placement_decides_whether_the_ring_crosses_nodes():
     """pp=2 x dp=4 on nodes of 4: data-inner keeps each ring in a node, pipeline-inner sends it
     over the network; int8 pays off only where the ring is on the slow link."""
@@ -171,24 +238,27 @@ def test_calibrated_prediction_holds_on_other_local_runs(tmp_path):
                                            str(trace), "--cluster", str(cluster_path)])  # fmt: skip
     assert calibrated.exit_code == 0, calibrated.output
     cluster = load_cluster(cluster_path)
+    assert len(load(trace).attrs["peak_rss_bytes"]) == 2  # the steps' peak, every rank
     cases = [
         ["train.schedule=zb-h1", "train.microbatches=2", "train.global_batch=256"],
         ["train.schedule=gpipe", "train.microbatches=8", "train.global_batch=1024"],
         ["grid.pp=1", "grid.dp=2", "comm.codec=int8", "train.global_batch=1024"],
     ]
-    errors = []
+    errors, memory = [], []
     for sets in cases:
         job = _job("jobs/bench_pp2.toml", *TINY, *sets)
         measured = _bench(job.grid.pp * job.grid.dp, sets)
         predicted = predict(job, cluster)
         errors.append(predicted["step_time_s"] / measured["step_time"] - 1)
+        memory.append(predicted["peak_memory_bytes"] / max(measured["peak_rss_bytes"]) - 1)
         stages = [s["peak_activation_bytes"] for s in measured["stages"]]
         per_stage = {int(s): b for m in predicted["memory"] for s, b in
                      m["activation_bytes_per_stage"].items()}  # fmt: skip
         assert stages == [per_stage[s] for s in range(len(stages))], sets
-    print("step-time errors:", [f"{e:+.2f}" for e in errors])
+    print("step-time errors:", [f"{e:+.2f}" for e in errors], "memory:", memory)
     assert statistics.median(abs(e) for e in errors) <= 0.25, errors
     assert max(abs(e) for e in errors) <= 0.5, errors
+    assert max(abs(e) for e in memory) <= 0.15, memory
 
 
 def test_local_cluster_file_says_how_it_was_made():

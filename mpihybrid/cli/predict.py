@@ -74,7 +74,8 @@ def format_prediction(r: dict) -> str:
             f"  rank {m['rank']}: {human_bytes(m['total_bytes'])} = state "
             f"{human_bytes(m['state_bytes'])} + activations {human_bytes(m['activation_bytes'])}"
             f" + buffers {human_bytes(m['buffer_bytes'])} + data {human_bytes(m['data_bytes'])}"
-            f" + runtime {human_bytes(m['base_bytes'])}" + ("" if m["fits"] else "  DOES NOT FIT")
+            f" + temporaries {human_bytes(m['temporary_bytes'])} + runtime "
+            f"{human_bytes(m['base_bytes'])}" + ("" if m["fits"] else "  DOES NOT FIT")
         )
     lines += [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines)

@@ -3,20 +3,30 @@
     mpiexec -n 2 mpihybrid train jobs/gpt_bench.toml --set train.steps=8 --trace runs/cal.h5
     mpihybrid predict jobs/bench_pp2.toml --calibrate runs/cal.h5 --cluster clusters/local.toml
 
+Micro-benchmarks of this process (one core, as a rank has):
+    gemm_flops, gemm_bandwidth, gemm_call_s    least squares (>= 0, relative) of the time of
+                                               float32 GEMMs of GEMM_SHAPES, each on operands of
+                                               its own that together outgrow the caches (as a
+                                               stage's weights do), against their FLOPs, operand
+                                               bytes and calls
+    codecs.*                                   each codec's encode and decode-add on 4 Mi floats
+    links.node.bandwidth (pp-only trace)       a 64 MiB copy / 2 (copied in and out of shared
+                                               memory)
 From the trace (the steps after the first):
-    gemm_flops, mem_bandwidth, op_overhead_s   least squares (>= 0) of every stage's mean F, B and
-                                               W against its FLOPs, elementwise bytes and layer
-                                               calls (model.stage_work)
-    optimizer_bandwidth                        nominal optimizer bytes / the optimizer rows' time
+    mem_bandwidth, op_overhead_s               least squares (>= 0) of every stage's median F, B
+                                               and W, less its GEMMs at the rates above, against
+                                               its elementwise bytes and layer calls (predict.work)
+    optimizer_bandwidth                        the optimizer's bytes / the optimizer rows' time
     links.node.alpha_s                         the median hop of a message whose receiver waited
                                                (analysis.metrics.message_latency), less its bytes
                                                at the link's bandwidth
-    links.node.bandwidth                       the ring rows' bytes over their time when the run
-                                               had dp > 1; else a copy micro-benchmark / 2 (a
-                                               shared-memory message is copied in and out)
+    links.node.bandwidth (dp > 1)              the ring rows' bytes over their time
+    base_memory_bytes                          each rank's peak resident set over the steps
+                                               (the trace's peak_rss_bytes) less the arrays the
+                                               model counts for it, the median over ranks;
+                                               without that record, the peak of a fresh
+                                               interpreter after warm_runtime()
     step_overhead_s                            the measured median step less the prediction
-Micro-benchmarks of this process: each codec's encode and decode-add on 4 Mi floats, a 64 MiB
-copy, and the resident memory of a fresh interpreter that imported the trainer and MPI.
 """
 
 from __future__ import annotations
@@ -36,19 +46,29 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from mpihybrid.analysis.metrics import message_latency, stage_costs
+from mpihybrid.analysis.metrics import message_latency
 from mpihybrid.comm.codecs import CODECS, get_codec
 from mpihybrid.config import build_job, resolve
+from mpihybrid.pipeline.schedules import build_schedule
 from mpihybrid.predict.cluster import Cluster, CodecRate, Device, Link, Node
 from mpihybrid.predict.model import (
-    FLOAT,
-    KINDS,
-    OPTIMIZER_BYTES,
+    gemm_seconds,
+    optimizer_bytes,
     predict,
-    stage_work,
+    rank_memory,
 )
+from mpihybrid.predict.work import FLOAT, KINDS, stage_work
 from mpihybrid.trace.file import Trace
 from mpihybrid.trace.recorder import KIND, step_times
+
+# (batch, m, k, n): square, wide, tall and skinny products from 32 to 8192 and batches of small
+# ones (attention heads) -- shapes of their own, not of the jobs the model is held against
+GEMM_SHAPES = [
+    (1, 32, 512, 512), (1, 128, 512, 512), (1, 512, 512, 512), (1, 64, 2048, 2048),
+    (1, 256, 2048, 2048), (1, 128, 256, 4096), (1, 128, 4096, 256), (1, 512, 256, 4096),
+    (1, 256, 128, 8192), (1, 1024, 128, 1024), (1, 2048, 2048, 64), (32, 32, 32, 32),
+    (32, 128, 32, 128), (16, 128, 128, 128),
+]  # fmt: skip
 
 
 def _median_seconds(fn, repeats: int = 5) -> float:
@@ -59,6 +79,43 @@ def _median_seconds(fn, repeats: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def gemm_times(shapes: list[tuple], rounds: int = 5, budget: int = 64 << 20) -> list[float]:
+    """Seconds of one float32 GEMM of each shape, each cycling through operands of its own that
+    add up to `budget` bytes (more than the caches hold, as a stage's weights in training); the
+    median of `rounds` rounds over all the shapes, so that a busy moment of a shared machine
+    slows one round of every shape rather than every round of one."""
+    rng = np.random.default_rng(0)
+    times: list[list[float]] = [[] for _ in shapes]
+    for _ in range(rounds):
+        for i, (b, m, k, n) in enumerate(shapes):
+            count = max(2, budget // (FLOAT * b * (m * k + k * n + m * n)))
+            operands = [
+                (rng.standard_normal((b, m, k), np.float32),
+                 rng.standard_normal((b, k, n), np.float32), np.empty((b, m, n), np.float32))
+                for _ in range(count)
+            ]  # fmt: skip
+
+            def run(operands=operands) -> None:
+                for x, w, out in operands:
+                    np.matmul(x, w, out=out)
+
+            times[i].append(_median_seconds(run, repeats=1) / count)
+    return [statistics.median(t) for t in times]
+
+
+def fit_gemm(measured: list[tuple[tuple, float]]) -> tuple[float, float, float]:
+    """(gemm_flops, gemm_bandwidth, gemm_call_s) of t = 2bmkn / flops + 4b(mk+kn+mn) / bandwidth
+    + b call, least squares (>= 0) of the relative error over the measured shapes."""
+    a = np.array([[2 * b * m * k * n, FLOAT * b * (m * k + k * n + m * n), b]
+                  for (b, m, k, n), _ in measured], float)  # fmt: skip
+    t = np.array([seconds for _, seconds in measured])
+    scale = a.max(axis=0)
+    inv_flops, inv_bw, call = nnls(a / scale / t[:, None], np.ones_like(t)) / scale
+    if inv_flops <= 0:  # the FLOPs explain nothing: one rate over everything
+        inv_flops, inv_bw, call = float(np.sum(t) / np.sum(a[:, 0])), 0.0, 0.0
+    return float(1 / inv_flops), float(1 / inv_bw) if inv_bw > 0 else 0.0, float(call)
 
 
 def codec_rates(count: int = 1 << 22) -> dict[str, CodecRate]:
@@ -148,25 +205,68 @@ def trace_job(trace: Trace):
     return resolve(job, pp * dp)
 
 
-def _fit_compute(trace: Trace, job, events: np.ndarray) -> tuple[np.ndarray, int]:
-    """(1/gemm_flops, 1/mem_bandwidth, op_overhead_s) from every stage's mean F, B, W."""
+def stage_medians(events: np.ndarray, num_stages: int) -> dict[str, list[float]]:
+    """Median seconds of one F, B and W per stage (0.0 where a stage has none of that kind):
+    on a shared machine a few actions that another process interrupted move a mean, not a
+    median."""
+    out = {}
+    for name in ("forward", "backward", "weight"):
+        rows = events[events["kind"] == KIND[name]]
+        took = [(rows["end"] - rows["start"])[rows["stage"] == s] for s in range(num_stages)]
+        out[name] = [float(np.median(t)) if len(t) else 0.0 for t in took]
+    return out
+
+
+def _fit_elementwise(job, events: np.ndarray, device: Device) -> tuple[float, float, int]:
+    """(mem_bandwidth, op_overhead_s, rows fitted): every stage's median F, B, W less its GEMMs
+    at `device`'s rates, against its elementwise bytes and layer calls."""
     work = stage_work(job)
-    means = stage_costs(events, len(work))
+    means = stage_medians(events, len(work))
     split = {int(s) for s in events["stage"][events["kind"] == KIND["weight"]]}
     rows, targets = [], []
     for s, w in enumerate(work):
         for kind, name in zip(KINDS, ("forward", "backward", "weight"), strict=True):
             if kind == "W" and s not in split:
                 continue
-            feature = np.array([w.flops[kind], w.elem_bytes[kind], w.ops[kind]], float)
-            if kind == "B" and s not in split:  # an unsplit backward did the W work too
-                feature += [w.flops["W"], w.elem_bytes["W"], w.ops["W"]]
-            rows.append(feature)
-            targets.append(means[name][s])
-    a = np.array(rows)
+            kinds = (kind, "W") if kind == "B" and s not in split else (kind,)  # B did W's work
+            gemm = sum(gemm_seconds(g, device) for k in kinds for g in w.gemms(k))
+            rows.append([sum(w.elem_bytes(k) for k in kinds), sum(w.calls(k) for k in kinds)])
+            targets.append(means[name][s] - gemm)
+    a = np.array(rows, float)
     scale = a.max(axis=0)
     scale[scale == 0] = 1.0
-    return nnls(a / scale, np.array(targets)) / scale, len(rows)
+    inv_bw, call = nnls(a / scale, np.array(targets)) / scale
+    return (1 / inv_bw if inv_bw > 0 else 0.0), float(call), len(rows)
+
+
+def _optimizer_bandwidth(job, events: np.ndarray, copy: float) -> float:
+    """The optimizer's bytes over the optimizer rows' time (one update per rank, step and stage,
+    however many buckets it came in)."""
+    work = stage_work(job)
+    rows = events[events["kind"] == KIND["optimizer"]]
+    updates = {(int(e["rank"]), int(e["step"]), int(e["stage"])) for e in rows}
+    nbytes = sum(optimizer_bytes(job) * work[s].params for _, _, s in updates)
+    took = float((rows["end"] - rows["start"]).sum())
+    return nbytes / took if took > 0 else copy
+
+
+def _base_memory(trace: Trace, job, cluster: Cluster) -> tuple[float, str]:
+    """A rank's runtime bytes: the trace's measured peaks less the model's arrays (median over
+    ranks), or a fresh interpreter's peak where the trace has no such record."""
+    measured = trace.attrs.get("peak_rss_bytes")
+    if not measured:
+        return float(base_memory()), "peak RSS of a fresh interpreter after warm_runtime()"
+    g, t = job.grid, job.train
+    actions = build_schedule(t.schedule, g.pp, t.microbatches, t.virtual_stages, t.early_grad_send)
+    work = stage_work(job)
+    bare = dataclasses.replace(
+        cluster, device=dataclasses.replace(cluster.device, base_memory_bytes=0.0)
+    )
+    arrays = [rank_memory(job, work, actions[r], bare)["total_bytes"] for r in range(g.pp)]
+    pp_of = [r % g.pp if g.order == "pipeline-inner" else r // g.dp for r in range(len(measured))]
+    rest = [float(m) - arrays[pp_of[r]] for r, m in enumerate(measured)]
+    mib = ", ".join(f"{m / 2**20:.0f}" for m in measured)
+    return statistics.median(rest), f"the trace's peak RSS per rank ({mib} MiB) less the arrays"
 
 
 def calibrate(trace: Trace, network: Link) -> tuple[Cluster, dict[str, str]]:
@@ -176,63 +276,54 @@ def calibrate(trace: Trace, network: Link) -> tuple[Cluster, dict[str, str]]:
     events = trace.events
     steps = sorted(set(int(s) for s in events["step"] if s >= 1)) or [0]
     ev = events[np.isin(events["step"], steps)]
-    (inv_flops, inv_bw, op_s), n_rows = _fit_compute(trace, job, ev)
+    gemms = list(zip(GEMM_SHAPES, gemm_times(GEMM_SHAPES), strict=True))
+    gemm_flops, gemm_bandwidth, gemm_call = fit_gemm(gemms)
     copy = copy_bandwidth()
-    work = stage_work(job)
-    opt_rows = ev[ev["kind"] == KIND["optimizer"]]
-    name = (
-        "sgd+momentum"
-        if job.train.optimizer == "sgd" and job.train.momentum
-        else job.train.optimizer
-    )
-    # one update per (rank, step, stage), however many buckets it came in
-    updates = {(int(e["rank"]), int(e["step"]), int(e["stage"])) for e in opt_rows}
-    nominal = sum(OPTIMIZER_BYTES[name] * work[s].params for _, _, s in updates)
-    opt_s = float((opt_rows["end"] - opt_rows["start"]).sum())
-    notes = {}
+    device = Device(
+        gemm_flops=gemm_flops, gemm_bandwidth=gemm_bandwidth, gemm_call_s=gemm_call,
+        mem_bandwidth=copy, optimizer_bandwidth=_optimizer_bandwidth(job, ev, copy),
+        op_overhead_s=0.0, step_overhead_s=0.0, base_memory_bytes=0.0, host_copy_bandwidth=0.0,
+    )  # fmt: skip
+    mem_bw, op_s, n_rows = _fit_elementwise(job, ev, device)
+    device = dataclasses.replace(device, mem_bandwidth=mem_bw or copy, op_overhead_s=op_s)
     node_bw, node_note = copy / 2, "a 64 MiB copy / 2 (copied in and out of shared memory)"
     ring = ev[ev["kind"] == KIND["allreduce"]]
     if job.grid.dp > 1 and len(ring):
-        took = float(np.sum(ring["end"] - ring["start"]))
-        node_bw = float(ring["bytes"].sum()) / took
+        node_bw = float(ring["bytes"].sum()) / float(np.sum(ring["end"] - ring["start"]))
         node_note = "the trace's ring bytes / ring time"
     hop = message_latency(ev)
-    hop_bytes = max((w.input_bytes for w in work), default=0)
-    alpha = max(1e-6, hop - hop_bytes / node_bw)
-    device = Device(
-        gemm_flops=1 / inv_flops if inv_flops > 0 else 1e12,
-        mem_bandwidth=1 / inv_bw if inv_bw > 0 else copy,
-        optimizer_bandwidth=nominal / opt_s if opt_s > 0 else copy,
-        op_overhead_s=float(op_s),
-        step_overhead_s=0.0,
-        base_memory_bytes=float(base_memory()),
-        host_copy_bandwidth=0.0,
-    )
+    hop_bytes = max((w.input_bytes for w in stage_work(job)), default=0)
     cluster = Cluster(
         name="local",
         node=Node(ranks_per_node=os.cpu_count() or 1, memory_bytes=_ram()),
         device=device,
-        links={"node": Link(alpha, node_bw), "network": network},
+        links={"node": Link(max(1e-6, hop - hop_bytes / node_bw), node_bw), "network": network},
         codecs=codec_rates(),
     )
+    base, base_note = _base_memory(trace, job, cluster)
     measured = statistics.median([t for s, t in step_times(events).items() if s in steps])
+    device = dataclasses.replace(device, base_memory_bytes=base)
+    cluster = dataclasses.replace(cluster, device=device)
     overhead = max(0.0, measured - predict(job, cluster)["step_time_s"])
     cluster = dataclasses.replace(
         cluster, device=dataclasses.replace(device, step_overhead_s=overhead)
     )
-    fitted = f"least squares over {n_rows} stage means (F, B, W) of the trace"
-    notes.update({
-        "device.gemm_flops": fitted, "device.mem_bandwidth": fitted,
-        "device.op_overhead_s": fitted,
-        "device.optimizer_bandwidth": "nominal optimizer bytes / the trace's optimizer time",
+    gemm_note = (f"least squares over {len(gemms)} GEMM shapes (calibrate.GEMM_SHAPES), "
+                 "operands out of cache, median of 5 rounds")  # fmt: skip
+    fitted = f"least squares over {n_rows} stage medians (F, B, W) of the trace less their GEMMs"
+    notes = {
+        "device.gemm_flops": gemm_note, "device.gemm_bandwidth": gemm_note,
+        "device.gemm_call_s": gemm_note,
+        "device.mem_bandwidth": fitted, "device.op_overhead_s": fitted,
+        "device.optimizer_bandwidth": "the optimizer's bytes / the trace's optimizer time",
         "device.step_overhead_s": f"median measured step {measured:.4f} s less the prediction",
-        "device.base_memory_bytes": "peak RSS of a fresh interpreter after warm_runtime()",
+        "device.base_memory_bytes": base_note,
         "device.host_copy_bandwidth": "0: arrays live on the host",
         "node.ranks_per_node": "os.cpu_count(): one rank per core",
         "node.memory_bytes": "MemTotal of /proc/meminfo",
         "links.node.alpha_s": f"median waited hop {hop * 1e6:.0f} us less its bytes",
         "links.node.bandwidth": node_note,
-    })  # fmt: skip
+    }  # fmt: skip
     for codec in CODECS:
         for field in ("encode", "decode"):
             notes[f"codecs.{codec}.{field}"] = "4 Mi floats, median of 5, one core"

@@ -7,11 +7,13 @@ A cluster file is TOML (every rate in bytes or FLOPs per second, every time in s
 
     name = "..."
     [node]      ranks_per_node (one rank per device), memory_bytes (of one device)
-    [device]    gemm_flops (achieved, float32 matmuls), mem_bandwidth (elementwise work),
-                optimizer_bandwidth (nominal optimizer bytes / s), op_overhead_s (per layer call),
-                step_overhead_s (per step: batch, zero_grad, bookkeeping), base_memory_bytes
-                (a rank's runtime before any array), host_copy_bandwidth (0 = arrays on the host;
-                else the gradient ring runs on host copies made across this link)
+    [device]    gemm_flops (achieved, float32 matmuls), gemm_bandwidth (a GEMM's operand
+                bytes; 0 = not counted), gemm_call_s (per matmul call), mem_bandwidth
+                (elementwise work), optimizer_bandwidth (the optimizer's bytes / s),
+                op_overhead_s (per layer call), step_overhead_s (per step: bookkeeping, the
+                metrics), base_memory_bytes (a rank's runtime: interpreter, libraries, MPI),
+                host_copy_bandwidth (0 = arrays on the host; else the gradient ring runs on host
+                copies made across this link)
     [links.node]     alpha_s, bandwidth             (two ranks on one node)
     [links.network]  alpha_s, bandwidth, node_bandwidth  (one flow; everything leaving a node)
     [codecs.NAME]    encode, decode                 (float32 input bytes per second)
@@ -46,6 +48,8 @@ class Node:
 @dataclass(frozen=True)
 class Device:
     gemm_flops: float
+    gemm_bandwidth: float
+    gemm_call_s: float
     mem_bandwidth: float
     optimizer_bandwidth: float
     op_overhead_s: float

@@ -4,181 +4,69 @@ and peak memory per rank.
 
     result = predict(job, load_cluster("clusters/local.toml"))   # a plain dict (JSON-ready)
 
-Per stage and micro-batch (rows = samples x tokens per sample):
-    F, B, W   GEMM FLOPs / gemm_flops + elementwise bytes / mem_bandwidth + layers x op_overhead_s
-              (FLOPs from the layers' own flops(); B = dx GEMMs, attention's four backward
-              matmuls included; W = dW GEMMs; elementwise bytes = the activation bytes a forward
-              keeps alive, counted as the runtime counts them, once for F and twice for B)
+Per chunk and micro-batch (predict.work counts the work):
+    F, B, W   every GEMM (b, m, k, n): 2bmkn / gemm_flops + 4b(mk + kn + mn) / gemm_bandwidth
+              + b gemm_call_s; every elementwise pass: its bytes / mem_bandwidth; every layer
+              call: op_overhead_s
     messages  alpha + bytes / bandwidth of the link between the two ranks (same node or not,
               from grid.order and ranks_per_node)
-    ring      2(p-1) hops of one encoded chunk + encode/decode at the codec's rates (+ the host
-              copies when the ring runs on host buffers); it starts when the stage's last B/W
-              ends and runs on a communication thread, one stage after the other; the optimizer
-              steps a stage once its reduction is done; exposed = ring time past the rank's
-              last compute
-    optimizer nominal bytes per parameter (SGD 12, with momentum 20, AdamW 28) / optimizer_bandwidth
+    buckets   a stage's gradient in buckets of comm.bucket_kb (comm.buckets.bucket_ranges), each
+              final when the stage's last B/W passes its first layer; its ring: 2(p-1) hops of
+              an encoded chunk, the codec's encodes and decodes, the mean, (on a GPU) the host
+              copies; then the optimizer on its slice. Buckets run one after the other (overlap
+              below); on one CPU core, the work of those that run while the rank still computes
+              delays its compute by as much
+    optimizer the bytes its implementation moves per parameter (optim.py) / optimizer_bandwidth
+    per step  zero_grad and the batch's copies at mem_bandwidth, plus step_overhead_s
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-import numpy as np
-
+from mpihybrid.comm.buckets import bucket_ranges
 from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import Job
-from mpihybrid.nn.data import task_dims
-from mpihybrid.nn.layers import Layer, Linear
-from mpihybrid.nn.model import Stage, boundary_shapes, build_blocks, chunk_ranges
-from mpihybrid.nn.transformer import CausalAttention, Residual
 from mpihybrid.pipeline.liveness import Liveness
-from mpihybrid.pipeline.schedules import build_schedule, stage_rank
-from mpihybrid.pipeline.simulate import Costs, simulate
-from mpihybrid.predict.cluster import Cluster, Link
+from mpihybrid.pipeline.schedules import Action, build_schedule, stage_rank
+from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
+from mpihybrid.predict.cluster import Cluster, Device, Link
+from mpihybrid.predict.work import FLOAT, ChunkWork, Gemm, LayerWork, stage_work
 
-FLOAT = 4  # bytes of a float32
-OPTIMIZER_BYTES = {"sgd": 12, "sgd+momentum": 20, "adamw": 28}  # read + written per parameter
-KINDS = ("F", "B", "W")
-
-
-@dataclass
-class StageWork:
-    """One model chunk's work for one micro-batch, before any device is chosen."""
-
-    flops: dict[str, float]  # F, B, W: GEMM FLOPs
-    elem_bytes: dict[str, float]  # F, B, W: elementwise bytes
-    ops: dict[str, int]  # F, B, W: layer calls
-    params: int
-    activation_bytes: int  # what one micro-batch's forward keeps alive (the runtime's count)
-    input_bytes: int  # the activation this chunk receives per micro-batch (0: chunk 0)
+# bytes the optimizers of optim.py read and write per parameter: SGD's `p -= lr * g` is a
+# temporary and an update (20), momentum adds `buf *= mu; buf += g` (20), weight decay a
+# temporary and an add (20); AdamW's fused kernel reads p, g, m, v and writes p, m, v (28)
+SGD_BYTES, MOMENTUM_BYTES, DECAY_BYTES, ADAMW_BYTES = 20, 20, 20, 28
 
 
-def _leaves(block: list[Layer]) -> list[Layer]:
-    return [
-        sub for layer in block for sub in (layer.branch if isinstance(layer, Residual) else [layer])
-    ]
+def gemm_seconds(gemm: Gemm, d: Device) -> float:
+    b, m, k, n = gemm
+    memory = FLOAT * b * (m * k + k * n + m * n) / d.gemm_bandwidth if d.gemm_bandwidth else 0.0
+    return 2 * b * m * k * n / d.gemm_flops + memory + b * d.gemm_call_s
 
 
-def _zero_bound(block: list[Layer]) -> None:
-    """Give the block zero parameters (a probe: values do not change what a cache holds)."""
-    for layer in block:
-        shapes = layer.param_shapes()
-        layer.bind(
-            {k: np.zeros(s, np.float32) for k, s in shapes.items()},
-            {k: np.zeros(s, np.float32) for k, s in shapes.items()},
-        )
-
-
-_PROBES: dict[tuple, tuple] = {}
-
-
-def _probe_block(block: list[Layer], x: np.ndarray) -> tuple[int, int, int, np.ndarray]:
-    """(bytes the block's forward keeps alive, of them its input's, of them its output's, its
-    output) on input x, counted by the runtime's own rule (Stage.activation_nbytes)."""
-    key = (repr(block), x.shape, x.dtype.str)
-    if key not in _PROBES:
-        _zero_bound(block)
-        y, caches = x, []
-        for layer in block:
-            y, cache = layer.forward(y)
-            caches.append(cache)
-        count = Stage.activation_nbytes(None, caches)  # the method uses no state of its own
-        input_kept = count + x.nbytes - Stage.activation_nbytes(None, [caches, x])
-        output_kept = count + y.nbytes - Stage.activation_nbytes(None, [caches, y])
-        _PROBES[key] = (count, input_kept, output_kept, y.shape, y.dtype.str)
-    count, input_kept, output_kept, shape, dtype = _PROBES[key]
-    return count, input_kept, output_kept, np.zeros(shape, dtype)
-
-
-def _chunk_activations(blocks: list, ranges: list[range], x: np.ndarray) -> list[int]:
-    """Bytes one micro-batch's forward keeps alive on each chunk, for the model input x."""
-    out = []
-    for chunk in ranges:
-        act, previous_kept = 0, 0
-        for g_index in chunk:
-            count, input_kept, output_kept, x = _probe_block(blocks[g_index], x)
-            # the array between two blocks counts once when both keep it
-            act += count - (input_kept if previous_kept else 0)
-            previous_kept = output_kept
-        out.append(act)
-    return out
-
-
-def activation_bytes(job: Job, blocks: list, ranges: list[range], samples: int) -> list[int]:
-    """Each chunk's activations per micro-batch of `samples`, from forwards of tiny probes: an
-    MLP's caches grow linearly with rows (probes of 1 and 2 rows), a GPT's as a t + c t^2 with
-    the tokens t of a sequence (probes of 4 and 8 tokens, the attention probabilities are
-    t x t), and linearly with sequences."""
-    in_features = task_dims(job.data)[0]
-    if job.model.kind == "gpt":
-        b4, b8 = (_chunk_activations(blocks, ranges, np.zeros((1, t), np.int64)) for t in (4, 8))
-        t = in_features
-        return [
-            samples * round((y4 - 16 * (y8 - 2 * y4) / 32) / 4 * t + (y8 - 2 * y4) / 32 * t * t)
-            for y4, y8 in zip(b4, b8, strict=True)
-        ]
-    b1, b2 = (
-        _chunk_activations(blocks, ranges, np.zeros((n, in_features), np.float32)) for n in (1, 2)
-    )
-    return [(y1 - (y2 - y1)) + samples * (y2 - y1) for y1, y2 in zip(b1, b2, strict=True)]
-
-
-def _chunk_flops(blocks: list, chunk: range, rows: int) -> tuple[dict, dict, int]:
-    """(GEMM FLOPs of F, B, W; layer calls of F, B, W; parameters) of one chunk."""
-    flops = dict.fromkeys(KINDS, 0.0)
-    ops = dict.fromkeys(KINDS, 0)
-    params = 0
-    for g_index in chunk:
-        for i, layer in enumerate(_leaves(blocks[g_index])):
-            f = rows * layer.flops(1)
-            first = g_index == 0 and i == 0  # the model's first layer: no input gradient
-            flops["F"] += f
-            flops["B"] += 2 * f if isinstance(layer, CausalAttention) else (0 if first else f)
-            flops["W"] += f if isinstance(layer, Linear) else 0
-            shapes = layer.param_shapes()
-            params += sum(math.prod(s) for s in shapes.values())
-            ops["F"] += 1
-            ops["B"] += 1
-            ops["W"] += 1 if shapes else 0
-    return flops, ops, params
-
-
-def stage_work(job: Job) -> list[StageWork]:
-    """Every chunk's work per micro-batch of `job` (pp x virtual_stages chunks)."""
-    g, t, m = job.grid, job.train, job.model
-    in_features, num_classes = task_dims(job.data)
-    blocks = build_blocks(m, in_features, num_classes)
-    num_chunks = g.pp * t.virtual_stages
-    samples = t.global_batch // (g.dp * t.microbatches)
-    rows = samples * (job.data.seq_len if m.kind == "gpt" else 1)
-    shapes = boundary_shapes(m, in_features, num_classes, num_chunks, samples)
-    ranges = chunk_ranges(m, blocks, num_chunks)
-    acts = activation_bytes(job, blocks, ranges, samples)
-    out = []
-    for c, chunk in enumerate(ranges):
-        flops, ops, params = _chunk_flops(blocks, chunk, rows)
-        elem = {"F": float(acts[c]), "B": 2.0 * acts[c], "W": 0.0}
-        if c == num_chunks - 1:  # the loss: softmax over the logits, forward and backward
-            elem["F"] += 2 * FLOAT * rows * num_classes
-        input_bytes = FLOAT * math.prod(shapes[c]) if c else 0
-        out.append(StageWork(flops, elem, ops, params, acts[c], input_bytes))
-    return out
-
-
-def action_seconds(work: StageWork, kind: str, cluster: Cluster) -> float:
-    d = cluster.device
+def layer_seconds(layer: LayerWork, kind: str, d: Device) -> float:
     return (
-        work.flops[kind] / d.gemm_flops
-        + work.elem_bytes[kind] / d.mem_bandwidth
-        + work.ops[kind] * d.op_overhead_s
+        sum(gemm_seconds(g, d) for g in layer.gemms[kind])
+        + layer.elem_bytes[kind] / d.mem_bandwidth
+        + layer.calls[kind] * d.op_overhead_s
     )
+
+
+def action_seconds(work: ChunkWork, kind: str, cluster: Cluster) -> float:
+    return sum(layer_seconds(layer, kind, cluster.device) for layer in work.layers)
+
+
+def optimizer_bytes(job: Job) -> int:
+    t = job.train
+    if t.optimizer == "adamw":
+        return ADAMW_BYTES
+    extra = (MOMENTUM_BYTES if t.momentum else 0) + (DECAY_BYTES if t.weight_decay else 0)
+    return SGD_BYTES + extra
 
 
 def optimizer_seconds(job: Job, params: int, cluster: Cluster) -> float:
-    t = job.train
-    name = "sgd+momentum" if t.optimizer == "sgd" and t.momentum else t.optimizer
-    return params * OPTIMIZER_BYTES[name] / cluster.device.optimizer_bandwidth
+    return params * optimizer_bytes(job) / cluster.device.optimizer_bandwidth
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +93,7 @@ def _crossing(edges: list[tuple[int, int]], cluster: Cluster) -> tuple[bool, int
     return bool(out), max(out.values(), default=0)
 
 
-def message_seconds(job: Job, work: list[StageWork], cluster: Cluster) -> float:
+def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
     """The slowest pipeline hop (activation or its gradient) between neighbouring chunks."""
     g, v = job.grid, job.train.virtual_stages
     worst = 0.0
@@ -226,8 +114,10 @@ def message_seconds(job: Job, work: list[StageWork], cluster: Cluster) -> float:
 
 
 def ring_seconds(job: Job, chunk: int, params: int, cluster: Cluster) -> tuple[float, float]:
-    """One stage's ring all-reduce: (seconds, of them the codec's work): 2(p-1) hops of a
-    chunk, the codec's encodes and decodes, the host copies on a GPU."""
+    """One ring all-reduce of `params` gradients of a chunk's replicas: (seconds, of them the
+    rank's own work): 2(p-1) hops of a chunk in messages of comm.segment_kb, the codec's encodes
+    and decodes, the mean, the host copies on a GPU. A hop between ranks of one node on host
+    memory is the rank's work too (MPI copies it through shared memory)."""
     g, c = job.grid, job.comm
     p = g.dp
     if p == 1 or params == 0:
@@ -246,78 +136,136 @@ def ring_seconds(job: Job, chunk: int, params: int, cluster: Cluster) -> tuple[f
     n = params / p
     codec = get_codec(c.codec, c.block)
     rate = cluster.codecs[c.codec]
-    hops = 2 * (p - 1) * link.seconds(codec.nbytes(math.ceil(n)), flows)
-    if (
-        codec.lossy
-    ):  # reduce-scatter: encode + decode-add per hop; all-gather: 1 encode, p-1 decodes
+    messages = math.ceil(n / (c.segment_kb * 256))
+    hop = (messages - 1) * link.alpha_s + link.seconds(codec.nbytes(math.ceil(n)), flows)
+    wire = 2 * (p - 1) * hop
+    # lossy: reduce-scatter encodes and decode-adds per hop; all-gather: 1 encode, p-1 decodes
+    if codec.lossy:
         work = (p - 1) * n * FLOAT * (1 / rate.encode + 1 / rate.decode)
         work += n * FLOAT / rate.encode + (p - 1) * n * FLOAT / rate.decode
     else:  # fp32: a received chunk is added (reduce-scatter) or lands in place (all-gather)
         work = (p - 1) * n * FLOAT / rate.decode
-    host = cluster.device.host_copy_bandwidth
-    copies = 2 * params * FLOAT / host if host else 0.0
-    return hops + work + copies, work
+    d = cluster.device
+    work += 2 * FLOAT * params / d.mem_bandwidth  # the mean: flat /= p
+    if d.host_copy_bandwidth:
+        work += 2 * params * FLOAT / d.host_copy_bandwidth
+    return wire + work, work + (0.0 if crosses or d.host_copy_bandwidth else wire)
 
 
 # ---------------------------------------------------------------------------------------------
-# the step
+# the step: buckets behind the compute
 
 
-def _overlap(
-    job: Job, sim, ring: list[tuple[float, float]], opt: list[float], rank: int, cluster: Cluster
-) -> tuple[float, float, float]:
-    """(end of the rank's step, its last compute end, exposed ring seconds) as the runtime
-    overlaps: a stage's ring starts once its last B/W is done (on a GPU, whose rings run on host
-    copies, once the pipeline is), one at a time on the communication thread, and the optimizer
-    updates the stage right after its reduction. Codec and optimizer work that runs while the
-    rank still computes shares its device: it delays the compute by as much."""
-    g, v = job.grid, job.train.virtual_stages
-    mine = [a for a in sim.end if stage_rank(a.stage, g.pp, v) == rank]
+def _bucket_ready(
+    work: ChunkWork, last: Action, split: bool, sim: SimResult, job: Job, cluster: Cluster
+) -> list[tuple[float, int]]:
+    """(time it is final, parameters) of each bucket of the stage, in the order they start:
+    during the stage's last weight action, as its layers finish from the last."""
+    ranges, lo = [], 0
+    for layer in work.layers:
+        ranges.append((lo, lo + layer.params))
+        lo += layer.params
+    kinds = ("W",) if split else ("B", "W")
+    d = cluster.device
+    cost = [sum(layer_seconds(layer, k, d) for k in kinds) for layer in work.layers]
+    start, took = sim.start[last], sim.end[last] - sim.start[last]
+    total = sum(cost) or 1.0
+    out = []
+    for b_lo, b_hi in bucket_ranges(ranges, job.comm.bucket_kb * 1024):
+        first = next(i for i, (layer_lo, _) in enumerate(ranges) if layer_lo == b_lo)
+        out.append((start + took * sum(cost[first:]) / total, b_hi - b_lo))
+    return out
+
+
+def _rank_end(
+    job: Job, work: list[ChunkWork], sim: SimResult, actions: list[Action], cluster: Cluster
+) -> dict:
+    """When the rank's step ends as the runtime overlaps its buckets (comm.overlap): poll and
+    thread start a bucket once it is final and the one before it is done; off, and a GPU (its
+    ring runs on host copies), after the pipeline. On the rank's core, the work of a bucket that
+    runs while the rank computes (poll: all of it, ring and update) delays the compute."""
+    mine = [a for a in actions if a.kind in ("F", "B", "W")]
     compute_end = max((sim.end[a] for a in mine), default=0.0)
-    stages = sorted({a.stage for a in mine})
-    last = {s: max(sim.end[a] for a in mine if a.stage == s) for s in stages}
-    if cluster.device.host_copy_bandwidth:
-        last = dict.fromkeys(stages, compute_end)
-    comm = shared = reduced = 0.0
-    for s in sorted(stages, key=last.get):
-        seconds, work = ring[s]
-        start = max(comm, last[s])
-        reduced = start + seconds
-        comm = reduced + opt[s]
-        if start < compute_end:
-            shared += work + opt[s]
-    end = max(compute_end + shared, comm)
-    return end, compute_end, max(0.0, reduced - compute_end)
+    split = {(a.stage, a.microbatch) for a in mine if a.kind == "W"}
+    last = {a.stage: a for a in mine if a.kind == "W" or (a.stage, a.microbatch) not in split}
+    after = job.comm.overlap == "off" or cluster.device.host_copy_bandwidth > 0
+    buckets = []  # (ready, stage, params)
+    for s, a in last.items():
+        for ready, n in _bucket_ready(work[s], a, (s, a.microbatch) in split, sim, job, cluster):
+            buckets.append((compute_end if after else ready, s, n))
+    shift = free = 0.0  # compute delayed by bucket work so far; when the last bucket is done
+    for ready, s, n in sorted(buckets, key=lambda b: b[0]):
+        ring, work_s = ring_seconds(job, s, n, cluster)
+        update = optimizer_seconds(job, n, cluster)
+        start = max(ready + shift, free)
+        free = start + ring + update
+        if start < compute_end + shift:
+            shift += (ring if job.comm.overlap == "poll" else work_s) + update
+    end = max(compute_end + shift, free)
+    return {
+        "end_s": end,
+        "compute_end_s": compute_end + shift,
+        "exposed_comm_s": max(0.0, free - compute_end - shift),
+    }
 
 
-def _memory(job: Job, work: list[StageWork], actions, cluster: Cluster, rank: int) -> dict:
-    """Bytes one rank holds at its peak: state, activations in flight, buffers, data, runtime."""
-    t, c = job.train, job.comm
-    mine = sorted({a.stage for a in actions[rank]})
+def step_work_seconds(job: Job, params: int, cluster: Cluster) -> float:
+    """Per step and rank, outside the actions: zero_grad (a write of the gradients) and the
+    batch: every rank draws the global batch (teacher data: a gather of its rows) and copies
+    its replica's micro-batches."""
+    d, t = job.data, job.train
+    nbytes = FLOAT * params
+    if d.kind == "teacher":
+        nbytes += 2 * FLOAT * d.features * (t.global_batch + t.global_batch // job.grid.dp)
+    return nbytes / cluster.device.mem_bandwidth + cluster.device.step_overhead_s
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+
+
+def data_bytes(job: Job) -> int:
+    """What a rank holds of the data: the data set (teacher: every sample's features and label;
+    token tasks draw each batch fresh) and one step's batch: the global batch every rank draws
+    and its replica's micro-batches, copied out of it."""
+    d, t = job.data, job.train
+    if d.kind == "teacher":
+        per_sample = d.features * FLOAT + 8
+        batch = t.global_batch * per_sample + t.global_batch // job.grid.dp * d.features * FLOAT
+        return (d.train_samples + d.test_samples) * per_sample + batch
+    return 2 * 8 * d.seq_len * (t.global_batch + d.test_samples)  # tokens and targets, int64
+
+
+def rank_memory(job: Job, work: list[ChunkWork], actions: list[Action], cluster: Cluster) -> dict:
+    """Bytes one rank (its pp position's actions) holds at its peak: parameters, gradients,
+    optimizer state, residual and wire buffers; activations in flight by the liveness rule;
+    receive buffers; data; the largest temporary of a pass; the runtime itself."""
+    t, c, g = job.train, job.comm, job.grid
+    mine = sorted({a.stage for a in actions})
     params = sum(work[s].params for s in mine)
     per_param = 2 + {"adamw": 2, "sgd": 1 if t.momentum else 0}[t.optimizer]  # p, g, state
     codec = get_codec(c.codec, c.block)
-    lossy = codec.lossy and c.error_feedback
-    state = FLOAT * params * (per_param + (1 if lossy else 0))
-    if codec.lossy and job.grid.dp > 1:  # the encoded vector and a receive slot
-        state += codec.nbytes(params) + 2 * codec.nbytes(math.ceil(params / job.grid.dp))
-    split = {(a.stage, a.microbatch) for a in actions[rank] if a.kind == "W"}
+    lossy = codec.lossy and g.dp > 1
+    state = FLOAT * params * (per_param + (1 if lossy and c.error_feedback else 0))
+    if lossy:  # every bucket's encoded vector and two receive slots of a chunk (allreduce.py)
+        state += codec.nbytes(params) + 2 * codec.nbytes(math.ceil(params / g.dp))
+    elif g.dp > 1:  # fp32 receives the reduce-scatter into two chunk-sized slots per bucket
+        state += 2 * FLOAT * math.ceil(params / g.dp)
+    split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
     live = Liveness(split)
-    for a in actions[rank]:
+    for a in actions:
         live.step(a.kind, a.stage, a.microbatch, work[a.stage].activation_bytes)
     # every receive of a step is posted when it starts: one buffer per (direction, mb)
-    g, last = job.grid, len(work) - 1
-    recv = 0
+    last, rank, recv = len(work) - 1, stage_rank(mine[0], g.pp, t.virtual_stages), 0
     for s in mine:
         if s > 0 and stage_rank(s - 1, g.pp, t.virtual_stages) != rank:
             recv += t.microbatches * work[s].input_bytes  # activations from the previous chunk
         if s < last and stage_rank(s + 1, g.pp, t.virtual_stages) != rank:
             recv += t.microbatches * work[s + 1].input_bytes  # their gradients from the next
-    d = job.data
-    data = (
-        (d.train_samples + d.test_samples) * (d.features * FLOAT + 8) if d.kind == "teacher" else 0
-    )
-    total = state + live.peak_total_bytes + recv + data + cluster.device.base_memory_bytes
+    data = data_bytes(job)
+    temporary = max(work[s].largest_temporary for s in mine)
+    base = cluster.device.base_memory_bytes
+    total = state + live.peak_total_bytes + recv + data + temporary + base
     return {
         "rank": rank,
         "stages": mine,
@@ -327,10 +275,14 @@ def _memory(job: Job, work: list[StageWork], actions, cluster: Cluster, rank: in
         "activation_bytes_per_stage": {s: int(live.peak_bytes[s]) for s in mine},
         "buffer_bytes": int(recv),
         "data_bytes": int(data),
-        "base_bytes": int(cluster.device.base_memory_bytes),
+        "temporary_bytes": int(temporary),
+        "base_bytes": int(base),
         "total_bytes": int(total),
         "fits": bool(total <= cluster.node.memory_bytes),
     }
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def predict(job: Job, cluster: Cluster) -> dict:
@@ -345,18 +297,24 @@ def predict(job: Job, cluster: Cluster) -> dict:
         send=message_seconds(job, work, cluster),
     )
     sim = simulate(actions, costs, t.virtual_stages)
-    ring = [ring_seconds(job, s, w.params, cluster) for s, w in enumerate(work)]
-    opt = [optimizer_seconds(job, w.params, cluster) for w in work]
+    memory = [rank_memory(job, work, actions[r], cluster) for r in range(g.pp)]
     ranks = []
     for r in range(g.pp):
-        end, compute_end, exposed = _overlap(job, sim, ring, opt, r, cluster)
-        ranks.append(
-            {"rank": r, "end_s": end, "compute_end_s": compute_end, "exposed_comm_s": exposed}
-        )
-    step = max(r["end_s"] for r in ranks) + cluster.device.step_overhead_s
+        overhead = step_work_seconds(job, memory[r]["params"], cluster)
+        row = _rank_end(job, work, sim, actions[r], cluster)
+        ranks.append({"rank": r, **row, "end_s": row["end_s"] + overhead})
+    step = max(r["end_s"] for r in ranks)
     units = job.data.seq_len if job.data.kind != "teacher" else 1
-    flops_step = sum(sum(w.flops.values()) for w in work) * t.microbatches * g.dp
-    memory = [_memory(job, work, actions, cluster, r) for r in range(g.pp)]
+    flops_step = sum(w.flops(k) for w in work for k in ("F", "B", "W")) * t.microbatches * g.dp
+    stages = []
+    for s, w in enumerate(work):
+        ring = ring_seconds(job, s, w.params, cluster)[0]
+        stages.append({
+            "stage": s, "params": w.params, "forward_s": costs.forward[s],
+            "backward_s": costs.backward[s], "weight_s": costs.weight[s], "allreduce_s": ring,
+            "optimizer_s": optimizer_seconds(job, w.params, cluster),
+            "activation_bytes_per_microbatch": w.activation_bytes,
+        })  # fmt: skip
     return {
         "job": {
             "model": job.model.kind,
@@ -367,6 +325,7 @@ def predict(job: Job, cluster: Cluster) -> dict:
             "microbatches": t.microbatches,
             "virtual_stages": t.virtual_stages,
             "codec": job.comm.codec,
+            "overlap": job.comm.overlap,
             "global_batch": t.global_batch,
         },  # fmt: skip
         "cluster": cluster.name,
@@ -377,19 +336,7 @@ def predict(job: Job, cluster: Cluster) -> dict:
         "pipeline_s": sim.makespan,
         "exposed_comm_s": max(r["exposed_comm_s"] for r in ranks),
         "efficiency": flops_step / (step * g.pp * g.dp * cluster.device.gemm_flops),
-        "stages": [
-            {
-                "stage": s,
-                "params": w.params,
-                "forward_s": costs.forward[s],
-                "backward_s": costs.backward[s],
-                "weight_s": costs.weight[s],
-                "allreduce_s": ring[s][0],
-                "optimizer_s": opt[s],
-                "activation_bytes_per_microbatch": w.activation_bytes,
-            }
-            for s, w in enumerate(work)
-        ],  # fmt: skip
+        "stages": stages,
         "message_s": costs.send,
         "ranks": ranks,
         "memory": memory,
