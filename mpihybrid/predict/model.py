@@ -12,10 +12,11 @@ Per chunk and micro-batch (predict.work counts the work):
               from grid.order and ranks_per_node)
     buckets   a stage's gradient in buckets of comm.bucket_kb (comm.buckets.bucket_ranges), each
               final when the stage's last B/W passes its first layer; its ring: 2(p-1) hops of
-              an encoded chunk, the codec's encodes and decodes, the mean, (on a GPU) the host
-              copies; then the optimizer on its slice. Buckets run one after the other (overlap
-              below); on one CPU core, the work of those that run while the rank still computes
-              delays its compute by as much
+              an encoded chunk (a lossy ring on one node only says where its bytes lie: the
+              neighbour decodes them from shared memory), the codec's encodes and decodes, the
+              mean, (on a GPU) the host copies; then the optimizer on its slice. Buckets run
+              one after the other (_rank_end); on one CPU core, the work of those that run while
+              the rank still computes delays its compute by as much
     optimizer the bytes its implementation moves per parameter (optim.py) / optimizer_bandwidth
     per step  zero_grad and the batch's copies at mem_bandwidth, plus step_overhead_s
 """
@@ -113,31 +114,41 @@ def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
     return worst
 
 
+def _ring_crosses(job: Job, pp_rank: int, cluster: Cluster) -> bool:
+    """Whether the ring of pp position `pp_rank`'s replicas leaves a node."""
+    p = job.grid.dp
+    ranks = [world_rank(job, pp_rank, d) for d in range(p)]
+    return _crossing([(ranks[d], ranks[(d + 1) % p]) for d in range(p)], cluster)[0]
+
+
 def ring_seconds(job: Job, chunk: int, params: int, cluster: Cluster) -> tuple[float, float]:
     """One ring all-reduce of `params` gradients of a chunk's replicas: (seconds, of them the
     rank's own work): 2(p-1) hops of a chunk in messages of comm.segment_kb, the codec's encodes
     and decodes, the mean, the host copies on a GPU. A hop between ranks of one node on host
-    memory is the rank's work too (MPI copies it through shared memory)."""
+    memory is the rank's work too (MPI copies it through shared memory), but for a lossy ring
+    there, whose segments the neighbour decodes where they were encoded: a message of 0 bytes."""
     g, c = job.grid, job.comm
     p = g.dp
     if p == 1 or params == 0:
         return 0.0, 0.0
-    pp_rank = stage_rank(chunk, g.pp, job.train.virtual_stages)
-    ranks = [world_rank(job, pp_rank, d) for d in range(p)]
+    crosses = _ring_crosses(job, stage_rank(chunk, g.pp, job.train.virtual_stages), cluster)
     # every stage's ring runs at about the same time: count all of them on the node's way out
     all_edges = [
         (world_rank(job, r, d), world_rank(job, r, (d + 1) % p))
         for r in range(g.pp)
         for d in range(p)
     ]
-    crosses, _ = _crossing([(ranks[d], ranks[(d + 1) % p]) for d in range(p)], cluster)
     _, flows = _crossing(all_edges, cluster)
     link: Link = cluster.links["network" if crosses else "node"]
     n = params / p
     codec = get_codec(c.codec, c.block)
     rate = cluster.codecs[c.codec]
     messages = math.ceil(n / (c.segment_kb * 256))
-    hop = (messages - 1) * link.alpha_s + link.seconds(codec.nbytes(math.ceil(n)), flows)
+    d = cluster.device
+    if shared_wire(codec.lossy, crosses, d):  # only "it is written" travels (comm.shm)
+        hop = messages * link.alpha_s
+    else:
+        hop = (messages - 1) * link.alpha_s + link.seconds(codec.nbytes(math.ceil(n)), flows)
     wire = 2 * (p - 1) * hop
     # lossy: reduce-scatter encodes and decode-adds per hop; all-gather: 1 encode, p-1 decodes
     if codec.lossy:
@@ -145,11 +156,17 @@ def ring_seconds(job: Job, chunk: int, params: int, cluster: Cluster) -> tuple[f
         work += n * FLOAT / rate.encode + (p - 1) * n * FLOAT / rate.decode
     else:  # fp32: a received chunk is added (reduce-scatter) or lands in place (all-gather)
         work = (p - 1) * n * FLOAT / rate.decode
-    d = cluster.device
     work += 2 * FLOAT * params / d.mem_bandwidth  # the mean: flat /= p
     if d.host_copy_bandwidth:
         work += 2 * params * FLOAT / d.host_copy_bandwidth
-    return wire + work, work + (0.0 if crosses or d.host_copy_bandwidth else wire)
+    copies = not (crosses or d.host_copy_bandwidth or shared_wire(codec.lossy, crosses, d))
+    return wire + work, work + (wire if copies else 0.0)
+
+
+def shared_wire(lossy: bool, crosses: bool, device: Device) -> bool:
+    """Whether a ring's encoded segments stay in an MPI-3 shared window that the neighbours
+    decode from (comm.allreduce, transport "auto"): a lossy ring on one node, on the CPU."""
+    return lossy and not crosses and not device.host_copy_bandwidth
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,21 +259,27 @@ def rank_memory(job: Job, work: list[ChunkWork], actions: list[Action], cluster:
     receive buffers; data; the largest temporary of a pass; the runtime itself."""
     t, c, g = job.train, job.comm, job.grid
     mine = sorted({a.stage for a in actions})
+    rank = stage_rank(mine[0], g.pp, t.virtual_stages)
     params = sum(work[s].params for s in mine)
     per_param = 2 + {"adamw": 2, "sgd": 1 if t.momentum else 0}[t.optimizer]  # p, g, state
     codec = get_codec(c.codec, c.block)
     lossy = codec.lossy and g.dp > 1
     state = FLOAT * params * (per_param + (1 if lossy and c.error_feedback else 0))
-    if lossy:  # every bucket's encoded vector and two receive slots of a chunk (allreduce.py)
-        state += codec.nbytes(params) + 2 * codec.nbytes(math.ceil(params / g.dp))
-    elif g.dp > 1:  # fp32 receives the reduce-scatter into two chunk-sized slots per bucket
-        state += 2 * FLOAT * math.ceil(params / g.dp)
+    # the reduce-scatter receives step s into slot s % 2 of two chunk-sized ones (comm.allreduce)
+    slots = min(2, g.dp - 1)
+    if lossy:  # per bucket: its encoded vector twice (the wire and the all-gather's, or on one
+        # node the neighbours' shared slots it decodes from), and apart from those the slots
+        state += 2 * codec.nbytes(params)
+        if not shared_wire(True, _ring_crosses(job, rank, cluster), cluster.device):
+            state += slots * codec.nbytes(math.ceil(params / g.dp))
+    elif g.dp > 1:
+        state += slots * FLOAT * math.ceil(params / g.dp)
     split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
     live = Liveness(split)
     for a in actions:
         live.step(a.kind, a.stage, a.microbatch, work[a.stage].activation_bytes)
     # every receive of a step is posted when it starts: one buffer per (direction, mb)
-    last, rank, recv = len(work) - 1, stage_rank(mine[0], g.pp, t.virtual_stages), 0
+    last, recv = len(work) - 1, 0
     for s in mine:
         if s > 0 and stage_rank(s - 1, g.pp, t.virtual_stages) != rank:
             recv += t.microbatches * work[s].input_bytes  # activations from the previous chunk
