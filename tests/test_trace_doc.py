@@ -64,7 +64,7 @@ def fresh(tmp_path_factory):
                    "--set", "train.steps=2")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     with h5py.File(path) as f:  # the one attribute load() consumes
-        assert [str(n) for n in f.attrs["json_attrs"]] == ["hostnames"]
+        assert [str(n) for n in f.attrs["json_attrs"]] == ["hostnames", "peak_rss_bytes"]
     return load(path)
 
 
@@ -75,12 +75,14 @@ def test_every_documented_attribute_is_written_with_its_type(fresh):
             continue  # after a preemption only (tests/test_trace_stream.py); read by load()
         assert name in fresh.attrs, name  # a finished run has the optional ones too
         value = fresh.attrs[name]
-        if kind == "list of strings":
-            assert isinstance(value, list) and all(isinstance(v, str) for v in value), name
+        if kind.startswith("list of "):
+            want = {"list of strings": str, "list of ints": int}[kind]
+            assert isinstance(value, list) and all(isinstance(v, want) for v in value), name
         else:
             want = PYTHON_TYPES[kind]
             assert isinstance(value, want) and (want is bool or not isinstance(value, bool)), name
     assert len(fresh.attrs["hostnames"]) == fresh.attrs["world_size"]  # one per rank
+    assert len(fresh.attrs["peak_rss_bytes"]) == fresh.attrs["world_size"]
 
 
 @pytest.mark.mpi
