@@ -48,6 +48,13 @@ for name in CODECS:
         "vector_bytes": 4 * COUNT,
         "residual_on_device": ring.residual is None or type(ring.residual) is fakegpu.DeviceArray,
     }
+    # the ring's host staging is its own (named per ring, not by id(), which a later ring may
+    # get once this one is freed) and goes with close()
+    staged = {key[1][:2] for key in backend._staged}
+    ring.close()
+    result["staging_dropped"] = ring._name in staged and not any(
+        key[1][:2] == ring._name for key in backend._staged
+    )
     results = world.gather(result, root=0)
     if world.rank == 0:
         print("RESULT " + json.dumps({"codec": name, "ranks": results}), flush=True)

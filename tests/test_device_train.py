@@ -231,6 +231,7 @@ def test_ring_on_the_device_sends_only_encoded_bytes():
         for rank in run["ranks"]:
             label = f"{run['codec']}: {rank}"
             assert rank["same_bits"] and rank["residual_on_device"], label
+            assert rank["staging_dropped"], label
             # the ring's own messages (the result is left on the device), plus the vector's
             # copy the test itself takes (`.get()` comes after the count)
             assert rank["to_host_bytes"] == rank["sent_bytes"], label

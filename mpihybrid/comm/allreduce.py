@@ -41,6 +41,7 @@ With p = 1 nothing travels and nothing is quantised: the call leaves the vector 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import numpy as np
@@ -55,6 +56,7 @@ TAG_REDUCE_SCATTER = 101
 TAG_ALL_GATHER = 102
 DEFAULT_SEGMENT = 1 << 19  # elements per message: 2 MiB of float32 (measured: bench allreduce)
 TRANSPORTS = ("auto", "mpi")  # auto: shared memory where the whole ring is on one node
+_SERIAL = itertools.count()  # names each ring's staging buffers (an id() is reused once freed)
 
 
 def chunk_bounds(count: int, parts: int) -> np.ndarray:
@@ -96,6 +98,7 @@ class RingAllreduce:
         if segment < 1:
             raise ValueError(f"segment must be >= 1 element, got {segment}")
         self.dp_comm, self.backend = dp_comm, backend
+        self._name = ("ring", next(_SERIAL))
         self.count = count
         self.codec = codec
         self.dp_rank = dp_comm.Get_rank()
@@ -227,7 +230,7 @@ class RingAllreduce:
         if self.shared is not None:
             self.shared.sync()
             return self.dp_comm.Isend([self._token, MPI.BYTE], self.next_rank, tag)
-        wire = self.backend.mpi_send_buffer(buf, ("ring", id(self), *key))
+        wire = self.backend.mpi_send_buffer(buf, (*self._name, *key))
         return self.dp_comm.Isend([wire, MPI.BYTE], self.next_rank, tag)
 
     def _recv(self, buf: np.ndarray, tag: int, key: tuple) -> MPI.Request:
@@ -235,14 +238,14 @@ class RingAllreduce:
         Shared: the news that `buf` (in a neighbour's shared wire) is written."""
         if self.shared is not None:
             return self.dp_comm.Irecv([self._token, MPI.BYTE], self.prev_rank, tag)
-        wire = self.backend.mpi_recv_buffer(buf, ("ring", id(self), *key))
+        wire = self.backend.mpi_recv_buffer(buf, (*self._name, *key))
         return self.dp_comm.Irecv([wire, MPI.BYTE], self.prev_rank, tag)
 
     def _received(self, buf: np.ndarray, key: tuple) -> None:
         if self.shared is not None:
             self.shared.sync()  # the writer's bytes, seen after its message
             return
-        self.backend.finish_recv(buf, ("ring", id(self), *key))
+        self.backend.finish_recv(buf, (*self._name, *key))
 
     def _reduce_scatter(
         self, flat: np.ndarray, gather_sends: list[MPI.Request]
@@ -359,6 +362,8 @@ class RingAllreduce:
         self.codec.decode(self._landing(flat, c, k), hi - lo, flat[lo:hi])
 
     def close(self) -> None:
-        """Free the shared wire, if any (collective over dp_comm); the ring is unusable after."""
+        """Free the shared wire, if any (collective over dp_comm), and the backend's host staging
+        of this ring; the ring is unusable after."""
         if self.shared is not None:
             self.shared.close()
+        self.backend.drop_staging(self._name)

@@ -117,6 +117,11 @@ class Backend:
             raise ValueError(f"{direction} staging buffer {key!r}: got {got}")
         return buf
 
+    def drop_staging(self, prefix: tuple) -> None:
+        """Forget the staging buffers whose key starts with `prefix` (their owner is done)."""
+        for direction, key in [k for k in self._staged if k[1][: len(prefix)] == prefix]:
+            del self._staged[(direction, key)]
+
     def mpi_send_buffer(self, array, key) -> Any:
         """What MPI should send: `array` itself, or its persistent host copy for `key`."""
         self.synchronize()  # the kernels that wrote `array` must finish before MPI reads it
