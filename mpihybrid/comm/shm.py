@@ -19,17 +19,13 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from mpihybrid.comm.device import local_rank
+
 
 def node_local(comm: MPI.Comm) -> bool:
     """Whether every rank of `comm` shares one node's memory (collective). Under MPICH's
     MPIR_CVAR_NOLOCAL=1 every rank counts as a node of its own."""
-    if comm.Get_size() == 1:
-        return True
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_size() == comm.Get_size()
-    finally:
-        node.Free()
+    return local_rank(comm)[1] == comm.Get_size()
 
 
 class SharedWire:
