@@ -50,7 +50,8 @@ class Codec:
 
     A subclass writes the numpy reference (`_encode_numpy`, `_decode_numpy`, `_decode_add_numpy`)
     and the calls of its kernels (`_encode_fast`, `_decode_fast`, `_decode_add_fast`, and the
-    error-feedback forms `_encode_feedback_fast`, `_decode_add_feedback_fast`).
+    error-feedback forms `_encode_feedback_fast`, `_decode_add_feedback_fast`; optionally the
+    fused `_reduce_encode_fast`, else reduce_encode composes the three calls).
     """
 
     name: str = ""
