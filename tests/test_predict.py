@@ -1,15 +1,14 @@
-"""mpihybrid predict: cluster files, the cost model's pieces, the CLI, and (marked mpi) a
-calibrated prediction held against measured runs of this machine.
+"""mpihybrid predict: cluster files, the cost model's pieces on made-up figures (exact
+expectations), the CLI, and (marked mpi) the activation bytes the runtime counts.
 
-The full validation table is benchmarks/predict_validation.py; the test here is its small
-sibling: a tiny MLP calibrated on one run and three other runs predicted.
+How close a prediction comes to a timed run depends on the machine: that is measured by
+benchmarks/predict_validation.py (docs/predict.md), never asserted here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,6 @@ from mpihybrid.predict.calibrate import GEMM_SHAPES, fit_gemm
 from mpihybrid.predict.cluster import ClusterError, Link, load_cluster, parse_cluster
 from mpihybrid.predict.model import gemm_seconds, predict, ring_seconds
 from mpihybrid.predict.work import stage_work
-from mpihybrid.trace.file import load
 from mpihybrid.train.memory import peak_rss_bytes, reset_peak_rss
 from tests.helpers import ROOT, run_mpi
 
@@ -209,56 +207,97 @@ def test_a100_gpt_fits_and_1f1b_holds_fewer_activations_than_gpipe():
 
 
 # ---------------------------------------------------------------------------------------------
-# against measured runs of this machine
+# the model's mechanics on made-up figures (exact expectations; accuracy against timed runs is
+# benchmarks/predict_validation.py's, never a test's)
 
-TINY = ["model.hidden=512", "data.features=512", "train.steps=8"]
+
+def _plain(cluster, **device):
+    """`cluster` with round device figures: no GEMM operand traffic, no per-call costs."""
+    d = {"gemm_flops": 1e9, "gemm_bandwidth": 0.0, "gemm_call_s": 0.0, "mem_bandwidth": 1e9,
+         "optimizer_bandwidth": 1e9, "op_overhead_s": 0.0, "step_overhead_s": 0.0,
+         "host_copy_bandwidth": 0.0, **device}  # fmt: skip
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **d))
 
 
-def _bench(n: int, sets: list[str]) -> dict:
-    args = [a for s in TINY + sets for a in ("--set", s)]
-    proc = run_mpi(n, "-m", "mpihybrid", "bench", "train", "jobs/bench_pp2.toml", *args,
-                   "--warmup", "2", "--steps", "4", "--repeats", "1", "--json",
-                   timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout)
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_one_rank_step_is_the_sum_of_its_parts(microbatches):
+    """pp = dp = 1: M x (F + B + W) + the optimizer + the step's own work, nothing else."""
+    from mpihybrid.predict.model import action_seconds, optimizer_seconds, step_work_seconds
+
+    cluster = _plain(load_cluster(A100), op_overhead_s=1e-5, step_overhead_s=1e-3)
+    sets = ["grid.pp=1", "grid.dp=1", f"train.microbatches={microbatches}"]
+    job = _job("jobs/bench_pp2.toml", *sets)
+    (work,) = stage_work(job)
+    r = predict(job, cluster)
+    compute = sum(action_seconds(work, k, cluster) for k in "FBW") * microbatches
+    rest = optimizer_seconds(job, work.params, cluster) + step_work_seconds(
+        job, work.params, cluster
+    )
+    assert r["pipeline_s"] == pytest.approx(compute, rel=1e-12)
+    assert r["step_time_s"] == pytest.approx(compute + rest, rel=1e-12)
+    assert r["bubble"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_gemm_and_elementwise_seconds_by_hand():
+    """A Linear(512, 256)'s forward on 64 rows: 2 x 64 x 512 x 256 FLOPs, 4 x (64 x 512 +
+    512 x 256 + 64 x 256) operand bytes, one call; its bias add 8 x 64 x 256 bytes."""
+    from mpihybrid.predict.model import layer_seconds
+    from mpihybrid.predict.work import LayerWork
+
+    device = _plain(load_cluster(A100), gemm_bandwidth=2e9, gemm_call_s=1e-6,
+                    op_overhead_s=1e-5).device  # fmt: skip
+    layer = LayerWork(params=512 * 256 + 256)
+    layer.gemms["F"].append((1, 64, 512, 256))
+    layer.elem_bytes["F"] = 8 * 64 * 256
+    layer.calls["F"] = 1
+    flops, operands = 2 * 64 * 512 * 256, 4 * (64 * 512 + 512 * 256 + 64 * 256)
+    expected = flops / 1e9 + operands / 2e9 + 1e-6 + 8 * 64 * 256 / 1e9 + 1e-5
+    assert layer_seconds(layer, "F", device) == pytest.approx(expected, rel=1e-12)
+
+
+def test_ring_seconds_by_hand():
+    """An fp32 ring of dp = 2 over the network (one rank per node): 2(p - 1) hops of half the
+    gradient in messages of comm.segment_kb, the received halves added, the mean."""
+    cluster = _plain(load_cluster(A100), mem_bandwidth=4e9)
+    cluster = dataclasses.replace(
+        cluster,
+        node=dataclasses.replace(cluster.node, ranks_per_node=1),
+        links={**cluster.links, "network": Link(1e-4, 2.5e8, 0.0)},
+        codecs={**cluster.codecs, "fp32": dataclasses.replace(cluster.codecs["fp32"], decode=8e9)},
+    )
+    job = _job("jobs/laptop.toml", "grid.pp=1", "grid.dp=2", "comm.codec=fp32")
+    params = 1_000_000
+    half = params // 2
+    messages = -(-half // (job.comm.segment_kb * 256))
+    hop = messages * 1e-4 + 4 * half / 2.5e8
+    work = 4 * half / 8e9 + 2 * 4 * params / 4e9
+    seconds, own = ring_seconds(job, 0, params, cluster)
+    assert seconds == pytest.approx(2 * hop + work, rel=1e-12)
+    assert own == pytest.approx(work, rel=1e-12)  # the wire is the network's, not the core's
 
 
 @pytest.mark.mpi
-def test_calibrated_prediction_holds_on_other_local_runs(tmp_path):
-    """Calibrate on one tiny MLP run (pp=2, 1F1B, M=4); predict another schedule and M, and a
-    dp=2 ring with int8; measure them right after. The bounds are looser than the benchmark's
-    (10% median, 20% worst) because these steps last milliseconds beside other tests."""
-    trace = tmp_path / "cal.h5"
-    cal = run_mpi(2, "-m", "mpihybrid", "train", "jobs/bench_pp2.toml", "--quiet",
-                  *[a for s in TINY + ["train.global_batch=512"] for a in ("--set", s)],
-                  "--trace", str(trace), timeout=300)  # fmt: skip
-    assert cal.returncode == 0, cal.stderr[-2000:]
-    cluster_path = tmp_path / "local.toml"
-    calibrated = CliRunner().invoke(main, ["predict", "jobs/bench_pp2.toml", "--calibrate",
-                                           str(trace), "--cluster", str(cluster_path)])  # fmt: skip
-    assert calibrated.exit_code == 0, calibrated.output
-    cluster = load_cluster(cluster_path)
-    assert len(load(trace).attrs["peak_rss_bytes"]) == 2  # the steps' peak, every rank
-    cases = [
-        ["train.schedule=zb-h1", "train.microbatches=2", "train.global_batch=256"],
-        ["train.schedule=gpipe", "train.microbatches=8", "train.global_batch=1024"],
-        ["grid.pp=1", "grid.dp=2", "comm.codec=int8", "train.global_batch=1024"],
-    ]
-    errors, memory = [], []
-    for sets in cases:
-        job = _job("jobs/bench_pp2.toml", *TINY, *sets)
-        measured = _bench(job.grid.pp * job.grid.dp, sets)
-        predicted = predict(job, cluster)
-        errors.append(predicted["step_time_s"] / measured["step_time"] - 1)
-        memory.append(predicted["peak_memory_bytes"] / max(measured["peak_rss_bytes"]) - 1)
-        stages = [s["peak_activation_bytes"] for s in measured["stages"]]
-        per_stage = {int(s): b for m in predicted["memory"] for s, b in
-                     m["activation_bytes_per_stage"].items()}  # fmt: skip
-        assert stages == [per_stage[s] for s in range(len(stages))], sets
-    print("step-time errors:", [f"{e:+.2f}" for e in errors], "memory:", memory)
-    assert statistics.median(abs(e) for e in errors) <= 0.25, errors
-    assert max(abs(e) for e in errors) <= 0.5, errors
-    assert max(abs(e) for e in memory) <= 0.15, memory
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["train.schedule=gpipe", "train.microbatches=4", "train.global_batch=64"],
+        ["train.schedule=zb-h1", "train.microbatches=2", "train.global_batch=32"],
+    ],
+)
+def test_activation_peaks_equal_what_the_runtime_counts(sets):
+    """The liveness rule's peak per stage is what bench train counts on the ranks (a count of
+    bytes, not a time)."""
+    tiny = ["model.hidden=64", "data.features=32", "train.steps=2"]
+    args = [a for s in tiny + sets for a in ("--set", s)]
+    proc = run_mpi(2, "-m", "mpihybrid", "bench", "train", "jobs/bench_pp2.toml", *args,
+                   "--warmup", "1", "--steps", "1", "--repeats", "1", "--json",
+                   timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = [s["peak_activation_bytes"] for s in json.loads(proc.stdout)["stages"]]
+    predicted = predict(_job("jobs/bench_pp2.toml", *tiny, *sets), load_cluster(A100))
+    per_stage = {int(s): b for m in predicted["memory"] for s, b in
+                 m["activation_bytes_per_stage"].items()}  # fmt: skip
+    assert measured == [per_stage[s] for s in range(len(measured))]
 
 
 def test_local_cluster_file_says_how_it_was_made():
