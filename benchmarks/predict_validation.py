@@ -7,7 +7,7 @@ with `bench train` in the same sitting: the table of step-time and memory errors
     python benchmarks/predict_validation.py --cluster-out clusters/local.toml  # keep the fit
 
 1. `mpiexec -n 2 mpihybrid train CALIBRATION --trace DIR/cal.h5` (the GPT benchmark, pp=2,
-   1F1B, M=4), then `mpihybrid predict ... --calibrate DIR/cal.h5 --cluster DIR/local.toml`.
+   1F1B, M=4), then `mpihybrid predict ... --calibrate DIR/cal.h5 --cluster-out DIR/local.toml`.
 2. For every case: `mpiexec -n PP*DP mpihybrid bench train JOB --set ... --json` (median step of
    the measured steps) and `mpihybrid predict JOB --set ... --cluster DIR/local.toml --json`.
 Step-time error = predicted / measured - 1. Memory: the largest predicted rank total against the
@@ -113,7 +113,7 @@ def calibrate(workdir: Path, quiet: float, retries: int) -> dict:
         _, others = _run(["mpiexec", "-n", "2", "mpihybrid", "train", job, *_sets(sets),
                           "--quiet", "--trace", str(trace), "--overwrite"])  # fmt: skip
         _, fitting = _run(["mpihybrid", "predict", job, "--calibrate", str(trace),
-                           "--cluster", str(cluster)])  # fmt: skip
+                           "--cluster-out", str(cluster)])  # fmt: skip
         others, attempts = max(others, fitting), attempts + 1
     steps = step_times(load(trace).events)
     step = statistics.median(t for s, t in steps.items() if s >= 1)

@@ -77,6 +77,158 @@ def test_cli_bad_cluster_is_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("device", "gemm_flops", 0, "must be > 0"),
+        ("device", "mem_bandwidth", -3e9, "must be >= 0"),
+        ("device", "optimizer_bandwidth", float("nan"), "must be a finite number"),
+        ("device", "op_overhead_s", float("inf"), "must be a finite number"),
+        ("links.network", "bandwidth", 0, "must be > 0"),
+        ("codecs.int8", "decode", float("nan"), "must be a finite number"),
+        ("node", "memory_bytes", 0, "must be > 0"),
+    ],
+)
+def test_zero_negative_or_nan_rates_are_one_line_and_exit_2(tmp_path, section, key, value, message):
+    table = _table()
+    where = table
+    for part in section.split("."):
+        where = where[part]
+    where[key] = value
+    with pytest.raises(ClusterError, match=message):
+        parse_cluster(table)
+    path = tmp_path / "bad.toml"
+    path.write_text(_toml(table))
+    result = CliRunner().invoke(main, ["predict", "jobs/laptop.toml", "--cluster", str(path)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"mpihybrid: error: cluster file {str(path)!r}: {section}.{key} = {value!r}: {message}"
+    ]
+
+
+def _toml(table: dict, where: str = "") -> str:
+    """A parsed cluster table back to TOML (nan and inf as TOML writes them)."""
+
+    def scalar(v):
+        if isinstance(v, str):
+            return json.dumps(v)
+        return {"nan": "nan", "inf": "inf", "-inf": "-inf"}.get(repr(v), repr(v))
+
+    lines = [f"{k} = {scalar(v)}" for k, v in table.items() if not isinstance(v, dict)]
+    for k, v in table.items():
+        if isinstance(v, dict):
+            name = f"{where}.{k}" if where else k
+            lines += ["", f"[{name}]", _toml(v, name)]
+    return "\n".join(lines)
+
+
+def test_clusters_and_jobs_by_name_from_any_directory(tmp_path, monkeypatch):
+    """The cluster files and example jobs install with the package: found from elsewhere."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    for args in (["jobs/a100_gpt.toml", "--cluster", "a100_80gb"], ["gpt_bench", "--cluster",
+                 "a100_40gb"], ["jobs/laptop.toml"]):  # fmt: skip
+        result = CliRunner().invoke(main, ["predict", *args, "--json"])
+        assert result.exit_code == 0, result.output
+        r = json.loads(result.output)
+        assert (
+            Path(r["cluster_file"]).is_file() and Path(r["cluster_file"]).parent.name == "clusters"
+        )
+    unknown = CliRunner().invoke(main, ["predict", "jobs/laptop.toml", "--cluster", "a100"])
+    assert unknown.exit_code == 2
+    assert unknown.output.strip().splitlines() == [
+        "mpihybrid: error: unknown cluster 'a100': give a file or one of "
+        "a100_40gb, a100_80gb, local"
+    ]
+
+
+def test_the_users_calibrated_file_comes_before_the_packaged_one(tmp_path, monkeypatch):
+    from mpihybrid.predict.cluster import find_cluster, package_dir
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert find_cluster("local") == package_dir() / "local.toml"
+    mine = tmp_path / "mpihybrid" / "clusters" / "local.toml"
+    mine.parent.mkdir(parents=True)
+    mine.write_text(LOCAL.read_text())
+    assert find_cluster("local") == mine
+
+
+def test_a_job_that_does_not_fit_exits_4_after_its_prediction():
+    args = ["predict", "jobs/a100_gpt.toml", "--cluster", "a100_40gb",
+            "--set", "model.hidden=12288", "--set", "model.depth=48"]  # fmt: skip
+    for extra in ([], ["--json"]):
+        result = CliRunner().invoke(main, [*args, *extra])
+        assert result.exit_code == 4, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mpihybrid: error: does not fit: rank ")
+        assert "the device has 37.25 GiB" in lines[0]
+        if extra:
+            assert not json.loads(result.stdout)["memory"][0]["fits"]
+        else:
+            assert "DOES NOT FIT" in result.stdout
+
+
+def test_calibration_workers_run_one_blas_thread_each():
+    from mpihybrid._threads import THREAD_VARS
+    from mpihybrid.predict.calibrate import _worker_env
+
+    env = _worker_env()
+    assert all(env[name] == "1" for name in THREAD_VARS)
+    assert not any(k.startswith(("PMI", "HYDRA")) for k in env)
+
+
+@pytest.fixture(scope="module")
+def small_trace(tmp_path_factory):
+    trace = tmp_path_factory.mktemp("cal") / "cal.h5"
+    sets = ["model.hidden=64", "data.features=32", "train.steps=3", "train.global_batch=64"]
+    proc = run_mpi(2, "-m", "mpihybrid", "train", "jobs/bench_pp2.toml", "--quiet",
+                   *[a for s in sets for a in ("--set", s)], "--trace", str(trace))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return trace
+
+
+@pytest.mark.mpi
+def test_calibrate_says_what_it_fitted_and_wrote_and_overwrites_nothing(
+    small_trace, tmp_path, monkeypatch
+):
+    """Every fitted figure and the path on stdout; a new file in the user's directory; an
+    existing one is left alone (exit 2) unless --cluster-out names it. The micro-benchmarks
+    are replaced by fixed rates (their timing is not this test's)."""
+    import mpihybrid.predict.calibrate as calibrate
+    from mpihybrid.predict.cluster import CodecRate
+
+    seen = []
+
+    def fixed(workers):
+        seen.append(workers)
+        return {"workers": workers, "gemm": [gemm_seconds(g, load_cluster(LOCAL).device)
+                                             for g in GEMM_SHAPES],
+                "codecs": {c: CodecRate(1e10, 1e10) for c in load_cluster(LOCAL).codecs},
+                "copy": 1e10}  # fmt: skip
+
+    monkeypatch.setattr(calibrate, "loaded_rates", fixed)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    mine = tmp_path / "mpihybrid" / "clusters" / "local.toml"
+    args = ["predict", "jobs/bench_pp2.toml", "--calibrate", str(small_trace)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert seen == [2]  # the trace's two ranks, both cores busy
+    assert f"wrote {mine}" in result.output and "device.gemm_flops = " in result.output
+    assert "links.node.alpha_s = " in result.output
+    fitted = load_cluster(mine)
+    assert fitted.device.gemm_flops == pytest.approx(load_cluster(LOCAL).device.gemm_flops, 1e-3)
+    before = mine.read_bytes()
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 2 and "--cluster-out" in again.output
+    assert mine.read_bytes() == before
+    other = tmp_path / "other.toml"
+    other.write_text("keep me")
+    asked = CliRunner().invoke(main, [*args, "--cluster-out", str(other), "--json"])
+    assert asked.exit_code == 0, asked.output
+    assert json.loads(asked.stdout)["cluster_file"] == str(other)
+    assert f"wrote {other}" in asked.stderr and load_cluster(other).name == "local"
+
+
+@pytest.mark.parametrize(
     "path, sets",
     [
         ("jobs/gpt_bench.toml", ["train.microbatches=2"]),

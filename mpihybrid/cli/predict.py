@@ -1,14 +1,18 @@
 """`mpihybrid predict`: a job's step time, throughput, bubble, exposed communication and memory
 on a cluster file, before running it.
 
-    mpihybrid predict jobs/a100_gpt.toml --cluster clusters/a100_80gb.toml
+    mpihybrid predict jobs/a100_gpt.toml --cluster a100_80gb     # a packaged cluster, by name
     mpihybrid predict jobs/bench_pp2.toml --set train.schedule=zb-h1 --json
-    mpihybrid predict jobs/gpt_bench.toml --calibrate runs/cal.h5   # fit clusters/local.toml
+    mpihybrid predict jobs/gpt_bench.toml --calibrate runs/cal.h5   # fit this machine, say where
+
+Exit status: 0; 2 bad input (one line); 4 the job does not fit the device's memory (one line on
+stderr after the prediction, which --json still prints).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -16,27 +20,56 @@ import click
 from mpihybrid.cli.commands import _fail
 from mpihybrid.units import human_bytes
 
-DEFAULT_CLUSTER = "clusters/local.toml"
+DEFAULT_CLUSTER = "local"  # the user's calibrated file, else the one packaged (this project's)
+EXIT_DOES_NOT_FIT = 4
 # no second node here: the link of ../shared/tools/twonode.sh (tc tbf, 2 Gbit/s each way)
 _TWONODE = {"alpha_s": 1e-4, "bandwidth": 2.5e8, "node_bandwidth": 2.5e8}
+
+
+def job_path(job_file: str) -> str:
+    """JOB_FILE as given, or where it does not exist, the example job of that name installed
+    with the package (`jobs/gpt_bench.toml`, `gpt_bench.toml` or `gpt_bench`)."""
+    if Path(job_file).exists():
+        return job_file
+    name = Path(job_file).name
+    packaged = (
+        Path(__file__).resolve().parent.parent
+        / "jobs"
+        / (name if name.endswith(".toml") else f"{name}.toml")
+    )
+    return str(packaged) if packaged.is_file() else job_file
 
 
 def _load_job(job_file: str, overrides: list[str]):
     from mpihybrid.config import build_job, load_table, resolve
 
-    job = build_job(load_table(job_file), overrides)
+    job = build_job(load_table(job_path(job_file)), overrides)
     if job.grid.dp == -1:
         raise ValueError("grid.dp = -1 takes the world size from mpiexec: give --set grid.dp=N")
     return resolve(job, job.grid.pp * max(job.grid.dp, 1))
 
 
-def _calibrate(trace_path: str, cluster_path: str) -> None:
+def _calibrate(trace_path: str, cluster_name: str, out: str | None, echo) -> Path:
+    """Fit this machine to the trace, write the cluster file (`out`, replacing what is there;
+    by default a new file in the user's directory), print every figure and the path; the path.
+    The network figures (no second node to measure) come from the --cluster file."""
     from mpihybrid.predict.calibrate import calibrate
-    from mpihybrid.predict.cluster import ClusterError, Link, load_cluster, write_cluster
+    from mpihybrid.predict.cluster import (
+        ClusterError,
+        Link,
+        cluster_toml,
+        load_cluster,
+        user_dir,
+        write_cluster,
+    )
     from mpihybrid.trace.file import load
 
-    try:  # keep the network figures of the file being replaced (no second node to measure)
-        network = load_cluster(cluster_path).links["network"]
+    path = Path(out) if out else user_dir() / "local.toml"
+    if out is None and path.exists():
+        raise ValueError(f"{path} exists (an earlier calibration): give --cluster-out PATH to "
+                         "replace it or to write another file")  # fmt: skip
+    try:
+        network = load_cluster(cluster_name).links["network"]
     except ClusterError:
         network = Link(**_TWONODE)
     cluster, notes = calibrate(load(trace_path), network)
@@ -46,7 +79,19 @@ def _calibrate(trace_path: str, cluster_path: str) -> None:
         "Times drift by +-20% minute to minute on a shared 2-core machine: calibrate and\n"
         "compare in one sitting."
     )
-    write_cluster(cluster_path, cluster, header, notes)
+    try:
+        write_cluster(path, cluster, header, notes, overwrite=out is not None)
+    except FileExistsError:
+        raise ValueError(f"{path} exists: give --cluster-out PATH to replace it") from None
+    echo("== calibrate: the fitted figures (each with where it came from)")
+    section = ""
+    for line in cluster_toml(cluster, notes).splitlines():
+        if line.startswith("["):
+            section = line.strip("[]") + "."
+        elif line and not line.startswith("name"):
+            echo(f"  {section}{line}")
+    echo(f"wrote {path} (use it with --cluster {path})")
+    return path
 
 
 def format_prediction(r: dict) -> str:
@@ -86,25 +131,53 @@ def format_prediction(r: dict) -> str:
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override one job setting (repeatable).")  # fmt: skip
 @click.option("--cluster", "cluster_path", default=DEFAULT_CLUSTER, show_default=True,
-              metavar="CLUSTER.toml", help="The cluster file to predict on.")  # fmt: skip
+              metavar="NAME|FILE", help="The cluster to predict on: a file, or a name "
+              "(a100_80gb, a100_40gb; local: your calibrated file, else the packaged "
+              "one).")  # fmt: skip
 @click.option("--calibrate", "trace_path", metavar="TRACE.h5",
-              help="Fit this machine to a trace of a real run; write --cluster first.")  # fmt: skip
+              help="Fit this machine to a trace of a real run, print the figures and the file "
+              "written, then predict on it.")  # fmt: skip
+@click.option("--cluster-out", metavar="FILE", help="Where --calibrate writes (replacing the "
+              "file); default: a new ~/.config/mpihybrid/clusters/local.toml.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Every figure as JSON.")
-def predict(job_file, overrides, cluster_path, trace_path, as_json) -> None:
-    """Predict JOB_FILE's step time, throughput, bubble, exposed communication and memory."""
+def predict(job_file, overrides, cluster_path, trace_path, cluster_out, as_json) -> None:
+    """Predict JOB_FILE's step time, throughput, bubble, exposed communication and memory.
+
+    Exit 4 (after the prediction) when a rank does not fit the device's memory."""
     from mpihybrid.config import ConfigError
     from mpihybrid.pipeline.schedules import ScheduleError
-    from mpihybrid.predict.cluster import ClusterError, load_cluster
+    from mpihybrid.predict.cluster import ClusterError, find_cluster, load_cluster
     from mpihybrid.predict.model import predict as run_prediction
     from mpihybrid.trace.file import TraceError
 
+    # with --json the calibration's lines go to stderr: stdout stays one JSON document
+    echo = (lambda line: click.echo(line, err=True)) if as_json else click.echo
     try:
         job = _load_job(job_file, list(overrides))
+        if cluster_out is not None and trace_path is None:
+            raise ValueError("--cluster-out is where --calibrate writes: give --calibrate TRACE")
         if trace_path is not None:
             if not Path(trace_path).is_file():
                 raise ValueError(f"trace {trace_path!r} does not exist")
-            _calibrate(trace_path, cluster_path)
-        result = run_prediction(job, load_cluster(cluster_path))
+            cluster_path = str(_calibrate(trace_path, cluster_path, cluster_out, echo))
+        cluster_file = find_cluster(cluster_path)
+        result = run_prediction(job, load_cluster(cluster_file))
     except (ConfigError, ClusterError, ScheduleError, TraceError, ValueError, OSError) as exc:
         _fail(str(exc))
+    result["cluster_file"] = str(cluster_file)
     click.echo(json.dumps(result, indent=1) if as_json else format_prediction(result))
+    exit_if_it_does_not_fit(result)
+
+
+def exit_if_it_does_not_fit(result: dict) -> None:
+    """One line on stderr and exit 4 when a rank needs more than the device's memory."""
+    over = [m for m in result["memory"] if not m["fits"]]
+    if over:
+        worst = max(over, key=lambda m: m["total_bytes"])
+        click.echo(
+            f"mpihybrid: error: does not fit: rank {worst['rank']} needs "
+            f"{human_bytes(worst['total_bytes'])}, the device has "
+            f"{human_bytes(result['memory_bytes'])} ({result['cluster']})",
+            err=True,
+        )
+        sys.exit(EXIT_DOES_NOT_FIT)

@@ -1,9 +1,11 @@
 """Fit a cluster file for this machine from a trace of a real run and a few micro-benchmarks.
 
     mpiexec -n 2 mpihybrid train jobs/gpt_bench.toml --set train.steps=8 --trace runs/cal.h5
-    mpihybrid predict jobs/bench_pp2.toml --calibrate runs/cal.h5 --cluster clusters/local.toml
+    mpihybrid predict jobs/bench_pp2.toml --calibrate runs/cal.h5   # writes, says where
 
-Micro-benchmarks of this process (one core, as a rank has):
+The micro-benchmarks run as the ranks do: as many worker processes as the trace had ranks on
+this node (at most one per core), at once, each with one BLAS thread (a rank's); every figure
+is the median over the workers. Per worker:
     gemm_flops, gemm_bandwidth, gemm_call_s    least squares (>= 0, relative) of the time of
                                                float32 GEMMs of GEMM_SHAPES, each on operands of
                                                its own that together outgrow the caches (as a
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import statistics
 import subprocess
@@ -181,6 +184,61 @@ def base_memory() -> int:
     return 1024 * int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
 
 
+def measure_rates() -> dict:
+    """This process's micro-benchmarks: GEMM seconds per shape, codec rates, copy bandwidth."""
+    codecs = codec_rates()
+    return {
+        "gemm": gemm_times(GEMM_SHAPES),
+        "codecs": {name: [r.encode, r.decode] for name, r in codecs.items()},
+        "copy": copy_bandwidth(),
+    }
+
+
+def _worker_env() -> dict[str, str]:
+    """A worker's environment: one BLAS thread, no MPI launcher's variables."""
+    from mpihybrid._threads import THREAD_VARS
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA", "OMPI_"))}
+    return {**env, **dict.fromkeys(THREAD_VARS, "1")}
+
+
+def loaded_rates(workers: int) -> dict:
+    """measure_rates in `workers` processes started together (each one BLAS thread, as a rank
+    has, every core the job used busy): per figure, the median over the workers."""
+    cmd = [sys.executable, "-m", "mpihybrid.predict.calibrate"]
+    procs = [
+        subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env=_worker_env())
+        for _ in range(workers)
+    ]  # fmt: skip
+    try:
+        for p in procs:  # every worker has loaded numpy and the kernels: start them together
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a calibration worker failed to start")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [p.communicate()[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        raise RuntimeError("a calibration worker failed (run `python -m mpihybrid.predict."
+                           "calibrate` to see why)")  # fmt: skip
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    median = statistics.median
+    return {
+        "workers": workers,
+        "gemm": [median(r["gemm"][i] for r in results) for i in range(len(GEMM_SHAPES))],
+        "codecs": {
+            name: CodecRate(*(median(r["codecs"][name][j] for r in results) for j in (0, 1)))
+            for name in CODECS
+        },
+        "copy": median(r["copy"] for r in results),
+    }
+
+
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """min |a x - b| with x >= 0, exactly, by trying every set of free columns (few columns)."""
     best, best_err = np.zeros(a.shape[1]), float(np.sum(b**2))
@@ -269,16 +327,26 @@ def _base_memory(trace: Trace, job, cluster: Cluster) -> tuple[float, str]:
     return statistics.median(rest), f"the trace's peak RSS per rank ({mib} MiB) less the arrays"
 
 
-def calibrate(trace: Trace, network: Link) -> tuple[Cluster, dict[str, str]]:
+def trace_ranks(trace: Trace) -> int:
+    """Ranks the trace's job ran (all on this node)."""
+    return int(trace.attrs["pp"]) * int(trace.attrs["dp"])
+
+
+def calibrate(
+    trace: Trace, network: Link, workers: int | None = None
+) -> tuple[Cluster, dict[str, str]]:
     """This machine as a Cluster fitted to `trace`, and a note per field saying where it came
-    from. `network` (no second node here) is kept as given."""
+    from. `network` (no second node here) is kept as given. `workers`: micro-benchmark processes
+    at once (default: the trace's ranks, at most one per core)."""
     job = trace_job(trace)
     events = trace.events
     steps = sorted(set(int(s) for s in events["step"] if s >= 1)) or [0]
     ev = events[np.isin(events["step"], steps)]
-    gemms = list(zip(GEMM_SHAPES, gemm_times(GEMM_SHAPES), strict=True))
+    workers = workers or max(1, min(trace_ranks(trace), os.cpu_count() or 1))
+    rates = loaded_rates(workers)
+    gemms = list(zip(GEMM_SHAPES, rates["gemm"], strict=True))
     gemm_flops, gemm_bandwidth, gemm_call = fit_gemm(gemms)
-    copy = copy_bandwidth()
+    copy = rates["copy"]
     device = Device(
         gemm_flops=gemm_flops, gemm_bandwidth=gemm_bandwidth, gemm_call_s=gemm_call,
         mem_bandwidth=copy, optimizer_bandwidth=_optimizer_bandwidth(job, ev, copy),
@@ -298,7 +366,7 @@ def calibrate(trace: Trace, network: Link) -> tuple[Cluster, dict[str, str]]:
         node=Node(ranks_per_node=os.cpu_count() or 1, memory_bytes=_ram()),
         device=device,
         links={"node": Link(max(1e-6, hop - hop_bytes / node_bw), node_bw), "network": network},
-        codecs=codec_rates(),
+        codecs=rates["codecs"],
     )
     base, base_note = _base_memory(trace, job, cluster)
     measured = statistics.median([t for s, t in step_times(events).items() if s in steps])
@@ -308,8 +376,9 @@ def calibrate(trace: Trace, network: Link) -> tuple[Cluster, dict[str, str]]:
     cluster = dataclasses.replace(
         cluster, device=dataclasses.replace(device, step_overhead_s=overhead)
     )
+    loaded = f"{workers} workers at once, one BLAS thread each, median over them"
     gemm_note = (f"least squares over {len(gemms)} GEMM shapes (calibrate.GEMM_SHAPES), "
-                 "operands out of cache, median of 5 rounds")  # fmt: skip
+                 f"operands out of cache, median of 5 rounds; {loaded}")  # fmt: skip
     fitted = f"least squares over {n_rows} stage medians (F, B, W) of the trace less their GEMMs"
     notes = {
         "device.gemm_flops": gemm_note, "device.gemm_bandwidth": gemm_note,
@@ -326,7 +395,7 @@ def calibrate(trace: Trace, network: Link) -> tuple[Cluster, dict[str, str]]:
     }  # fmt: skip
     for codec in CODECS:
         for field in ("encode", "decode"):
-            notes[f"codecs.{codec}.{field}"] = "4 Mi floats, median of 5, one core"
+            notes[f"codecs.{codec}.{field}"] = f"4 Mi floats, median of 5; {loaded}"
     return cluster, notes
 
 
@@ -339,3 +408,11 @@ def _ram() -> float:
     except OSError:
         pass
     return 0.0
+
+
+if __name__ == "__main__":  # a worker of loaded_rates: ready, wait for "go", JSON of its rates
+    from mpihybrid.nn import kernels  # noqa: F401  (compiled kernels load before the start)
+
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print(json.dumps(measure_rates()), flush=True)

@@ -18,11 +18,21 @@ A cluster file is TOML (every rate in bytes or FLOPs per second, every time in s
     [links.network]  alpha_s, bandwidth, node_bandwidth  (one flow; everything leaving a node)
     [codecs.NAME]    encode, decode                 (float32 input bytes per second)
 
-A missing or ill-typed field is a ClusterError naming it (the CLI prints it and exits 2).
+A missing, ill-typed or non-finite field, a rate <= 0, a time < 0 is a ClusterError naming it
+(the CLI prints it and exits 2). Fields that may be 0: gemm_bandwidth, host_copy_bandwidth,
+node_bandwidth (0 = not counted), and every time and base_memory_bytes.
+
+Cluster files install with the package (mpihybrid/clusters, the repository's clusters/): a
+name finds them from any directory, after the user's own (calibrate writes there):
+
+    find_cluster("a100_80gb")   # $XDG_CONFIG_HOME/mpihybrid/clusters/, then the package's
+    find_cluster("my.toml")     # a path is a path
 """
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -87,8 +97,13 @@ class Cluster:
     codecs: dict[str, CodecRate]
 
 
+# fields that may be 0 (not counted); every other rate must be > 0
+MAY_BE_ZERO = {"gemm_bandwidth", "host_copy_bandwidth", "node_bandwidth", "base_memory_bytes"}
+
+
 def _section(table: dict, where: str, cls: type, optional: tuple[str, ...] = ()):
-    """Build `cls` from table[where...]: every field present, a number >= 0."""
+    """Build `cls` from table[where...]: every field present, a finite number; a time (`_s`)
+    or a field of MAY_BE_ZERO >= 0, any other (a rate, a size) > 0."""
     values = {}
     for f in fields(cls):
         if f.name not in table:
@@ -98,8 +113,12 @@ def _section(table: dict, where: str, cls: type, optional: tuple[str, ...] = ())
         value = table[f.name]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ClusterError(f"{where}.{f.name} = {value!r}: expected a number")
+        if not math.isfinite(value):
+            raise ClusterError(f"{where}.{f.name} = {value!r}: must be a finite number")
         if value < 0:
             raise ClusterError(f"{where}.{f.name} = {value!r}: must be >= 0")
+        if value == 0 and not (f.name.endswith("_s") or f.name in MAY_BE_ZERO):
+            raise ClusterError(f"{where}.{f.name} = {value!r}: must be > 0")
         values[f.name] = value
     unknown = set(table) - {f.name for f in fields(cls)}
     if unknown:
@@ -122,9 +141,6 @@ def parse_cluster(data: dict) -> Cluster:
     if node.ranks_per_node < 1 or node.ranks_per_node != int(node.ranks_per_node):
         raise ClusterError(f"node.ranks_per_node = {node.ranks_per_node}: an integer >= 1")
     device = _section(_table(data, "device", "device"), "device", Device)
-    for name in ("gemm_flops", "mem_bandwidth", "optimizer_bandwidth"):
-        if getattr(device, name) <= 0:
-            raise ClusterError(f"device.{name} = {getattr(device, name)}: must be > 0")
     links_table = _table(data, "links", "links")
     links = {
         name: _section(
@@ -140,11 +156,6 @@ def parse_cluster(data: dict) -> Cluster:
         name: _section(_table(codecs_table, name, f"codecs.{name}"), f"codecs.{name}", CodecRate)
         for name in CODECS
     }
-    for where, item in [*(("links." + k, v) for k, v in links.items()),
-                        *(("codecs." + k, v) for k, v in codecs.items())]:  # fmt: skip
-        for f in fields(item):
-            if f.name != "node_bandwidth" and f.name != "alpha_s" and getattr(item, f.name) <= 0:
-                raise ClusterError(f"{where}.{f.name} = {getattr(item, f.name)}: must be > 0")
     return Cluster(
         name=data["name"],
         node=Node(int(node.ranks_per_node), node.memory_bytes),
@@ -154,8 +165,40 @@ def parse_cluster(data: dict) -> Cluster:
     )
 
 
+def user_dir() -> Path:
+    """Where calibrate writes this machine's file and a name looks first:
+    $XDG_CONFIG_HOME/mpihybrid/clusters (~/.config/mpihybrid/clusters)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "mpihybrid" / "clusters"
+
+
+def package_dir() -> Path:
+    """The cluster files installed with the package (the repository's clusters/)."""
+    return Path(__file__).resolve().parent.parent / "clusters"
+
+
+def known_clusters() -> list[str]:
+    """Every name find_cluster knows: the user's files and the package's."""
+    return sorted({p.stem for d in (user_dir(), package_dir()) for p in d.glob("*.toml")})
+
+
+def find_cluster(name: str | Path) -> Path:
+    """The file of a cluster given by path (it has a "/" or ends in .toml) or by name (the
+    user's file first, then the package's); ClusterError when there is none."""
+    text = str(name)
+    if "/" in text or text.endswith(".toml"):
+        return Path(text)
+    for d in (user_dir(), package_dir()):
+        if (d / f"{text}.toml").is_file():
+            return d / f"{text}.toml"
+    raise ClusterError(
+        f"unknown cluster {text!r}: give a file or one of {', '.join(known_clusters())}"
+    )
+
+
 def load_cluster(path: str | Path) -> Cluster:
-    p = Path(path)
+    """The cluster of a file, or of a name (find_cluster)."""
+    p = find_cluster(path)
     if not p.is_file():
         raise ClusterError(f"cluster file {str(p)!r} does not exist")
     try:
@@ -189,6 +232,10 @@ def cluster_toml(cluster: Cluster, notes: dict[str, str] | None = None) -> str:
     return "\n".join(out)
 
 
-def write_cluster(path: str | Path, cluster: Cluster, header: str, notes: dict) -> None:
+def write_cluster(
+    path: str | Path, cluster: Cluster, header: str, notes: dict, overwrite: bool = False
+) -> None:
+    """Write the cluster file (atomically); an existing file only with `overwrite`."""
     text = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
-    write_atomic(path, text + cluster_toml(cluster, notes), overwrite=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, text + cluster_toml(cluster, notes), overwrite=overwrite)

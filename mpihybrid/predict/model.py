@@ -2,7 +2,7 @@
 composed by the schedule simulator into step time, throughput, bubble, exposed communication
 and peak memory per rank.
 
-    result = predict(job, load_cluster("clusters/local.toml"))   # a plain dict (JSON-ready)
+    result = predict(job, load_cluster("a100_80gb"))   # a plain dict (JSON-ready)
 
 Per chunk and micro-batch (predict.work counts the work):
     F, B, W   every GEMM (b, m, k, n): 2bmkn / gemm_flops + 4b(mk + kn + mn) / gemm_bandwidth
@@ -364,6 +364,7 @@ def predict(job: Job, cluster: Cluster) -> dict:
         "ranks": ranks,
         "memory": memory,
         "peak_memory_bytes": max(m["total_bytes"] for m in memory),
+        "memory_bytes": cluster.node.memory_bytes,  # of one device: what a rank must fit in
         "notes": _notes(job, cluster),
     }
 
