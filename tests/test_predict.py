@@ -17,12 +17,12 @@ from click.testing import CliRunner
 
 from mpihybrid.cli import main
 from mpihybrid.config import build_job, load_table, resolve
+from mpihybrid.nn.cost import stage_work
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.model import build_stage
 from mpihybrid.predict.calibrate import GEMM_SHAPES, fit_gemm
 from mpihybrid.predict.cluster import ClusterError, Link, load_cluster, parse_cluster
 from mpihybrid.predict.model import gemm_seconds, predict, ring_seconds
-from mpihybrid.predict.work import stage_work
 from mpihybrid.train.memory import peak_rss_bytes, reset_peak_rss
 from tests.helpers import ROOT, run_mpi
 
@@ -235,10 +235,12 @@ def test_calibrate_says_what_it_fitted_and_wrote_and_overwrites_nothing(
         ("jobs/gpt_bench.toml", ["train.schedule=zb-h1", "train.global_batch=4"]),
         ("jobs/laptop.toml", ["train.global_batch=64"]),
         ("jobs/bench_pp2.toml", ["train.schedule=interleaved-1f1b", "train.virtual_stages=2"]),
+        ("jobs/bench_pp2.toml", ["model.norm=true", "model.activation=gelu", "model.hidden=64"]),
     ],
 )
 def test_activation_bytes_equal_the_runtime_count(path, sets):
-    """The probe's extrapolation gives what the runtime counts on a real forward of each stage."""
+    """The layers' declared kept bytes (Layer.cost) add up to what the runtime counts on a real
+    forward of each stage."""
     job = _job(path, *sets)
     in_features, num_classes = task_dims(job.data)
     chunks = job.grid.pp * job.train.virtual_stages
@@ -264,17 +266,58 @@ def test_activation_bytes_equal_the_runtime_count(path, sets):
         ("jobs/bench_pp2.toml", ["train.schedule=interleaved-1f1b", "train.virtual_stages=2"]),
     ],
 )
-def test_work_counts_the_gemms_bench_train_counts(path, sets):
-    """predict.work lists every matmul of a chunk's F, B and W: its FLOPs add up to bench
-    train's count of the model's training matmuls (cli.bench_train.chunk_gemm_flops)."""
-    from mpihybrid.cli.bench_train import chunk_gemm_flops
-    from mpihybrid.nn.model import build_blocks
-    from mpihybrid.predict.work import microbatch_rows
+def test_one_declaration_of_gemms_for_predict_bench_and_partition(path, sets):
+    """bench train's roofline runs the GEMMs the layers declare (Layer.cost), predict times the
+    same per chunk, and the partition's per-row estimate (Layer.flops) agrees."""
+    from mpihybrid.cli.bench_train import chunk_gemm_flops, gemm_flops, model_gemms
+    from mpihybrid.nn.cost import microbatch_rows
+    from mpihybrid.nn.model import block_costs, build_blocks
 
     job = _job(path, *sets)
-    blocks = build_blocks(job.model, *task_dims(job.data))
-    expected = chunk_gemm_flops(job, blocks, microbatch_rows(job)[1])
-    assert [sum(w.flops(k) for k in "FBW") for w in stage_work(job)] == expected
+    rows = microbatch_rows(job)[1]
+    per_chunk = chunk_gemm_flops(job)
+    assert per_chunk == [sum(w.flops(k) for k in "FBW") for w in stage_work(job)]
+    assert gemm_flops(model_gemms(job)) == sum(per_chunk)
+    assert sum(block_costs(build_blocks(job.model, *task_dims(job.data)))) * rows == sum(per_chunk)
+
+
+def test_declared_gemms_of_a_transformer_layer_by_hand():
+    """One GPT layer on b = 2 sequences of T = 8 tokens, C = 16, h = 2 (d = 8), F = 64."""
+    from mpihybrid.nn.layers import layer_costs
+    from mpihybrid.nn.model import build_blocks
+
+    job = _job("jobs/gpt_bench.toml", "model.hidden=16", "model.heads=2", "model.ffn=64",
+               "data.seq_len=8")  # fmt: skip
+    attention, mlp = build_blocks(job.model, 8, 50)[1]
+    r = 2 * 8
+    a, t, d = 2 * 2, 8, 8
+    att, ffn = layer_costs([attention, mlp], r, 16)
+    assert att.gemms["F"] == [(1, r, 16, 48), (a, t, d, t), (a, t, t, d), (1, r, 16, 16)]
+    assert att.gemms["B"] == [(1, r, 48, 16), (a, t, t, d), (a, t, d, t), (a, t, t, d),
+                              (a, t, t, d), (1, r, 16, 16)]  # fmt: skip
+    assert att.gemms["W"] == [(1, 16, r, 48), (1, 16, r, 16)]
+    assert ffn.gemms["F"] == [(1, r, 16, 64), (1, r, 64, 16)]
+    # kept: LayerNorm's xhat and rstd; the Linears' inputs; attention's qkv and probabilities
+    assert att.kept_bytes == 4 * (r * 16 + r) + 4 * r * 16 + 4 * (r * 48 + a * t * t) + 4 * r * 16
+    assert ffn.kept_bytes == 4 * (r * 16 + r) + 4 * r * 16 + 2 * 4 * r * 64 + 4 * r * 64
+
+
+def test_the_check_before_a_run_and_predict_share_one_memory_model():
+    """train.memory.rank_estimate (the check before a run) gives predict's parts per rank."""
+    from mpihybrid.train.memory import rank_estimate
+
+    for path, sets in [("jobs/gpt_bench.toml", ["train.schedule=zb-h1"]),
+                       ("jobs/bench_pp2.toml", ["grid.dp=2", "comm.codec=int8"])]:  # fmt: skip
+        job = _job(path, *sets)
+        cluster = load_cluster(LOCAL)  # every rank on one node: a lossy ring's wire is shared
+        cluster = dataclasses.replace(
+            cluster, node=dataclasses.replace(cluster.node, ranks_per_node=8)
+        )
+        r = predict(job, cluster)
+        for pp_rank, m in enumerate(r["memory"]):
+            parts = {k: v for k, v in m["parts"].items() if k != "runtime"}
+            assert rank_estimate(job, pp_rank, ring_shared=True) == parts
+            assert sum(parts.values()) + m["base_bytes"] == m["total_bytes"]
 
 
 def test_gemm_fit_recovers_the_rates_it_was_made_from():
@@ -393,12 +436,12 @@ def test_one_rank_step_is_the_sum_of_its_parts(microbatches):
 def test_gemm_and_elementwise_seconds_by_hand():
     """A Linear(512, 256)'s forward on 64 rows: 2 x 64 x 512 x 256 FLOPs, 4 x (64 x 512 +
     512 x 256 + 64 x 256) operand bytes, one call; its bias add 8 x 64 x 256 bytes."""
+    from mpihybrid.nn.layers import Cost
     from mpihybrid.predict.model import layer_seconds
-    from mpihybrid.predict.work import LayerWork
 
     device = _plain(load_cluster(A100), gemm_bandwidth=2e9, gemm_call_s=1e-6,
                     op_overhead_s=1e-5).device  # fmt: skip
-    layer = LayerWork(params=512 * 256 + 256)
+    layer = Cost(params=512 * 256 + 256)
     layer.gemms["F"].append((1, 64, 512, 256))
     layer.elem_bytes["F"] = 8 * 64 * 256
     layer.calls["F"] = 1

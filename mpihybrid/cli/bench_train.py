@@ -45,52 +45,25 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid.config import Job, to_toml
+from mpihybrid.nn.cost import microbatch_rows, model_costs, stage_work
 from mpihybrid.nn.data import task_dims
-from mpihybrid.nn.layers import Layer, Linear
-from mpihybrid.nn.model import block_costs, build_blocks, chunk_ranges
-from mpihybrid.nn.transformer import CausalAttention, Residual
+from mpihybrid.nn.layers import PASSES, Gemm
+from mpihybrid.nn.model import block_costs, build_blocks
 from mpihybrid.trace.recorder import KIND, step_times
 
-# a GEMM: (batch, m, k, n) = `batch` products of (m, k) @ (k, n)
-Gemm = tuple[int, int, int, int]
 
-
-def layer_gemms(layer: Layer, rows: int, need_dx: bool = True) -> list[Gemm]:
-    """Every matmul one forward + backward of `layer` does on `rows` rows."""
-    if isinstance(layer, Residual):
-        return [g for sub in layer.branch for g in layer_gemms(sub, rows)]
-    if isinstance(layer, Linear):
-        i, o = layer.in_features, layer.out_features
-        gemms = [(1, rows, i, o), (1, i, rows, o)]  # forward, weight gradient
-        return gemms + [(1, rows, o, i)] if need_dx else gemms
-    if isinstance(layer, CausalAttention):
-        t, d = layer.seq_len, layer.head_dim
-        heads = rows // t * layer.heads
-        # forward: q k^T, p v; backward: dv, dp, dq, dk
-        return [(heads, t, d, t), (heads, t, t, d)] + [(heads, t, t, d)] * 3 + [(heads, t, d, t)]
-    return []
-
-
-def model_gemms(blocks, rows: int) -> list[Gemm]:
-    layers = [layer for block in blocks for layer in block]
-    return [g for i, layer in enumerate(layers) for g in layer_gemms(layer, rows, need_dx=i > 0)]
-
-
-def chunk_gemm_flops(job: Job, blocks, rows: int) -> list[int]:
-    """Matmul FLOPs of one micro-batch's forward + backward through each model chunk."""
-    ranges = chunk_ranges(job.model, blocks, job.grid.pp * job.train.virtual_stages)
+def model_gemms(job: Job) -> list[Gemm]:
+    """Every matmul of one micro-batch's forward and backward through the whole model, as the
+    layers declare them (Layer.cost: the roofline runs the model's own shapes)."""
+    rows = microbatch_rows(job)[1]
     return [
-        gemm_flops(
-            [
-                g
-                for i, layer in enumerate(
-                    layer for block in blocks[r.start : r.stop] for layer in block
-                )
-                for g in layer_gemms(layer, rows, need_dx=r.start > 0 or i > 0)
-            ]
-        )
-        for r in ranges
+        g for block in model_costs(job, rows) for c in block for p in PASSES for g in c.gemms[p]
     ]
+
+
+def chunk_gemm_flops(job: Job) -> list[int]:
+    """Matmul FLOPs of one micro-batch's forward + backward through each model chunk."""
+    return [int(sum(w.flops(p) for p in PASSES)) for w in stage_work(job)]
 
 
 def gemm_flops(gemms: list[Gemm]) -> int:
@@ -237,8 +210,8 @@ def bench_train(
     other = _bench_job(against[0], warmup + steps) if against else None
     tokens = _units_per_sample(job)
     blocks = build_blocks(job.model, *task_dims(job.data))
-    rows = job.train.global_batch // (job.grid.dp * job.train.microbatches) * tokens
-    gemms = model_gemms(blocks, rows)
+    rows = microbatch_rows(job)[1]
+    gemms = model_gemms(job)
 
     runs, other_walls, last, roofs, peak_rss = _run_repeats(
         job, other, world, warmup, repeats, gemms, progress
@@ -275,7 +248,7 @@ def bench_train(
             warmup,
             wall,
             report["ranks"],
-            _gemm_seconds(job, report["ranks"], chunk_gemm_flops(job, blocks, rows), rates, steps),
+            _gemm_seconds(job, report["ranks"], chunk_gemm_flops(job), rates, steps),
         ),  # fmt: skip
         "peak_rss_bytes": [int(b) for b in peak_rss],
         "final_loss": float(last.losses[-1]) if last.losses else None,

@@ -13,11 +13,18 @@ array module: numpy, or CuPy for arrays on a GPU (`np.` ufuncs and functions dis
 whatever creates an array asks `array_module(x)`). A float32 numpy array takes the fused
 numba kernels of kernels.py where numba is enabled (`kernels.fast`); the numpy code here is
 their reference, what a float64 gradient check and a GPU run execute.
+
+Beside forward and backward, every layer declares what they cost: `cost(rows, width)` gives
+the GEMM shapes of each pass (F, B, W), the bytes its elementwise work reads and writes, the
+bytes its forward's cache keeps and the largest temporary a pass allocates. `mpihybrid predict`,
+bench train's roofline and the memory check before a run read that declaration and nothing
+else: a new layer declares its cost here, next to the code that incurs it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +32,59 @@ from mpihybrid.comm.device import array_module
 from mpihybrid.nn import kernels
 
 # B = rows (all leading dimensions flattened), C = features, K = classes
+
+
+FLOAT = 4  # bytes of a float32
+PASSES = ("F", "B", "W")  # forward, input gradient, weight gradient
+Gemm = tuple[int, int, int, int]  # (batch, m, k, n): `batch` products of (m, k) @ (k, n)
+
+
+@dataclass
+class Cost:
+    """What a layer's passes cost on one micro-batch of `rows` rows (float32), as its code runs
+    them: what predict, bench train's roofline and the memory check read.
+
+    gemms[p]        every matmul of pass p ("F", "B", "W") as (batch, m, k, n)
+    elem_bytes[p]   bytes the elementwise work of pass p reads and writes
+    calls[p]        layer calls of pass p (a per-call overhead each; W only with parameters)
+    kept_bytes      bytes of the arrays the forward's cache keeps alive until the backward (its
+                    input among them when it keeps it; no layer keeps its output)
+    temporary_bytes the largest array a pass allocates and drops
+    """
+
+    params: int = 0
+    out_width: int = 0
+    gemms: dict[str, list[Gemm]] = field(default_factory=lambda: {p: [] for p in PASSES})
+    elem_bytes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PASSES, 0.0))
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PASSES, 0))
+    kept_bytes: int = 0
+    temporary_bytes: int = 0
+
+    def flops(self, kind: str | None = None) -> int:
+        """Matmul FLOPs of pass `kind`, or of all three."""
+        kinds = PASSES if kind is None else (kind,)
+        return sum(2 * b * m * k * n for p in kinds for b, m, k, n in self.gemms[p])
+
+    def add(self, other: Cost) -> None:
+        """Fold a sub-layer's cost into this one (a Residual's branch)."""
+        for p in PASSES:
+            self.gemms[p] += other.gemms[p]
+            self.elem_bytes[p] += other.elem_bytes[p]
+            self.calls[p] += other.calls[p]
+        self.kept_bytes += other.kept_bytes
+        self.temporary_bytes = max(self.temporary_bytes, other.temporary_bytes)
+
+
+def layer_costs(layers: list, rows: int, width: int, need_dx: bool = True) -> list[Cost]:
+    """The cost of each layer of a chain on `rows` rows of `width` input features, each
+    layer's input the previous one's output; need_dx=False: the first layer skips its input
+    gradient (the model's first layer)."""
+    out = []
+    for i, layer in enumerate(layers):
+        cost = layer.cost(rows, width, need_dx or i > 0)
+        out.append(cost)
+        width = cost.out_width
+    return out
 
 
 class Layer:
@@ -65,8 +125,19 @@ class Layer:
         return dx
 
     def flops(self, batch: int) -> int:
-        """Forward FLOPs for `batch` rows; elementwise layers count 0 next to the matmuls."""
+        """Forward matmul FLOPs for `batch` rows, from the layer's cost declaration (a layer
+        without matmuls: 0)."""
         return 0
+
+    def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
+        """What forward and backward cost on `rows` rows of `width` features (see Cost); a
+        layer without its own declaration costs nothing but its calls."""
+        return self._base_cost(width)
+
+    def _base_cost(self, out_width: int) -> Cost:
+        params = sum(math.prod(s) for s in self.param_shapes().values())
+        calls = {"F": 1, "B": 1, "W": 1 if params else 0}
+        return Cost(params=params, out_width=out_width, calls=calls)
 
 
 def _rows(a: np.ndarray) -> np.ndarray:
@@ -130,8 +201,23 @@ class Linear(Layer):
         if self.bias:
             self.grads["bias"] += dy2.sum(axis=0)
 
+    def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
+        # F: x @ W, y += b;  B: dy @ W^T (not the model's first layer);  W: x^T @ dy added to
+        # the gradient (a temporary, read and written), the bias's row sum.  Keeps x.
+        i, o = self.in_features, self.out_features
+        c = self._base_cost(o)
+        c.gemms["F"].append((1, rows, i, o))
+        if need_dx:
+            c.gemms["B"].append((1, rows, o, i))
+        c.gemms["W"].append((1, i, rows, o))
+        c.elem_bytes["F"] = 8 * rows * o if self.bias else 0
+        c.elem_bytes["W"] = 12 * i * o + (4 * rows * o if self.bias else 0)
+        c.kept_bytes = FLOAT * rows * i
+        c.temporary_bytes = FLOAT * max(i * o, rows * o, rows * i)
+        return c
+
     def flops(self, batch: int) -> int:
-        return 2 * batch * self.in_features * self.out_features
+        return self.cost(batch, self.in_features).flops("F")
 
 
 class ReLU(Layer):
@@ -147,6 +233,16 @@ class ReLU(Layer):
         self, dy: np.ndarray, cache: object, need_dx: bool = True
     ) -> tuple[np.ndarray | None, object]:
         return dy * cache, None
+
+    def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
+        # F: the mask (read 4, write 1), x * mask (read 5, write 4);  B: dy * mask (9).  Keeps
+        # the mask, one byte an element.
+        n = rows * width
+        c = self._base_cost(width)
+        c.elem_bytes.update(F=14 * n, B=9 * n)
+        c.kept_bytes = n
+        c.temporary_bytes = FLOAT * n
+        return c
 
 
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -201,6 +297,16 @@ class GELU(Layer):
         d *= f(0.5)
         d *= dy
         return d, None
+
+    def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
+        # the fused kernels: F reads x, writes y and t (12);  B reads dy, x, t, writes dx (16).
+        # Keeps x and t.
+        n = rows * width
+        c = self._base_cost(width)
+        c.elem_bytes.update(F=12 * n, B=16 * n)
+        c.kept_bytes = 2 * FLOAT * n
+        c.temporary_bytes = FLOAT * n
+        return c
 
 
 class LayerNorm(Layer):
@@ -268,6 +374,16 @@ class LayerNorm(Layer):
             return
         self.grads["weight"] += np.einsum("bc,bc->c", dy2, _rows(xhat))
         self.grads["bias"] += dy2.sum(axis=0)
+
+    def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
+        # F reads x, writes y and xhat (12);  B reads dy, xhat, writes dx (12);  W reads dy and
+        # xhat (8).  Keeps xhat and one rstd per row.
+        n = rows * self.dim
+        c = self._base_cost(self.dim)
+        c.elem_bytes.update(F=12 * n, B=12 * n, W=8 * n)
+        c.kept_bytes = FLOAT * (n + rows)
+        c.temporary_bytes = FLOAT * n
+        return c
 
 
 class SoftmaxCrossEntropy:

@@ -22,7 +22,7 @@ import numpy as np
 
 from mpihybrid.comm.device import array_module
 from mpihybrid.nn import kernels
-from mpihybrid.nn.layers import Layer
+from mpihybrid.nn.layers import FLOAT, Cost, Layer, layer_costs
 
 GPT_INIT_STD = 0.02  # GPT-2's initialisation of embeddings and linear weights
 
@@ -60,6 +60,16 @@ class Embedding(Layer):
         rows = dy.reshape(-1, self.dim)
         array_module(dy).add.at(self.grads["tokens"], tokens.reshape(-1), rows)
         self.grads["positions"][: tokens.shape[-1]] += dy.reshape(-1, *dy.shape[-2:]).sum(axis=0)
+
+    def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
+        # rows = tokens. F: gather the rows of the table, add the positions (20 a value);
+        # W: add.at of the rows (24).  Keeps the int64 tokens.
+        n = rows * self.dim
+        c = self._base_cost(self.dim)
+        c.elem_bytes.update(F=20 * n, W=24 * n)
+        c.kept_bytes = 8 * rows
+        c.temporary_bytes = FLOAT * n
+        return c
 
 
 class CausalAttention(Layer):
@@ -143,9 +153,24 @@ class CausalAttention(Layer):
         _matmul_into(dscores.transpose(0, 1, 3, 2), q, dparts[1])  # dk
         return dx.reshape(*dx.shape[:2], 3 * self.dim), None
 
+    def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
+        # A = sequences x heads products of T x d.  F: q k^T, p v; the softmax in place (8 a
+        # score), the heads back in place (8 a value).  B: dv, dp, dq, dk; the softmax's
+        # backward (12 a score).  Keeps x (b, T, 3C) and the probabilities (A, T, T).
+        t, d = self.seq_len, self.head_dim
+        a = rows // t * self.heads
+        c = self._base_cost(self.dim)
+        c.gemms["F"] += [(a, t, d, t), (a, t, t, d)]
+        c.gemms["B"] += [(a, t, t, d), (a, t, d, t), (a, t, t, d), (a, t, t, d)]
+        c.elem_bytes.update(F=8 * a * t * t + 8 * rows * self.dim, B=12 * a * t * t)
+        c.kept_bytes = FLOAT * (rows * 3 * self.dim + a * t * t)
+        c.temporary_bytes = FLOAT * max(rows * 3 * self.dim, a * t * t)  # dx; dprobs
+        return c
+
     def flops(self, batch: int) -> int:
-        # q k^T and probs v over the full T x T square (the causal half is masked, not skipped)
-        return 4 * batch * self.seq_len * self.dim
+        # per row (token) of one sequence's declared forward: q k^T and probs v over the full
+        # T x T square (the causal half is masked, not skipped)
+        return batch * self.cost(self.seq_len, 3 * self.dim).flops("F") // self.seq_len
 
 
 def _matmul_into(a, b, out) -> None:
@@ -212,6 +237,17 @@ class Residual(Layer):
     def backward_weight(self, wcache: object) -> None:
         for layer, wc in zip(self.branch, wcache, strict=True):
             layer.backward_weight(wc)
+
+    def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
+        # the branch's, and the skip: h += x (F), g += dy (B), 12 a value each
+        c = self._base_cost(width)
+        c.calls = dict.fromkeys(c.calls, 0)
+        for sub in layer_costs(self.branch, rows, width, need_dx):
+            c.add(sub)
+        c.elem_bytes["F"] += 12 * rows * width
+        c.elem_bytes["B"] += 12 * rows * width
+        c.temporary_bytes = max(c.temporary_bytes, FLOAT * rows * width)
+        return c
 
     def flops(self, batch: int) -> int:
         return sum(layer.flops(batch) for layer in self.branch)

@@ -17,7 +17,7 @@ is the median over the workers. Per worker:
 From the trace (the steps after the first):
     mem_bandwidth, op_overhead_s               least squares (>= 0) of every stage's median F, B
                                                and W, less its GEMMs at the rates above, against
-                                               its elementwise bytes and layer calls (predict.work)
+                                               its elementwise bytes and layer calls (nn.cost)
     optimizer_bandwidth                        the optimizer's bytes / the optimizer rows' time
     links.node.alpha_s                         the median hop of a message whose receiver waited
                                                (analysis.metrics.message_latency), less its bytes
@@ -52,6 +52,7 @@ except ModuleNotFoundError:  # Python 3.10
 from mpihybrid.analysis.metrics import message_latency
 from mpihybrid.comm.codecs import CODECS, get_codec
 from mpihybrid.config import build_job, resolve
+from mpihybrid.nn.cost import FLOAT, KINDS, stage_work
 from mpihybrid.pipeline.schedules import build_schedule
 from mpihybrid.predict.cluster import Cluster, CodecRate, Device, Link, Node
 from mpihybrid.predict.model import (
@@ -60,7 +61,6 @@ from mpihybrid.predict.model import (
     predict,
     rank_memory,
 )
-from mpihybrid.predict.work import FLOAT, KINDS, stage_work
 from mpihybrid.trace.file import Trace
 from mpihybrid.trace.recorder import KIND, step_times
 

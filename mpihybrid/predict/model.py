@@ -4,7 +4,7 @@ and peak memory per rank.
 
     result = predict(job, load_cluster("a100_80gb"))   # a plain dict (JSON-ready)
 
-Per chunk and micro-batch (predict.work counts the work):
+Per chunk and micro-batch (nn.cost: what each layer declares beside its forward and backward):
     F, B, W   every GEMM (b, m, k, n): 2bmkn / gemm_flops + 4b(mk + kn + mn) / gemm_bandwidth
               + b gemm_call_s; every elementwise pass: its bytes / mem_bandwidth; every layer
               call: op_overhead_s
@@ -28,11 +28,11 @@ import math
 from mpihybrid.comm.buckets import bucket_ranges
 from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import Job
-from mpihybrid.pipeline.liveness import Liveness
+from mpihybrid.nn.cost import FLOAT, ChunkWork, Cost, Gemm, stage_work
 from mpihybrid.pipeline.schedules import Action, build_schedule, stage_rank
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
 from mpihybrid.predict.cluster import Cluster, Device, Link
-from mpihybrid.predict.work import FLOAT, ChunkWork, Gemm, LayerWork, stage_work
+from mpihybrid.train import memory
 
 # bytes the optimizers of optim.py read and write per parameter: SGD's `p -= lr * g` is a
 # temporary and an update (20), momentum adds `buf *= mu; buf += g` (20), weight decay a
@@ -46,7 +46,7 @@ def gemm_seconds(gemm: Gemm, d: Device) -> float:
     return 2 * b * m * k * n / d.gemm_flops + memory + b * d.gemm_call_s
 
 
-def layer_seconds(layer: LayerWork, kind: str, d: Device) -> float:
+def layer_seconds(layer: Cost, kind: str, d: Device) -> float:
     return (
         sum(gemm_seconds(g, d) for g in layer.gemms[kind])
         + layer.elem_bytes[kind] / d.mem_bandwidth
@@ -238,71 +238,18 @@ def step_work_seconds(job: Job, params: int, cluster: Cluster) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# memory
-
-
-def data_bytes(job: Job) -> int:
-    """What a rank holds of the data: the data set (teacher: every sample's features and label;
-    token tasks draw each batch fresh) and one step's batch: the global batch every rank draws
-    and its replica's micro-batches, copied out of it."""
-    d, t = job.data, job.train
-    if d.kind == "teacher":
-        per_sample = d.features * FLOAT + 8
-        batch = t.global_batch * per_sample + t.global_batch // job.grid.dp * d.features * FLOAT
-        return (d.train_samples + d.test_samples) * per_sample + batch
-    return 2 * 8 * d.seq_len * (t.global_batch + d.test_samples)  # tokens and targets, int64
+# memory: the one model of train.memory, which the check before a run reads too
 
 
 def rank_memory(job: Job, work: list[ChunkWork], actions: list[Action], cluster: Cluster) -> dict:
-    """Bytes one rank (its pp position's actions) holds at its peak: parameters, gradients,
-    optimizer state, residual and wire buffers; activations in flight by the liveness rule;
-    receive buffers; data; the largest temporary of a pass; the runtime itself."""
-    t, c, g = job.train, job.comm, job.grid
-    mine = sorted({a.stage for a in actions})
-    rank = stage_rank(mine[0], g.pp, t.virtual_stages)
-    params = sum(work[s].params for s in mine)
-    per_param = 2 + {"adamw": 2, "sgd": 1 if t.momentum else 0}[t.optimizer]  # p, g, state
-    codec = get_codec(c.codec, c.block)
-    lossy = codec.lossy and g.dp > 1
-    state = FLOAT * params * (per_param + (1 if lossy and c.error_feedback else 0))
-    # the reduce-scatter receives step s into slot s % 2 of two chunk-sized ones (comm.allreduce)
-    slots = min(2, g.dp - 1)
-    if lossy:  # per bucket: its encoded vector twice (the wire and the all-gather's, or on one
-        # node the neighbours' shared slots it decodes from), and apart from those the slots
-        state += 2 * codec.nbytes(params)
-        if not shared_wire(True, _ring_crosses(job, rank, cluster), cluster.device):
-            state += slots * codec.nbytes(math.ceil(params / g.dp))
-    elif g.dp > 1:
-        state += slots * FLOAT * math.ceil(params / g.dp)
-    split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
-    live = Liveness(split)
-    for a in actions:
-        live.step(a.kind, a.stage, a.microbatch, work[a.stage].activation_bytes)
-    # every receive of a step is posted when it starts: one buffer per (direction, mb)
-    last, recv = len(work) - 1, 0
-    for s in mine:
-        if s > 0 and stage_rank(s - 1, g.pp, t.virtual_stages) != rank:
-            recv += t.microbatches * work[s].input_bytes  # activations from the previous chunk
-        if s < last and stage_rank(s + 1, g.pp, t.virtual_stages) != rank:
-            recv += t.microbatches * work[s + 1].input_bytes  # their gradients from the next
-    data = data_bytes(job)
-    temporary = max(work[s].largest_temporary for s in mine)
-    base = cluster.device.base_memory_bytes
-    total = state + live.peak_total_bytes + recv + data + temporary + base
-    return {
-        "rank": rank,
-        "stages": mine,
-        "params": params,
-        "state_bytes": int(state),
-        "activation_bytes": int(live.peak_total_bytes),
-        "activation_bytes_per_stage": {s: int(live.peak_bytes[s]) for s in mine},
-        "buffer_bytes": int(recv),
-        "data_bytes": int(data),
-        "temporary_bytes": int(temporary),
-        "base_bytes": int(base),
-        "total_bytes": int(total),
-        "fits": bool(total <= cluster.node.memory_bytes),
-    }
+    """Bytes one rank (its pp position's actions) holds at its peak on `cluster`, by part."""
+    g, t = job.grid, job.train
+    rank = stage_rank(min(a.stage for a in actions), g.pp, t.virtual_stages)
+    d = cluster.device
+    shared = shared_wire(True, _ring_crosses(job, rank, cluster), d)
+    return memory.rank_memory(
+        job, work, actions, shared, d.base_memory_bytes, cluster.node.memory_bytes
+    )
 
 
 # ---------------------------------------------------------------------------------------------

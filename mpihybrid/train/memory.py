@@ -1,84 +1,128 @@
-"""Host memory a rank will need, estimated from the job before anything is allocated.
+"""A rank's memory, the one model: what `mpihybrid predict` reports per rank and what the check
+before a run compares with the node's MemAvailable.
 
-    need = rank_estimate(job, pp_rank)     # bytes by part: parameters, gradients, optimizer, ...
+    parts = rank_memory(job, stage_work(job), actions, ring_shared=False)["parts"]
+    need = rank_estimate(job, pp_rank)     # bytes by part, from the job alone
     check_fits(job, world)                 # collective: ConfigError on every rank when a node's
                                            # ranks together need more than its MemAvailable
 
-An estimate, meant to refuse what cannot fit (`model.hidden = 1000000000`) with the numbers,
-before numpy fails with a traceback halfway through building the model. It counts the large
-arrays (fp32 flat parameters and gradients, optimizer state, the ring's residual and wire buffers,
-the activations of the micro-batches a schedule keeps alive, the data set); Python, numpy and MPI
-themselves come on top. GPU runs (`grid.device = "cuda"`) keep the model on the device and are
-not checked here.
+Counted from the job and the layers' own cost declarations (nn/cost.py): parameters, gradients,
+optimizer state, the error-feedback residual and the ring's buffers; the activations in flight by
+the liveness rule over the rank's action list; the receive buffers; the data set and one step's
+batch; the largest temporary of a pass; and the runtime (interpreter, libraries, MPI: a cluster
+file's base_memory_bytes; 0 in the check, which refuses what cannot fit before numpy fails with a
+traceback halfway through building the model). Nothing is allocated: `model.hidden = 1000000000`
+is counted, not built. GPU runs (`grid.device = "cuda"`) keep the model on the device and are not
+checked here.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 
 from mpi4py import MPI
 
+from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import ConfigError, Job
-from mpihybrid.nn.data import task_dims
-from mpihybrid.nn.model import stage_num_params
-from mpihybrid.pipeline.schedules import stage_rank
+from mpihybrid.nn.cost import ChunkWork, stage_work
+from mpihybrid.pipeline.liveness import Liveness
+from mpihybrid.pipeline.schedules import Action, build_schedule, stage_rank
 from mpihybrid.units import human_bytes
 
 FLOAT = 4  # bytes of a float32
 
 
-def _inflight(job: Job) -> int:
-    """Micro-batches whose activations a stage holds at once: every one for GPipe and the
-    naive schedule, at most pp x v for the 1F1B family."""
-    t = job.train
-    if t.schedule in ("gpipe", "naive"):
-        return t.microbatches
-    return min(t.microbatches, job.grid.pp * t.virtual_stages)
-
-
-def _activation_bytes(job: Job, in_features: int, num_classes: int, params: int, mb: int) -> int:
-    """One micro-batch's cached activations on a chunk of `params` parameters (rough: the
-    forward keeps a few arrays of the layer widths per sample)."""
-    m = job.model
-    if m.kind == "gpt":
-        # per layer and sequence: about 8 C + 3 FFN floats a token, and the attention
-        # probabilities (heads x T x T); the logits of the head twice (softmax and gradient)
-        t, c, ffn = job.data.seq_len, m.hidden, m.ffn or 4 * m.hidden
-        layers = params // max(4 * c * c + 2 * c * ffn, 1)
-        per_layer = t * (8 * c + 3 * ffn) + m.heads * t * t
-        return FLOAT * mb * (layers * per_layer + 2 * t * num_classes)
-    widths = (m.hidden * (m.depth - 1) + num_classes + in_features) / max(m.depth, 1)
-    layers = max(params // max(int(widths * widths), 1), 1)
-    return int(FLOAT * mb * 3 * widths * layers)
-
-
-def rank_estimate(job: Job, pp_rank: int) -> dict[str, int]:
-    """Bytes the large arrays of a rank at pipeline position `pp_rank` take, by part."""
-    g, t, c = job.grid, job.train, job.comm
-    in_features, num_classes = task_dims(job.data)
-    num_stages = g.pp * t.virtual_stages
-    counts = stage_num_params(job.model, in_features, num_classes, num_stages)
-    mine = [
-        counts[s] for s in range(num_stages) if stage_rank(s, g.pp, t.virtual_stages) == pp_rank
-    ]
-    n = sum(mine)
-    optimizer = {"sgd": 1 if t.momentum else 0, "adamw": 2}[t.optimizer]
-    lossy = c.codec != "fp32" and g.dp > 1
-    mb = max(t.global_batch // (g.dp * t.microbatches), 1)
-    d = job.data
+def data_bytes(job: Job) -> int:
+    """What a rank holds of the data: the data set (teacher: every sample's features and label;
+    token tasks draw each batch fresh) and one step's batch: the global batch every rank draws
+    and its replica's micro-batches, copied out of it."""
+    d, t = job.data, job.train
     if d.kind == "teacher":
-        data = FLOAT * (d.train_samples + d.test_samples) * (d.features + 1)
-    else:
-        data = 8 * 2 * d.test_samples * d.seq_len
-    return {
-        "parameters": FLOAT * n,
-        "gradients": FLOAT * n,
-        "optimizer state": FLOAT * n * optimizer,
-        "ring buffers": FLOAT * n * (2 if lossy else 1) if g.dp > 1 else 0,
-        "activations": _inflight(job)
-        * sum(_activation_bytes(job, in_features, num_classes, p, mb) for p in mine),
-        "data": data,
+        per_sample = d.features * FLOAT + 8
+        batch = t.global_batch * per_sample + t.global_batch // job.grid.dp * d.features * FLOAT
+        return (d.train_samples + d.test_samples) * per_sample + batch
+    return 2 * 8 * d.seq_len * (t.global_batch + d.test_samples)  # tokens and targets, int64
+
+
+def rank_memory(
+    job: Job,
+    work: list[ChunkWork],
+    actions: list[Action],
+    ring_shared: bool,
+    base_bytes: float = 0.0,
+    memory_bytes: float = 0.0,
+) -> dict:
+    """Bytes one rank (its pp position's actions) holds at its peak, by part. ring_shared: a
+    lossy ring whose encoded segments the neighbours read from a shared window (comm.shm: one
+    node, host memory) needs no receive slots. base_bytes: the runtime itself; memory_bytes: the
+    device's, for `fits` (0: not compared)."""
+    t, c, g = job.train, job.comm, job.grid
+    mine = sorted({a.stage for a in actions})
+    rank = stage_rank(mine[0], g.pp, t.virtual_stages)
+    params = sum(work[s].params for s in mine)
+    codec = get_codec(c.codec, c.block)
+    lossy = codec.lossy and g.dp > 1
+    ring = FLOAT * params if lossy and c.error_feedback else 0  # the residual
+    # the reduce-scatter receives step s into slot s % 2 of two chunk-sized ones (comm.allreduce)
+    slots = min(2, g.dp - 1)
+    if lossy:  # per bucket: its encoded vector twice (the wire and the all-gather's, or on one
+        # node the neighbours' shared slots it decodes from), and apart from those the slots
+        ring += 2 * codec.nbytes(params)
+        if not ring_shared:
+            ring += slots * codec.nbytes(math.ceil(params / g.dp))
+    elif g.dp > 1:
+        ring += slots * FLOAT * math.ceil(params / g.dp)
+    split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+    live = Liveness(split)
+    for a in actions:
+        live.step(a.kind, a.stage, a.microbatch, work[a.stage].activation_bytes)
+    # every receive of a step is posted when it starts: one buffer per (direction, mb)
+    last, recv = len(work) - 1, 0
+    for s in mine:
+        if s > 0 and stage_rank(s - 1, g.pp, t.virtual_stages) != rank:
+            recv += t.microbatches * work[s].input_bytes  # activations from the previous chunk
+        if s < last and stage_rank(s + 1, g.pp, t.virtual_stages) != rank:
+            recv += t.microbatches * work[s + 1].input_bytes  # their gradients from the next
+    per_param = {"adamw": 2, "sgd": 1 if t.momentum else 0}[t.optimizer]  # moments, velocity
+    parts = {
+        "parameters": FLOAT * params,
+        "gradients": FLOAT * params,
+        "optimizer state": FLOAT * params * per_param,
+        "ring buffers": int(ring),
+        "activations": int(live.peak_total_bytes),
+        "receive buffers": int(recv),
+        "data": data_bytes(job),
+        "temporaries": max(work[s].largest_temporary for s in mine),
+        "runtime": int(base_bytes),
     }
+    total = sum(parts.values())
+    state = sum(parts[k] for k in ("parameters", "gradients", "optimizer state", "ring buffers"))
+    return {
+        "rank": rank,
+        "stages": mine,
+        "params": params,
+        "parts": parts,
+        "state_bytes": state,
+        "activation_bytes": parts["activations"],
+        "activation_bytes_per_stage": {s: int(live.peak_bytes[s]) for s in mine},
+        "buffer_bytes": parts["receive buffers"],
+        "data_bytes": parts["data"],
+        "temporary_bytes": parts["temporaries"],
+        "base_bytes": parts["runtime"],
+        "total_bytes": total,
+        "fits": bool(not memory_bytes or total <= memory_bytes),
+    }
+
+
+def rank_estimate(job: Job, pp_rank: int, ring_shared: bool = False) -> dict[str, int]:
+    """Bytes a rank at pipeline position `pp_rank` needs, by part (rank_memory's, without the
+    runtime): from the job alone, nothing allocated."""
+    t = job.train
+    actions = build_schedule(t.schedule, job.grid.pp, t.microbatches, t.virtual_stages,
+                             t.early_grad_send)[pp_rank]  # fmt: skip
+    parts = rank_memory(job, stage_work(job), actions, ring_shared)["parts"]
+    return {k: v for k, v in parts.items() if k != "runtime"}
 
 
 def mem_available() -> int | None:
@@ -128,11 +172,12 @@ def check_fits(job: Job, world: MPI.Comm, available: int | None = None) -> None:
     g = job.grid
     rank = world.Get_rank()
     pp_rank = rank % g.pp if g.order == "pipeline-inner" else rank // g.dp
-    need = rank_estimate(job, pp_rank) if g.device == "cpu" else {}
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        node_need = node.allreduce(sum(need.values()))
         ranks = node.Get_size()
+        # every rank on one node: a lossy ring's wire is a shared window (comm.shm)
+        need = rank_estimate(job, pp_rank, ranks == world.Get_size()) if g.device == "cpu" else {}
+        node_need = node.allreduce(sum(need.values()))
     finally:
         node.Free()
     available = mem_available() if available is None else available

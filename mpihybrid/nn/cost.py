@@ -1,0 +1,93 @@
+"""What a job's chunks compute per micro-batch, before any device is chosen: every layer's cost
+as the layer declares it (`Layer.cost` beside its forward and backward, layers.py and
+transformer.py), the loss, the parameters, the activations kept and what crosses each pipeline
+boundary. Read by `mpihybrid predict`, bench train's roofline and the memory check (one
+declaration, three readers).
+
+    work = stage_work(job)        # one ChunkWork per model chunk (pp x virtual_stages)
+    work[c].layers[i].gemms["W"]  # [(batch, m, k, n), ...] of top-level layer i's weight pass
+
+Rows of a micro-batch: samples (MLP), or samples x tokens (GPT). The loss (last chunk): the
+softmax in place and argmax, F 12 r K bytes; the gradient scaled in place, B 8 r K.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mpihybrid.nn.data import task_dims
+from mpihybrid.nn.layers import FLOAT, PASSES, Cost, Gemm, layer_costs
+from mpihybrid.nn.model import boundary_shapes, build_blocks, chunk_ranges
+
+KINDS = PASSES
+# a job is duck-typed here (job.model, job.data, job.grid, job.train: config.Job, a layer above)
+
+
+@dataclass
+class ChunkWork:
+    """One model chunk's work for one micro-batch."""
+
+    layers: list[Cost]  # top-level layers in the stage's order (its flat buffers' order; a
+    # Residual counts as one: the runtime reports weight gradients final per top-level layer)
+    params: int
+    activation_bytes: int  # what one micro-batch's forward keeps alive (the runtime's count)
+    input_bytes: int  # the activation this chunk receives per micro-batch (0: chunk 0)
+    largest_temporary: int  # bytes of the largest array a pass allocates and drops (workspace)
+
+    def gemms(self, kind: str) -> list[Gemm]:
+        return [g for layer in self.layers for g in layer.gemms[kind]]
+
+    def flops(self, kind: str) -> float:
+        return float(sum(layer.flops(kind) for layer in self.layers))
+
+    def elem_bytes(self, kind: str) -> float:
+        return sum(layer.elem_bytes[kind] for layer in self.layers)
+
+    def calls(self, kind: str) -> int:
+        return sum(layer.calls[kind] for layer in self.layers)
+
+
+def microbatch_rows(job) -> tuple[int, int]:
+    """(samples, rows) of one micro-batch: rows are samples x tokens for a GPT."""
+    g, t = job.grid, job.train
+    samples = t.global_batch // (g.dp * t.microbatches)
+    return samples, samples * (job.data.seq_len if job.model.kind == "gpt" else 1)
+
+
+def model_costs(job, rows: int) -> list[list[Cost]]:
+    """Every top-level layer's declared cost on `rows` rows, block by block (the model's first
+    layer without its input gradient)."""
+    m = job.model
+    in_features, num_classes = task_dims(job.data)
+    width = 0 if m.kind == "gpt" else in_features  # a GPT's first layer takes token ids
+    out = []
+    for g, block in enumerate(build_blocks(m, in_features, num_classes)):
+        costs = layer_costs(block, rows, width, need_dx=g > 0)
+        width = costs[-1].out_width
+        out.append(costs)
+    return out
+
+
+def stage_work(job) -> list[ChunkWork]:
+    """Every chunk's work per micro-batch of `job` (pp x virtual_stages chunks)."""
+    m = job.model
+    in_features, num_classes = task_dims(job.data)
+    blocks = build_blocks(m, in_features, num_classes)
+    num_chunks = job.grid.pp * job.train.virtual_stages
+    samples, rows = microbatch_rows(job)
+    shapes = boundary_shapes(m, in_features, num_classes, num_chunks, samples)
+    costs = model_costs(job, rows)
+    out = []
+    for c, chunk in enumerate(chunk_ranges(m, blocks, num_chunks)):
+        layers = [cost for g in chunk for cost in costs[g]]
+        temporary = max(layer.temporary_bytes for layer in layers)
+        if c == num_chunks - 1:  # the loss: softmax over the logits, forward and backward
+            layers[-1].elem_bytes["F"] += 3 * FLOAT * rows * num_classes
+            layers[-1].elem_bytes["B"] += 2 * FLOAT * rows * num_classes
+            temporary = max(temporary, FLOAT * rows * num_classes)
+        input_bytes = FLOAT * math.prod(shapes[c]) if c else 0
+        params = sum(layer.params for layer in layers)
+        kept = sum(layer.kept_bytes for layer in layers)
+        out.append(ChunkWork(layers, params, kept, input_bytes, temporary))
+    return out
