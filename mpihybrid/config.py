@@ -29,7 +29,7 @@ else:  # pragma: no cover
 
 OPTIMIZERS = ("sgd", "adamw")
 ORDERS = ("pipeline-inner", "data-inner")
-DATA_FOR_MODEL = {"mlp": ("teacher",), "gpt": ("random-tokens", "markov")}
+DATA_FOR_MODEL = {"mlp": ("teacher",), "gpt": ("random-tokens", "markov", "tokens")}
 # keys that take a value of more than one type: (section, key) -> the types allowed
 _UNION_KEYS = {("model", "partition"): (str, list), ("comm", "cuda_aware"): (str, bool)}
 
@@ -70,6 +70,8 @@ class DataConfig:
     vocab: int = 10000  # token data: vocabulary size
     seq_len: int = 64  # token data: tokens per sequence
     branching: int = 2  # markov: successors of every token (entropy rate ln(branching))
+    train: str = ""  # tokens: llm.c-format token file or glob of shards (mpihybrid data prepare)
+    val: str = ""  # tokens: held-out token file or glob (evaluation, the final accuracy)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # adamw
     seed: int = 0  # parameter initialisation
+    eval_every: int = 0  # held-out loss every this many steps and after the last (0 = never)
+    eval_batches: int = 4  # held-out loss over this many global batches of held-out samples
 
 
 @dataclass(frozen=True)
@@ -295,6 +299,8 @@ def validate(job: Job) -> None:
         ("train.global_batch", t.global_batch, 1),
         ("train.microbatches", t.microbatches, 1),
         ("train.virtual_stages", t.virtual_stages, 1),
+        ("train.eval_every", t.eval_every, 0),
+        ("train.eval_batches", t.eval_batches, 1),
         ("comm.block", c.block, 1),
         ("comm.bucket_kb", c.bucket_kb, 1),
         ("comm.segment_kb", c.segment_kb, 1),
@@ -327,6 +333,12 @@ def validate(job: Job) -> None:
         )
     if m.kind == "gpt" and m.hidden % m.heads:
         raise ConfigError(f"model.hidden({m.hidden}) is not divisible by model.heads({m.heads})")
+    if d.kind == "tokens":
+        for where, value in (("data.train", d.train), ("data.val", d.val)):
+            if not value:
+                raise ConfigError(f'data.kind = "tokens" needs {where} (a token file or a glob)')
+        if d.vocab > 65536:
+            raise ConfigError(f"data.vocab = {d.vocab}: token files hold uint16, at most 65536")
     if d.kind == "markov" and d.branching > d.vocab:
         raise ConfigError(f"data.branching({d.branching}) > data.vocab({d.vocab})")
     if d.kind == "teacher" and t.global_batch > d.train_samples:

@@ -55,6 +55,8 @@ class LazyGroup(click.Group):
         "compare": "mpihybrid.cli.trace:compare",
         "sweep": "mpihybrid.cli.sweep:sweep",
         "predict": "mpihybrid.cli.predict:predict",
+        "data": "mpihybrid.cli.text:data",
+        "generate": "mpihybrid.cli.text:generate",
     }
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -232,9 +234,11 @@ def _preflight(job, resume: bool) -> list[str] | None:
     temporary (exit 2 now, not a lost run later), remove partial checkpoints of crashed runs,
     and list the complete checkpoints to resume from, newest first (None: start afresh)."""
     from mpihybrid.files import probe_dir, probe_file
+    from mpihybrid.nn.data import check_data
     from mpihybrid.trace.file import check_writable
     from mpihybrid.train import checkpoint
 
+    check_data(job)  # token files: header, size, vocabulary, enough windows (DataError)
     root, candidates = job.checkpoint.dir, []
     if root:
         try:

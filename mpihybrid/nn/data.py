@@ -5,7 +5,8 @@ one-process reference) sees the same samples without any communication.
 
 The teacher task (mlp): X ~ N(0, 1) with `features` columns, y = [X . w_true > 0], w_true a
 hidden random vector; step s's global batch is a fixed slice of an epoch-wise permutation.
-Token tasks (gpt): see TokenTask. Every task is sharded the same way:
+Token tasks (gpt): see TokenTask (synthetic) and TextTask (token files, nn/tokens.py). Every
+task is sharded the same way:
 
     global batch (B rows) -> dp shards of B/dp rows -> M micro-batches of B/(dp*M) rows
 """
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-# B = global batch, F = features
+from mpihybrid.nn.tokenizer import load_tokenizer, tokenizer_beside
+from mpihybrid.nn.tokens import DataError, TokenShards
+
+# B = global batch, F = features, T = tokens per sequence
 
 
 class TeacherTask:
@@ -37,6 +41,26 @@ class TeacherTask:
         order = np.random.default_rng([self.seed, 1, epoch]).permutation(len(self.train_x))
         rows = np.sort(order[index * batch : (index + 1) * batch])
         return self.train_x[rows], self.train_y[rows]
+
+
+def heldout(task, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """`count` held-out samples: a synthetic task's first ones (fewer when it has fewer)."""
+    if hasattr(task, "heldout"):
+        return task.heldout(count)
+    return task.test_x[:count], task.test_y[:count]
+
+
+def replica_microbatches(
+    task, step: int, batch: int, dp_rank: int, dp_size: int, num_microbatches: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """My replica's M micro-batches of step `step`; a task with `rows` (token files) reads only
+    my shard's windows, the others draw the global batch and cut it."""
+    if hasattr(task, "rows"):
+        shard = batch // dp_size
+        x, y = task.rows(step, batch, dp_rank * shard, (dp_rank + 1) * shard)
+        return microbatches(x, y, 0, 1, num_microbatches)
+    x, y = task.global_batch(step, batch)
+    return microbatches(x, y, dp_rank, dp_size, num_microbatches)
 
 
 def microbatches(
@@ -97,12 +121,77 @@ class TokenTask:
         return self._sequences(np.random.default_rng([self.seed, 1, step]), batch)
 
 
-def build_task(cfg) -> TeacherTask | TokenTask:
+class TextTask:
+    """Next-token prediction on windows of token files (data.kind = "tokens").
+
+    Step s's global batch is B windows of data.train drawn uniformly (with replacement) from
+    np.random.default_rng([seed, 1, s]) over all shards: the step alone says which, so every
+    replica (and the one-process reference) reads the same ones, each only its own shard's.
+    Held-out windows are evenly spaced over data.val, the same ones at every evaluation.
+    """
+
+    def __init__(self, cfg) -> None:
+        self.seq_len, self.seed, self.vocab = cfg.seq_len, cfg.seed, cfg.vocab
+        self.in_features, self.num_classes = cfg.seq_len, cfg.vocab
+        self.train = TokenShards(cfg.train, cfg.seq_len, "data.train")
+        self.val = TokenShards(cfg.val, cfg.seq_len, "data.val")
+        beside = tokenizer_beside(cfg.train)
+        self.tokenizer = load_tokenizer(beside) if beside.is_file() else None
+        self.bytes_per_token = self.tokenizer.bytes_per_token if self.tokenizer else None
+        self.test_samples = cfg.test_samples
+        self._test = None
+
+    def _test_set(self) -> tuple[np.ndarray, np.ndarray]:
+        """What the final accuracy is measured on, read when first asked for."""
+        if self._test is None:
+            self._test = self.heldout(self.test_samples)
+        return self._test
+
+    test_x = property(lambda self: self._test_set()[0])
+    test_y = property(lambda self: self._test_set()[1])
+
+    def starts(self, step: int, batch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, 1, step])
+        return rng.integers(0, self.train.num_windows, batch)
+
+    def global_batch(self, step: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.train.windows(self.starts(step, batch))
+
+    def rows(self, step: int, batch: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows lo..hi-1 of step `step`'s global batch, reading only their windows."""
+        return self.train.windows(self.starts(step, batch)[lo:hi])
+
+    def heldout(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """`count` windows of data.val, evenly spaced (repeated only when it has fewer)."""
+        index = np.linspace(0, self.val.num_windows - 1, count).round().astype(np.int64)
+        return self.val.windows(index)
+
+    def check(self, global_batch: int) -> None:
+        """DataError unless both splits fit the model and hold a global batch of windows, and
+        the tokenizer beside the data fits the model's vocabulary."""
+        if self.tokenizer is not None and self.tokenizer.vocab > self.vocab:
+            raise DataError(
+                f"the tokenizer beside data.train has {self.tokenizer.vocab} tokens but "
+                f"data.vocab = {self.vocab}: set data.vocab = {self.tokenizer.vocab}"
+            )
+        self.train.check(self.vocab, global_batch)
+        self.val.check(self.vocab, global_batch)
+
+
+def check_data(job) -> None:
+    """Open and check a job's token files (DataError, one line); other kinds need nothing."""
+    if job.data.kind == "tokens":
+        TextTask(job.data).check(job.train.global_batch)
+
+
+def build_task(cfg) -> TeacherTask | TokenTask | TextTask:
     if cfg.kind == "teacher":
         return TeacherTask(cfg.features, cfg.train_samples, cfg.test_samples, cfg.seed)
     if cfg.kind in ("random-tokens", "markov"):
         return TokenTask(cfg.kind, cfg.vocab, cfg.seq_len, cfg.test_samples, cfg.seed,
                          cfg.branching)  # fmt: skip
+    if cfg.kind == "tokens":
+        return TextTask(cfg)
     raise ValueError(f"data.kind = {cfg.kind!r}: unknown")
 
 
