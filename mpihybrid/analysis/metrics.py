@@ -8,6 +8,7 @@ of one step: from the earliest F/B/W start to the latest F/B/W end among that re
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -488,7 +489,21 @@ def _quality(trace: Trace) -> dict:
         "final_loss": float(loss[-1]) if loss is not None and len(loss) else None,
         "train_accuracy": float(accuracy[-1]) if accuracy is not None and len(accuracy) else None,
         "test_accuracy": trace.attrs.get("test_accuracy"),
+        "heldout": heldout_rows(trace),
     }
+
+
+def heldout_rows(trace: Trace) -> list[dict]:
+    """The trace's held-out evaluations (/eval), steps from 1; bits_per_byte None unless a
+    token is a byte."""
+    rows = []
+    for i, step in enumerate(trace.evals.get("step", [])):
+        row = {"step": int(step) + 1}
+        for name in ("loss", "bits_per_token", "bits_per_byte", "perplexity"):
+            value = float(trace.evals[name][i])
+            row[name] = None if math.isnan(value) else value
+        rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------

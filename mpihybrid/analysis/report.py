@@ -85,9 +85,24 @@ def _steps_only_lines(result: dict, ms) -> list[str]:
             f"quality         final loss {q['final_loss']:.4f}, "
             f"train accuracy {q['train_accuracy']:.3f}"
         )
+    lines += heldout_lines(q["heldout"])
     lines += ["", "step time by rank (ms per step)"]
     lines += table(["rank", "step ms"], [[str(r["rank"]), ms(r["step"])] for r in result["ranks"]])
     return lines
+
+
+def heldout_lines(rows: list[dict]) -> list[str]:
+    """The last held-out evaluation, and the first one to compare with."""
+    if not rows:
+        return []
+    last, first = rows[-1], rows[0]
+    per_byte = f", {last['bits_per_byte']:.3f} bits/byte" if last["bits_per_byte"] else ""
+    since = f" (step {first['step']}: {first['loss']:.4f})" if len(rows) > 1 else ""
+    return [
+        f"held-out loss   step {last['step']}: {last['loss']:.4f} nats, "
+        f"{last['bits_per_token']:.3f} bits/token{per_byte}, perplexity "
+        f"{last['perplexity']:.2f}{since}"
+    ]
 
 
 def _summary_lines(result: dict, ms) -> list[str]:
@@ -126,6 +141,7 @@ def _summary_lines(result: dict, ms) -> list[str]:
             f"quality         final loss {q['final_loss']:.4f}, "
             f"train accuracy {q['train_accuracy']:.3f}{acc}"
         )
+    lines += heldout_lines(q["heldout"])
     if result["straggler"] is not None:
         s = result["straggler"]
         lines.append(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -131,9 +131,10 @@ class TraceWriter:
         steps: dict[str, np.ndarray],
         attrs: dict[str, Any] | None = None,
         finished: bool = False,
+        evals: dict[str, np.ndarray] | None = None,
     ) -> None:
-        """Append `events` (shifted by time_base) and per-step rows, update the attributes and
-        publish the file atomically."""
+        """Append `events` (shifted by time_base), per-step rows and held-out evaluations
+        (/eval), update the attributes and publish the file atomically."""
         if events.dtype != EVENT_DTYPE or events.ndim != 1:
             raise ValueError(f"events must be a 1-D array of EVENT_DTYPE, got {events.dtype}")
         self.attrs.update(attrs or {})
@@ -151,6 +152,9 @@ class TraceWriter:
                 for name, values in steps.items():
                     values = np.asarray(values)
                     _append(_steps_dataset(f["steps"], name, values), values)
+                for name, values in (evals or {}).items():
+                    group = f.require_group("eval")
+                    _append(_steps_dataset(group, name, np.asarray(values)), np.asarray(values))
                 f.attrs["updated"] = _now()
                 f.attrs["finished"] = finished
                 _write_attrs(f, self.attrs)
@@ -178,6 +182,8 @@ class TraceWriter:
             _append(ds, self._earlier.events)
             for name, values in self._earlier.steps.items():
                 _append(_steps_dataset(group, name, values), values)
+            for name, values in self._earlier.evals.items():
+                _append(_steps_dataset(f.require_group("eval"), name, values), values)
 
 
 _EVENT_CHUNK = 8192  # rows per HDF5 chunk of /events (about 400 KB before compression)
@@ -214,7 +220,7 @@ def _fill_steps(earlier: Trace | None, metrics: dict, resume_step: int, config: 
         steps[name] = np.concatenate([old, np.asarray(new, np.float64)])
     order = np.argsort(steps["step"], kind="stable")
     steps = {name: values[order] for name, values in steps.items()}
-    return Trace(events=earlier.events, steps=steps, config=earlier.config, attrs=earlier.attrs)
+    return Trace(earlier.events, steps, earlier.config, earlier.attrs, earlier.evals)
 
 
 def _before_step(trace: Trace, step: int) -> Trace:
@@ -224,7 +230,11 @@ def _before_step(trace: Trace, step: int) -> Trace:
     keep = numbers < step
     steps = {name: values[keep] for name, values in trace.steps.items() if len(values) == len(keep)}
     steps["step"] = numbers[keep]
-    return Trace(events=events, steps=steps, config=trace.config, attrs=trace.attrs)
+    evals = {}
+    if "step" in trace.evals:
+        before = trace.evals["step"] < step
+        evals = {name: values[before] for name, values in trace.evals.items()}
+    return Trace(events, steps, trace.config, trace.attrs, evals)
 
 
 def _write_attrs(f: h5py.File, attrs: dict[str, Any]) -> None:
@@ -251,6 +261,7 @@ class Trace:
     steps: dict[str, np.ndarray]
     config: str
     attrs: dict[str, Any]
+    evals: dict[str, np.ndarray] = field(default_factory=dict)  # /eval: held-out losses by step
 
     def kind(self, name: str) -> np.ndarray:
         """The rows of one event kind, e.g. trace.kind("allreduce")."""
@@ -319,6 +330,7 @@ def _read(path: Path, f: h5py.File) -> Trace:
         )
     events = ds[...].astype(EVENT_DTYPE)
     steps = {name: dset[...] for name, dset in f["steps"].items()}
+    evals = {name: dset[...] for name, dset in f["eval"].items()} if "eval" in f else {}
     config = f["config"].asstr()[()]
 
     json_names = set(_plain(f.attrs.get("json_attrs", [])))
@@ -329,7 +341,7 @@ def _read(path: Path, f: h5py.File) -> Trace:
         attrs[name] = json.loads(value) if name in json_names else _plain(value)
     if version < 2:
         attrs.setdefault("finished", True)  # version 1 was written once, at the end of the run
-    return Trace(events=events, steps=steps, config=config, attrs=attrs)
+    return Trace(events=events, steps=steps, config=config, attrs=attrs, evals=evals)
 
 
 def _plain(value: Any) -> Any:

@@ -47,6 +47,7 @@ class TraceStream:
         self.to_run_start = 0.0  # seconds from this rank's clock to the trace's
         self._last_flush = Recorder.clock()
         self._steps: dict[str, list] = {"step": [], "loss": [], "accuracy": [], "step_time": []}
+        self._evals: dict[str, list] = {}  # held-out losses since the last flush (/eval)
 
     def begin(
         self, to_run_start: float, resume_step: int | None = None, earlier: dict | None = None
@@ -73,6 +74,13 @@ class TraceStream:
         ):
             self._steps[name].append(value)
 
+    def add_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Rank 0: a held-out evaluation after `step` (0-based), a row of /eval."""
+        if self.writer is None:
+            return
+        for name, value in {"step": step, **metrics}.items():
+            self._evals.setdefault(name, []).append(value)
+
     def asks(self) -> float:
         """1.0 on rank 0 once flush_seconds have passed since the last flush, else 0.0: what the
         loop agrees on (sums) before calling due()."""
@@ -96,8 +104,12 @@ class TraceStream:
         if self.writer is not None:
             steps = {name: np.asarray(values) for name, values in self._steps.items()}
             steps["step"] = steps["step"].astype(np.int64)
-            self.writer.flush(events, steps, attrs, finished)
+            evals = {name: np.asarray(values) for name, values in self._evals.items()}
+            if evals:
+                evals["step"] = evals["step"].astype(np.int64)
+            self.writer.flush(events, steps, attrs, finished, evals)
             for values in self._steps.values():
                 values.clear()
+            self._evals.clear()
         self._last_flush = Recorder.clock()
         return events

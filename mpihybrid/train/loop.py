@@ -30,7 +30,7 @@ from mpihybrid.comm.device import (
 )
 from mpihybrid.comm.grid import ProcessGrid
 from mpihybrid.config import Job, to_toml
-from mpihybrid.nn.data import build_task, microbatches
+from mpihybrid.nn.data import build_task, heldout, replica_microbatches
 from mpihybrid.nn.model import boundary_shapes, build_stage
 from mpihybrid.nn.optim import build_optimizer
 from mpihybrid.pipeline.as_run import grid_as_run
@@ -74,6 +74,9 @@ class Summary:
     start: int = 0  # the step this run began at (a resumed run ran steps - start of them)
     # every rank's peak resident set over the training steps (before evaluation), rank order
     peak_rss_bytes: list[int] | None = None
+    # held-out loss every train.eval_every steps: {"step" (from 1), "loss" (nats per token),
+    # "bits_per_token", "bits_per_byte" (nan unless a token is a byte), "perplexity"}
+    evals: list[dict] = field(default_factory=list)
 
 
 def train(
@@ -159,6 +162,8 @@ class _Run:
     peak_inflight: dict = field(default_factory=dict)
     trace: TraceStream | None = None  # flushes the recorder's rows to the trace file as it goes
     peak_rss: int = 0  # this rank's peak resident set at the end of the training steps
+    evals: list = field(default_factory=list)  # held-out losses so far (heldout_loss)
+    eval_set: tuple | None = None  # my replica's held-out samples (read at the first eval)
 
 
 def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
@@ -275,8 +280,9 @@ def _train_step(
     t_step = Recorder.clock()
     for st in run.stages.values():
         st.zero_grad()
-    x, y = run.task.global_batch(step, t.global_batch)
-    batches = microbatches(x, y, grid.dp_rank, grid.dp_size, t.microbatches)
+    batches = replica_microbatches(
+        run.task, step, t.global_batch, grid.dp_rank, grid.dp_size, t.microbatches
+    )
     if backend.xp is not np:
         batches = [(backend.asarray(bx), backend.asarray(by)) for bx, by in batches]
     _begin_updates(run)
@@ -306,6 +312,8 @@ def _train_step(
         )  # fmt: skip
     if not finite:  # before any checkpoint: never one of these weights
         _stop_nonfinite(world, job, step, float(sums[0]), bad)
+    if t.eval_every and ((step + 1) % t.eval_every == 0 or step == t.steps - 1):
+        _eval_step(job, world, run, step, quiet)
     preempt.warn_ignored(world.rank, bool(sums[6]))
     every = job.checkpoint.every
     if sums[3] or (every and (step + 1) % every == 0):
@@ -318,6 +326,63 @@ def _train_step(
             raise TrainingStopped(step + 1, str(exc)) from None
         if sums[3]:
             raise Preempted(step + 1, path)
+
+
+def _eval_step(job: Job, world: MPI.Comm, run: _Run, step: int, quiet: bool) -> None:
+    """Collective: the held-out loss after `step`, into the log, the trace and the Summary."""
+    metrics = heldout_loss(job, world, run)
+    run.evals.append({"step": step + 1, **metrics})
+    run.trace.add_eval(step, metrics)
+    if not quiet and world.rank == 0:
+        per_byte = metrics["bits_per_byte"]
+        log.info(
+            "eval %d/%d  val loss %.4f nats  %.3f bits/token%s  perplexity %.2f",
+            step + 1, job.train.steps, metrics["loss"], metrics["bits_per_token"],
+            "" if math.isnan(per_byte) else f"  {per_byte:.3f} bits/byte", metrics["perplexity"],
+        )  # fmt: skip
+
+
+def heldout_loss(job: Job, world: MPI.Comm, run: _Run) -> dict[str, float]:
+    """Collective: mean cross-entropy of the model on train.eval_batches global batches of
+    held-out samples (the same ones every time), every replica's pipeline running its share
+    forward in pieces of at most EVAL_LOGITS logits; the same numbers on every rank."""
+    g, t = job.grid, job.train
+    num_stages = g.pp * t.virtual_stages
+    if run.eval_set is None:
+        x, y = heldout(run.task, t.eval_batches * t.global_batch)
+        mine = np.array_split(np.arange(len(x)), g.dp)[run.grid.dp_rank]
+        run.eval_set = (x[mine], y[mine])
+    x, y = run.eval_set
+    rows = max(1, EVAL_LOGITS // (max(y[:1].size, 1) * run.task.num_classes))
+    nats, targets = 0.0, 0
+    for i in range(0, len(x), rows):
+        shapes = boundary_shapes(
+            job.model, run.task.in_features, run.task.num_classes, num_stages, len(x[i : i + rows])
+        )
+        piece = x[i : i + rows] if run.backend.xp is np else run.backend.asarray(x[i : i + rows])
+        logits = forward_only(run.grid.pp_comm, run.stages, num_stages, piece, shapes, run.backend)
+        if logits is not None:
+            nats += cross_entropy_sum(run.backend.to_host(logits), y[i : i + rows])
+            targets += y[i : i + rows].size
+    nats, targets = world.allreduce(np.array([nats, targets], np.float64), op=MPI.SUM)
+    loss = float(nats / max(targets, 1))
+    per_token = loss / math.log(2)
+    per_byte = getattr(run.task, "bytes_per_token", None)
+    return {
+        "loss": loss,
+        "bits_per_token": per_token,
+        "bits_per_byte": per_token / per_byte if per_byte else math.nan,
+        "perplexity": math.exp(min(loss, 700.0)),
+    }
+
+
+def cross_entropy_sum(logits: np.ndarray, targets: np.ndarray) -> float:
+    """Sum over rows of -log softmax(logits)[target], logits (..., K), targets (...)."""
+    flat = logits.reshape(-1, logits.shape[-1]).astype(np.float64)
+    t = targets.reshape(-1)
+    top = flat.max(axis=1)
+    lse = np.log(np.exp(flat - top[:, None]).sum(axis=1)) + top
+    return float(np.sum(lse - flat[np.arange(len(t)), t]))
 
 
 def _nonfinite_stages(run: _Run) -> list[int]:
@@ -421,6 +486,7 @@ def _finish(
         events=events,
         trace_path=job.trace.path,
         peak_rss_bytes=peak_rss,
+        evals=run.evals,
     )
     return summary
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from mpihybrid.config import Job
 from mpihybrid.units import human_bytes
 
@@ -27,6 +29,15 @@ def format_report(job: Job, summary) -> str:
             f"train acc {summary.accuracies[-1]:.3f}"
         )
     lines.append(f"held-out accuracy  {summary.test_accuracy:.4f}")
+    if summary.evals:
+        last, first = summary.evals[-1], summary.evals[0]
+        per_byte = last["bits_per_byte"]
+        per_byte = "" if math.isnan(per_byte) else f", {per_byte:.3f} bits/byte"
+        lines.append(
+            f"held-out loss      step {last['step']}: {last['loss']:.4f} nats, "
+            f"{last['bits_per_token']:.3f} bits/token{per_byte}, perplexity "
+            f"{last['perplexity']:.2f} (step {first['step']}: {first['loss']:.4f})"
+        )
     sent = ", ".join(f"{k} {human_bytes(n)}" for k, n in sorted(summary.bytes_sent.items()))
     lines.append(f"bytes sent         {sent}")
     checks = ", ".join(f"stage {s}: {d:.3g}" for s, d in sorted(summary.replica_max_diff.items()))
