@@ -349,7 +349,8 @@ def save_all(world, dp_rank, job, step, stages, optimizers, rings, losses, accur
         error = next((e for _, e in shares if e is not None), None)
         try:
             if error is None:
-                manifest = manifest_for(job, step, losses, accuracies, _union(f for f, _ in shares))
+                files = _union(f for f, _ in shares) | keep_tokenizer(job, partial)
+                manifest = manifest_for(job, step, losses, accuracies, files)
                 path = str(commit(root, partial, step, manifest, job.checkpoint.keep))
                 log.info("checkpoint: %s", path)
         except (OSError, CheckpointError) as exc:
@@ -364,6 +365,18 @@ def save_all(world, dp_rank, job, step, stages, optimizers, rings, losses, accur
     if error is not None:
         raise CheckpointError(error)
     return path
+
+
+def keep_tokenizer(job, partial: Path) -> dict[str, str]:
+    """Rank 0: a copy of the tokenizer beside the job's token files (what `generate` decodes
+    with, wherever the data go later); {file name: sha256}, empty when there is none."""
+    from mpihybrid.nn.tokenizer import TOKENIZER_FILE, tokenizer_beside
+
+    source = tokenizer_beside(job.data.train) if job.data.kind == "tokens" else None
+    if source is None or not source.is_file():
+        return {}
+    write_atomic(partial / TOKENIZER_FILE, source.read_bytes())
+    return {TOKENIZER_FILE: file_digest(partial / TOKENIZER_FILE)}
 
 
 def _union(parts) -> dict:

@@ -1,0 +1,325 @@
+"""Text in, text out: `data prepare` turns text files into token files, `generate` samples from a
+checkpoint (registered lazily by mpihybrid.cli.commands).
+
+    mpihybrid data prepare notes/ book.txt -o data/mine [--tokenizer byte|bpe] [--vocab N]
+    mpiexec -n 2 mpihybrid train jobs/text_gpt.toml --set data.train=data/mine/train.bin ...
+    mpihybrid generate runs/text_ckpt --prompt "def " --tokens 200 --temperature 0.8 --top-k 40
+
+Both run in one process (no mpiexec needed); errors are one line and exit 2, and `data prepare`
+writes nothing until every input has been read and checked.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from mpihybrid.cli.commands import EXIT_USAGE
+
+SHARD_TOKENS = 100_000_000  # tokens per train shard (llm.c's fineweb shards are this size)
+DEFAULT_BPE_VOCAB = 4096
+
+
+def _fail(message: str) -> None:
+    click.echo(f"mpihybrid: error: {message}", err=True)
+    sys.exit(EXIT_USAGE)
+
+
+@click.group()
+def data() -> None:
+    """Prepare text for training: llm.c-format token files and their tokenizer."""
+
+
+@data.command("prepare")
+@click.argument("texts", nargs=-1, required=True, metavar="TEXT...")
+@click.option("-o", "--output", required=True, metavar="DIR", help="Directory to write into.")
+@click.option(
+    "--tokenizer",
+    "kind",
+    type=click.Choice(["byte", "bpe"]),
+    default="byte",
+    show_default=True,
+    help="byte: a token per UTF-8 byte (vocab 256); bpe: byte-level BPE trained on this corpus "
+    "(needs `tokenizers`: mpihybrid[text]).",
+)
+@click.option("--vocab", type=int, help=f"bpe: vocabulary size, 257..65536 [{DEFAULT_BPE_VOCAB}].")
+@click.option("--val-fraction", type=float, default=0.1, show_default=True,
+              help="The corpus's last fraction of tokens held out as val.bin.")  # fmt: skip
+@click.option("--glob", "pattern", default="*", show_default=True,
+              help="In directories: the file names to read (e.g. '*.py').")  # fmt: skip
+@click.option("--exclude", multiple=True, metavar="NAME",
+              help="In directories: leave out files and directories of this name or glob "
+              "(repeatable, e.g. --exclude site-packages --exclude test).")  # fmt: skip
+@click.option("--overwrite", is_flag=True, help="Replace token files already in DIR.")
+@click.option("--quiet", is_flag=True, help="No progress lines.")
+def prepare(texts, output, kind, vocab, val_fraction, pattern, exclude, overwrite, quiet) -> None:
+    """Read UTF-8 TEXT files and directories (recursively, sorted; files there that are not
+    UTF-8 text are skipped and counted) and write DIR/train.bin, DIR/val.bin (llm.c's format)
+    and DIR/tokenizer.json."""
+    from mpihybrid.cli.progress import progress_echo
+    from mpihybrid.nn.tokenizer import TOKENIZER_FILE, BpeTokenizer, ByteTokenizer
+    from mpihybrid.nn.tokens import DataError
+
+    progress = progress_echo(0, quiet)
+    if not 0.0 < val_fraction < 1.0:
+        _fail(f"--val-fraction {val_fraction}: must be between 0 and 1 (exclusive)")
+    if kind == "byte" and vocab is not None and vocab != 256:
+        _fail(
+            f"--vocab {vocab}: the byte tokenizer's vocabulary is always 256 (use --tokenizer bpe)"
+        )
+    vocab = vocab or DEFAULT_BPE_VOCAB
+    if kind == "bpe" and not 257 <= vocab <= 65536:
+        _fail(f"--vocab {vocab}: must be in 257..65536 (256 bytes + <|endoftext|>, uint16 tokens)")
+    out = Path(output)
+    targets = [out / "train.bin", out / "val.bin", out / TOKENIZER_FILE]
+    if out.exists() and not out.is_dir():
+        _fail(f"-o {output}: is a file, not a directory")
+    in_the_way = [str(p) for p in [*targets, *out.glob("train_*.bin")] if p.exists()]
+    if in_the_way and not overwrite:
+        _fail(f"{in_the_way[0]} already exists (--overwrite replaces it)")
+    try:
+        documents, skipped, nbytes = read_texts(texts, pattern, exclude, progress)
+        if kind == "byte":
+            tokenizer = ByteTokenizer()
+        else:
+            progress(f"training a bpe tokenizer of {vocab} tokens on {nbytes:,} bytes")
+            tokenizer = BpeTokenizer.train(documents, vocab, len(documents))
+        tokens = encode_all(tokenizer, documents, progress)
+    except DataError as exc:
+        _fail(str(exc))
+    n_val = int(round(len(tokens) * val_fraction))
+    if n_val < 1 or len(tokens) - n_val < 1:
+        _fail(
+            f"{len(tokens)} tokens cannot be split by --val-fraction {val_fraction} "
+            "(train and val each need at least one token)"
+        )
+    train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
+    write_outputs(out, train, val, tokenizer, overwrite or bool(in_the_way))
+    counts = np.bincount(train, minlength=tokenizer.vocab)
+    p = counts[counts > 0] / len(train)
+    entropy = float(-(p * np.log(p)).sum())
+    click.echo(
+        f"{len(documents)} files ({nbytes:,} bytes; {skipped} skipped: empty, binary or not "
+        f"UTF-8) -> {out}: train {len(train):,} tokens, val {len(val):,} tokens, {kind} "
+        f"tokenizer of {tokenizer.vocab} tokens (data.vocab = {tokenizer.vocab})\n"
+        f"unigram entropy of train: {entropy:.4f} nats/token ({entropy / math.log(2):.3f} "
+        "bits/token): a model that learns nothing but token frequencies reaches this loss"
+    )
+
+
+def _walk(root: Path, pattern: str, exclude: tuple[str, ...]) -> list[Path]:
+    """Files under a directory whose names match, sorted; hidden names, caches and excluded
+    names left out."""
+
+    def keep(name: str) -> bool:
+        return not name.startswith(".") and not any(fnmatch.fnmatch(name, e) for e in exclude)
+
+    found = []
+    for here, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if keep(d) and d != "__pycache__")
+        for name in sorted(files):
+            if keep(name) and fnmatch.fnmatch(name, pattern):
+                found.append(Path(here) / name)
+    return found
+
+
+def _text_of(path: Path) -> str:
+    """The file's text, or raises DataError naming why it is not UTF-8 text."""
+    from mpihybrid.nn.tokens import DataError
+
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path}: {exc.strerror or exc}") from None
+    if not raw:
+        raise DataError(f"{path} is empty")
+    if b"\0" in raw[: 1 << 16]:
+        raise DataError(f"{path} is binary (it holds NUL bytes), not text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text (byte {exc.start} cannot be decoded)") from None
+
+
+def read_texts(texts, pattern: str, exclude, progress) -> tuple[list[str], int, int]:
+    """Every text: named files must be UTF-8 text (else DataError); a directory's files that
+    are not are skipped and counted. Returns (documents, skipped, bytes)."""
+    from mpihybrid.nn.tokens import DataError
+
+    named: list[tuple[Path, bool]] = []
+    for text in texts:
+        path = Path(text)
+        if path.is_dir():
+            found = _walk(path, pattern, tuple(exclude))
+            if not found:
+                raise DataError(f"{text}: a directory with no file matching {pattern!r}")
+            named += [(p, False) for p in found]
+        elif path.exists():
+            named.append((path, True))
+        else:
+            raise DataError(f"{text}: no such file or directory")
+    documents, skipped, nbytes, last = [], 0, 0, time.monotonic()
+    for i, (path, must) in enumerate(named):
+        try:
+            documents.append(_text_of(path))
+            nbytes += len(documents[-1].encode("utf-8"))
+        except DataError:
+            if must:
+                raise
+            skipped += 1
+        if time.monotonic() - last > 2:
+            progress(f"read {i + 1}/{len(named)} files")
+            last = time.monotonic()
+    if not documents:
+        raise DataError(f"no UTF-8 text in {', '.join(texts)} ({skipped} files skipped)")
+    return documents, skipped, nbytes
+
+
+def encode_all(tokenizer, documents: list[str], progress) -> np.ndarray:
+    """The documents' tokens in order, the tokenizer's separator between two."""
+    parts, last = [], time.monotonic()
+    for i, text in enumerate(documents):
+        if i:
+            parts.append(tokenizer.separator())
+        parts.append(tokenizer.encode(text))
+        if time.monotonic() - last > 2:
+            progress(f"encoded {i + 1}/{len(documents)} files")
+            last = time.monotonic()
+    return np.concatenate(parts).astype(np.uint16)
+
+
+def write_outputs(out: Path, train, val, tokenizer, overwrite: bool) -> None:
+    """Token files and the tokenizer, each atomically; train in shards past SHARD_TOKENS."""
+    import json
+
+    from mpihybrid.files import write_atomic
+    from mpihybrid.nn.tokenizer import TOKENIZER_FILE
+    from mpihybrid.nn.tokens import write_tokens
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for old in out.glob("train_*.bin"):
+            old.unlink()
+        if len(train) <= SHARD_TOKENS:
+            write_tokens(out / "train.bin", train, overwrite)
+        else:
+            (out / "train.bin").unlink(missing_ok=True)
+            for k, lo in enumerate(range(0, len(train), SHARD_TOKENS)):
+                write_tokens(out / f"train_{k:06d}.bin", train[lo : lo + SHARD_TOKENS], overwrite)
+        write_tokens(out / "val.bin", val, overwrite)
+        write_atomic(out / TOKENIZER_FILE, json.dumps(tokenizer.to_dict()), overwrite)
+    except OSError as exc:
+        _fail(str(exc))
+
+
+@click.command()
+@click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR")
+@click.option("--prompt", default="", help="Text to continue (default: the start of a document).")
+@click.option("--tokens", "count", type=click.IntRange(min=0), default=200, show_default=True,
+              help="Tokens to generate.")  # fmt: skip
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
+              help="Divides the logits; 0 = always the most likely token.")  # fmt: skip
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Sample among the k most likely tokens only (0 = all).")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the sampling.")
+def generate(checkpoint_dir, prompt, count, temperature, top_k, seed) -> None:
+    """Sample text from a checkpoint of a GPT trained on token files (a checkpoint.dir, its
+    newest complete checkpoint, or one step-N directory), written by any pp x dp grid: every
+    stage is loaded into this one process; the text goes through the tokenizer kept in the
+    checkpoint (or the one beside the job's data.train)."""
+    from mpihybrid.nn.tokens import DataError
+
+    try:
+        model, tokenizer, seq_len = load_model(Path(checkpoint_dir))
+    except DataError as exc:
+        _fail(str(exc))
+    context = list(tokenizer.encode(prompt)) or list(tokenizer.separator()) or [ord("\n")]
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        x = np.asarray([context[-seq_len:]], np.int64)
+        for stage in model:
+            x, _cache = stage.forward(x)
+        logits = x[0, -1].astype(np.float64)
+        token = sample(logits, temperature, top_k, rng)
+        context.append(token)
+        out.append(token)
+    click.echo(prompt + tokenizer.decode(out))
+
+
+def sample(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+    """A token from softmax(logits / temperature) over the top_k largest (0: all)."""
+    if temperature == 0.0:
+        return int(np.argmax(logits))
+    if 0 < top_k < len(logits):
+        logits = np.where(logits >= np.partition(logits, -top_k)[-top_k], logits, -np.inf)
+    z = logits / temperature
+    p = np.exp(z - z.max())
+    return int(rng.choice(len(p), p=p / p.sum()))
+
+
+def load_model(path: Path):
+    """Every stage of a checkpoint, in order, with its tokenizer and context length."""
+    import h5py
+
+    from mpihybrid.config import ConfigError, build_job
+    from mpihybrid.config import tomllib as toml
+    from mpihybrid.nn.model import build_stage
+    from mpihybrid.nn.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_beside
+    from mpihybrid.nn.tokens import DataError
+    from mpihybrid.train import checkpoint
+
+    if not path.is_dir():
+        raise DataError(f"{path}: no such checkpoint directory")
+    if not (path / "manifest.json").is_file():
+        newest = checkpoint.latest(path)
+        if newest is None:
+            raise DataError(f"{path}: no complete checkpoint (a step-N directory with manifest)")
+        path = newest
+    try:
+        manifest = checkpoint.read_manifest(path)
+        job = build_job(toml.loads(manifest["job"]))
+    except (checkpoint.CheckpointError, ConfigError, KeyError, toml.TOMLDecodeError) as exc:
+        raise DataError(f"{path}: not a readable mpihybrid checkpoint ({exc})") from None
+    if job.model.kind != "gpt":
+        raise DataError(f"{path}: a {job.model.kind} model; generate samples from a gpt")
+    kept, beside = path / TOKENIZER_FILE, tokenizer_beside(job.data.train or ".")
+    if kept.is_file():
+        tokenizer = load_tokenizer(kept)
+    elif job.data.kind == "tokens" and beside.is_file():
+        tokenizer = load_tokenizer(beside)
+    else:
+        raise DataError(
+            f"{path}: no {TOKENIZER_FILE} in the checkpoint nor beside its data.train "
+            f"({job.data.train or 'none: data.kind = ' + job.data.kind}); generate needs the "
+            "tokenizer the data were prepared with"
+        )
+    d, num_stages = job.data, job.grid.pp * job.train.virtual_stages
+    model = []
+    for s in range(num_stages):
+        stage = build_stage(job.model, d.seq_len, d.vocab, s, num_stages, job.train.seed)
+        name = f"stage-{s:03d}.h5"
+        digest = manifest.get("files", {}).get(name)
+        try:
+            if digest is not None and checkpoint.file_digest(path / name) != digest:
+                raise DataError(
+                    f"{path}: {name} is damaged (its sha256 differs from the manifest's)"
+                )
+            with h5py.File(path / name, "r") as f:
+                params = f["params"][()]
+        except (OSError, KeyError) as exc:
+            raise DataError(f"{path}: {name} unreadable ({exc})") from None
+        if params.shape != stage.flat_params.shape:
+            raise DataError(f"{path}: {name} does not fit the checkpoint's own model")
+        stage.flat_params[...] = params
+        model.append(stage)
+    if tokenizer.vocab > d.vocab:
+        raise DataError(f"{path}: its tokenizer has {tokenizer.vocab} tokens, the model {d.vocab}")
+    return model, tokenizer, d.seq_len
