@@ -233,12 +233,17 @@ def _preflight(job, resume: bool) -> list[str] | None:
     """Rank 0, before anything is built: create and test-write checkpoint.dir and the trace's
     temporary (exit 2 now, not a lost run later), remove partial checkpoints of crashed runs,
     and list the complete checkpoints to resume from, newest first (None: start afresh)."""
+    from mpihybrid.config import ConfigError
     from mpihybrid.files import probe_dir, probe_file
     from mpihybrid.nn.data import check_data
+    from mpihybrid.nn.tokens import DataError
     from mpihybrid.trace.file import check_writable
     from mpihybrid.train import checkpoint
 
-    check_data(job)  # token files: header, size, vocabulary, enough windows (DataError)
+    try:  # token files: header, size, vocabulary, enough windows
+        check_data(job)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
     root, candidates = job.checkpoint.dir, []
     if root:
         try:

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-from mpihybrid.config import ConfigError
 from mpihybrid.files import atomic_path
 
 MAGIC, VERSION = 20240520, 1
@@ -30,7 +29,7 @@ SCAN_TOKENS = 1 << 24  # tokens read at once while looking for the largest one
 # T = seq_len (tokens per training sequence)
 
 
-class DataError(ConfigError):
+class DataError(ValueError):
     """Data that cannot be trained on; the message is one line for the user."""
 
 
