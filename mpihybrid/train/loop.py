@@ -134,7 +134,7 @@ def train(
                     raise
     finally:
         preempt.restore()
-    runtime_s = Recorder.clock() - t_start
+    runtime_s = Recorder.clock() - t_start - run.eval_s  # the steps' time, not the evaluations'
     run.peak_rss = peak_rss_bytes()  # the steps' peak, before evaluation allocates its own
     summary = _finish(job, world, run, runtime_s, collect_params)
     if summary is not None:
@@ -164,6 +164,7 @@ class _Run:
     peak_rss: int = 0  # this rank's peak resident set at the end of the training steps
     evals: list = field(default_factory=list)  # held-out losses so far (heldout_loss)
     eval_set: tuple | None = None  # my replica's held-out samples (read at the first eval)
+    eval_s: float = 0.0  # seconds spent in held-out evaluations (left out of the runtime)
 
 
 def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
@@ -330,7 +331,9 @@ def _train_step(
 
 def _eval_step(job: Job, world: MPI.Comm, run: _Run, step: int, quiet: bool) -> None:
     """Collective: the held-out loss after `step`, into the log, the trace and the Summary."""
+    t0 = Recorder.clock()
     metrics = heldout_loss(job, world, run)
+    run.eval_s += Recorder.clock() - t0
     run.evals.append({"step": step + 1, **metrics})
     run.trace.add_eval(step, metrics)
     if not quiet and world.rank == 0:
