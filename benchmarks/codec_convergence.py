@@ -1,0 +1,194 @@
+"""Codec convergence on real text: the same job trained with every gradient codec, at several
+dp, with several seeds; held-out loss against step (mean and spread) and a table.
+
+    mpihybrid data prepare "$STDLIB" --glob '*.py' --exclude site-packages --exclude test \\
+        -o data/stdlib
+    python benchmarks/codec_convergence.py --out runs/codec_convergence \\
+        --plot docs/codec_convergence.png [--max-minutes 4]
+
+Every run is `mpiexec -n DP mpihybrid train JOB` with only comm.codec / comm.error_feedback
+changing between codecs; data.seed and train.seed are the seed (the same windows, the same
+initial weights for every codec), so the codec is the only difference. Each run's held-out
+losses (the trace's /eval) go to OUT/<codec>-dp<D>-seed<S>.json; runs already there are not
+run again, so --max-minutes cuts the work into sittings (the lock is held per run by the
+caller: run it under `flock -x /tmp/mh_heavy.lock`). The table and the plot are made from
+whatever runs exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# name -> the overrides that make it; int8-noef is int8 without the error-feedback residual
+CODECS = {
+    "fp32": ["comm.codec=fp32"],
+    "bf16": ["comm.codec=bf16"],
+    "fp16": ["comm.codec=fp16"],
+    "int8": ["comm.codec=int8", "comm.error_feedback=true"],
+    "int8-noef": ["comm.codec=int8", "comm.error_feedback=false"],
+}
+# the benchmark's model: small enough that 30 runs fit a sitting or two on 2 cores
+SMALL = ["model.hidden=64", "model.depth=2", "model.heads=4", "grid.pp=1",
+         "train.global_batch=32", "train.microbatches=2", "data.test_samples=64",
+         'checkpoint.dir=""', "checkpoint.every=0"]  # fmt: skip
+
+
+def run_one(job: str, data: Path, codec: str, dp: int, seed: int, steps: int, every: int,
+            out: Path) -> dict:  # fmt: skip
+    from mpihybrid.trace.file import load
+    from tests.helpers import mpiexec
+
+    trace = out / f"{codec}-dp{dp}-seed{seed}.h5"
+    sets = [*SMALL, f"grid.dp={dp}", f"data.seed={seed}", f"train.seed={seed}",
+            f"train.steps={steps}", f"train.eval_every={every}",
+            f'data.train="{data}/train.bin"', f'data.val="{data}/val.bin"',
+            *CODECS[codec]]  # fmt: skip
+    cmd = [mpiexec(), "-n", str(dp), sys.executable, "-m", "mpihybrid", "train", job,
+           "--quiet", "--overwrite", "--trace", str(trace)]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        raise SystemExit(f"{codec} dp={dp} seed={seed} failed:\n{proc.stderr}")
+    evals = load(trace).evals
+    trace.unlink()
+    return {
+        "codec": codec, "dp": dp, "seed": seed, "steps": steps,
+        "eval_step": (evals["step"] + 1).tolist(), "val_loss": evals["loss"].tolist(),
+        "seconds": time.monotonic() - t0,
+    }  # fmt: skip
+
+
+def load_runs(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+
+
+def table(runs: list[dict], codecs: list[str], dps: list[int]) -> str:
+    """Final held-out loss by codec and dp over seeds; its change from fp32, paired by seed."""
+    final = {(r["codec"], r["dp"], r["seed"]): r["val_loss"][-1] for r in runs}
+    lines = [
+        "| codec | dp | seeds | final val loss (nats), mean ± sd | vs fp32, paired by seed |",
+        "|---|---|---|---|---|",
+    ]
+    for dp in dps:
+        for codec in codecs:
+            seeds = sorted(s for c, d, s in final if (c, d) == (codec, dp))
+            if not seeds:
+                continue
+            values = [final[codec, dp, s] for s in seeds]
+            sd = statistics.stdev(values) if len(values) > 1 else 0.0
+            rel = [final[codec, dp, s] / final["fp32", dp, s] - 1 for s in seeds
+                   if ("fp32", dp, s) in final]  # fmt: skip
+            vs = (f"{100 * np.mean(rel):+.2f} % (seeds {min(rel) * 100:+.2f} .. "
+                  f"{max(rel) * 100:+.2f} %)") if rel else "-"  # fmt: skip
+            lines.append(
+                f"| {codec} | {dp} | {len(seeds)} | {np.mean(values):.4f} ± {sd:.4f} | {vs} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], codecs: list[str], dps: list[int], path: str, entropy: float) -> None:
+    """Top: held-out loss against step, the mean over seeds and its min..max band; bottom: the
+    change from fp32's loss of the same seed (%)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mpihybrid.files import atomic_path
+
+    fig, axes = plt.subplots(2, len(dps), figsize=(6 * len(dps), 8), squeeze=False)
+    colours = dict(zip(codecs, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for col, dp in enumerate(dps):
+        base = {r["seed"]: np.array(r["val_loss"]) for r in runs
+                if r["dp"] == dp and r["codec"] == "fp32"}  # fmt: skip
+        top, bottom = axes[0, col], axes[1, col]
+        for codec in codecs:
+            mine = [r for r in runs if r["dp"] == dp and r["codec"] == codec]
+            if not mine:
+                continue
+            steps = np.array(mine[0]["eval_step"])
+            loss = np.array([r["val_loss"] for r in mine])
+            c = colours[codec]
+            top.plot(steps, loss.mean(0), color=c, label=f"{codec} ({len(mine)} seeds)")
+            top.fill_between(steps, loss.min(0), loss.max(0), color=c, alpha=0.2)
+            paired = [100 * (np.array(r["val_loss"]) / base[r["seed"]] - 1)
+                      for r in mine if r["seed"] in base]  # fmt: skip
+            if paired:
+                rel = np.array(paired)
+                bottom.plot(steps, rel.mean(0), color=c, label=codec)
+                bottom.fill_between(steps, rel.min(0), rel.max(0), color=c, alpha=0.2)
+        if entropy:
+            top.axhline(entropy, color="grey", ls=":", label="unigram entropy of train")
+        top.set(title=f"dp = {dp}: held-out loss", xlabel="step", ylabel="nats / token")
+        top.legend(fontsize=8)
+        bottom.axhline(0, color="grey", lw=0.5)
+        for y in (-1, 1):
+            bottom.axhline(y, color="grey", ls="--", lw=0.5)
+        bottom.set(title=f"dp = {dp}: change from fp32 (same seed)", xlabel="step", ylabel="%")
+        bottom.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path, overwrite=True) as tmp:
+        fig.savefig(tmp, format="png", dpi=90)
+    plt.close(fig)
+
+
+def unigram_entropy(data: Path) -> float:
+    from mpihybrid.nn.tokens import open_tokens
+
+    counts = np.bincount(np.asarray(open_tokens(data / "train.bin")), minlength=65536)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", default="jobs/text_gpt.toml")
+    parser.add_argument("--data", default="data/stdlib", help="a `data prepare` directory")
+    parser.add_argument("--codecs", default=",".join(CODECS))
+    parser.add_argument("--dp", default="2,4")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--out", default="runs/codec_convergence")
+    parser.add_argument("--plot", default="", help="PNG to write (needs matplotlib)")
+    parser.add_argument("--max-minutes", type=float, default=0, help="start no run after this")
+    args = parser.parse_args()
+    codecs, dps = args.codecs.split(","), [int(d) for d in args.dp.split(",")]
+    out, data = Path(args.out), Path(args.data)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    # seed-major: a sitting cut short still leaves whole comparisons (every codec, one seed)
+    todo = [(s, dp, c) for s in range(args.seeds) for dp in dps for c in codecs]
+    for seed, dp, codec in todo:
+        path = out / f"{codec}-dp{dp}-seed{seed}.json"
+        if path.exists():
+            continue
+        if args.max_minutes and time.monotonic() - t0 > 60 * args.max_minutes:
+            print(f"stopped after {args.max_minutes} minutes; run again to go on")
+            break
+        r = run_one(args.job, data, codec, dp, seed, args.steps, args.eval_every, out)
+        path.write_text(json.dumps(r))
+        print(f"{codec:9s} dp={dp} seed={seed}: final val loss {r['val_loss'][-1]:.4f} "
+              f"({r['seconds']:.0f} s)", flush=True)  # fmt: skip
+    runs = [r for r in load_runs(out) if r["codec"] in codecs and r["dp"] in dps]
+    print(table(runs, codecs, dps))
+    if args.plot and runs:
+        plot(runs, codecs, dps, args.plot, unigram_entropy(data))
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
