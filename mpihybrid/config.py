@@ -29,6 +29,8 @@ else:  # pragma: no cover
 
 OPTIMIZERS = ("sgd", "adamw")
 ORDERS = ("pipeline-inner", "data-inner")
+PARAM_CODECS = ("fp32", "bf16", "int8")  # the weight all-gather of train.shard_optimizer
+RECOMPUTE = ("none", "full")
 DATA_FOR_MODEL = {"mlp": ("teacher",), "gpt": ("random-tokens", "markov", "tokens")}
 # keys that take a value of more than one type: (section, key) -> the types allowed
 _UNION_KEYS = {("model", "partition"): (str, list), ("comm", "cuda_aware"): (str, bool)}
@@ -92,6 +94,10 @@ class TrainConfig:
     seed: int = 0  # parameter initialisation
     eval_every: int = 0  # held-out loss every this many steps and after the last (0 = never)
     eval_batches: int = 4  # held-out loss over this many global batches of held-out samples
+    # ZeRO-1: each replica keeps the optimizer state of its chunk of every bucket only,
+    # updates that chunk and all-gathers the weights (in comm.param_codec)
+    shard_optimizer: bool = False
+    recompute: str = "none"  # none | full: keep only each micro-batch's input, redo its forward
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ class CommConfig:
     overlap: str = "poll"
     bucket_kb: int = 4096  # a bucket holds whole layers of at least this many KiB of gradient
     segment_kb: int = 2048  # the ring sends a chunk in messages of this many KiB of float32
+    param_codec: str = ""  # train.shard_optimizer's weight all-gather: fp32 | bf16 | int8 ("" fp32)
 
 
 @dataclass(frozen=True)
@@ -278,6 +285,14 @@ def _check_names(job: Job) -> None:
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
     _one_of("comm.codec", c.codec, CODECS)
     _one_of("comm.overlap", c.overlap, PROGRESS)
+    _one_of("train.recompute", t.recompute, RECOMPUTE)
+    if c.param_codec:
+        _one_of("comm.param_codec", c.param_codec, PARAM_CODECS)
+        if not t.shard_optimizer:
+            raise ConfigError(
+                f"comm.param_codec = {c.param_codec!r} needs train.shard_optimizer = true "
+                "(without it every replica updates all its weights: none are gathered)"
+            )
 
 
 def validate(job: Job) -> None:

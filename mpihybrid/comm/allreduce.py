@@ -37,6 +37,19 @@ Error feedback: `residual` (this rank's encoding error per element) is added to 
 the ring; each element is encoded by this rank exactly once per call and its new
 error replaces the residual there, so errors telescope into the next call instead of piling up.
 With p = 1 nothing travels and nothing is quantised: the call leaves the vector as it is.
+
+The distributed optimizer (ZeRO-1) splits the two halves around its update:
+
+    for r in ring.reduce_scatter_steps(flat_grad): r.Wait()  # own_range: the mean there, fp32
+    optimizer.update(...own_range...)                         # only this rank's chunk
+    for r in param_ring.gather_steps(flat_param, master): r.Wait()  # the updated weights
+
+The owner's chunk of a reduce-scatter alone is never encoded again: it stays exact (its share of
+the residual joins it and is then spent). The weight all-gather runs on a ring of its own codec
+(comm.param_codec), without residual: the owner encodes its chunk once (from `master`, its fp32
+copy of those weights, when the codec is lossy), decodes its own bytes like every other replica,
+so replicas stay bit-identical, and the error never accumulates because the next step encodes
+from the master again.
 """
 
 from __future__ import annotations
@@ -90,7 +103,10 @@ class RingAllreduce:
         residual: np.ndarray | None = None,
         backend: Backend = CPU,
         transport: str = "auto",
+        gather_only: bool = False,
     ) -> None:
+        """gather_only: a ring that only runs gather_steps (the distributed optimizer's weight
+        all-gather): no reduce-scatter receive buffers."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if count < 0:
@@ -107,8 +123,9 @@ class RingAllreduce:
         self.prev_rank = (self.dp_rank - 1) % self.dp_size
         self.bytes_sent: dict[str, int] = {"reduce_scatter": 0, "all_gather": 0}
         self.compress = codec.lossy and self.dp_size > 1 and count > 0
+        self.gather_only = gather_only
         self.residual: np.ndarray | None = None
-        if codec.lossy and error_feedback:
+        if codec.lossy and error_feedback and not gather_only:
             self.residual = backend.zeros(count, np.float32) if residual is None else residual
             if self.residual.shape != (count,) or self.residual.dtype != np.float32:
                 raise ValueError(f"residual must be float32 of length {count}")
@@ -130,6 +147,8 @@ class RingAllreduce:
                 offset += _aligned(nbytes)
             self.segments.append(segs)
         self.chunk_nbytes = [sum(s[3] for s in segs) for segs in self.segments]
+        own = (self.dp_rank + 1) % p  # the chunk this rank's reduce-scatter completes
+        self.own_range = (bounds[own], bounds[own + 1])
         self.shared: SharedWire | None = None
         local = transport == "auto" and self.backend is CPU
         if self.compress and local and node_local(self.dp_comm):  # collective: all or none
@@ -148,7 +167,7 @@ class RingAllreduce:
         # rank is inside MPI (fp32 lands in the vector, after the reduce-scatter's sends)
         self.gather_wire = self.backend.empty(offset if self.compress else 0, np.uint8)
         # the reduce-scatter receives step s into half s % 2 (two steps may be in flight)
-        half = max((self._span(c) for c in range(p)), default=0)
+        half = max((self._span(c) for c in range(p)), default=0) if not self.gather_only else 0
         self.recv_buf = self.backend.empty(2 * half if p > 1 else 0, np.uint8)
         self._recv_half = half
 
@@ -224,6 +243,53 @@ class RingAllreduce:
         if op == "mean":
             flat /= self.dp_size
 
+    def reduce_scatter_steps(self, flat: np.ndarray, op: str = "mean") -> Iterator[MPI.Request]:
+        """The reduce-scatter alone, as a generator of requests (like steps): afterwards
+        flat[own_range] holds the sum (op="mean": the mean) over the ring, in fp32; the rest of
+        `flat` holds partial sums that nobody reads."""
+        self._check(flat, op)
+        self.last_sent = 0
+        if self.dp_size > 1 and self.count > 0:
+            yield from self._reduce_scatter(flat, None)
+            if self.shared is not None:
+                yield self.dp_comm.Ibarrier()
+        if op == "mean" and self.dp_size > 1:
+            lo, hi = self.own_range
+            flat[lo:hi] /= self.dp_size
+
+    def gather_steps(
+        self, flat: np.ndarray, master: np.ndarray | None = None
+    ) -> Iterator[MPI.Request]:
+        """All-gather: every rank's own_range of `flat` to every rank, as a generator of
+        requests. master (length of own_range): what the owner sends instead of flat[own_range]
+        (its fp32 master weights); lossy codecs encode it once and every rank, the owner
+        included, decodes the same bytes into flat, so all replicas end bit-identical."""
+        self._check(flat, "sum")
+        lo, hi = self.own_range
+        if master is not None and master.shape != (hi - lo,):
+            raise ValueError(f"master must have the own chunk's length {hi - lo}")
+        self.last_sent = 0
+        if self.dp_size == 1 or self.count == 0 or not self.compress:
+            if master is not None:  # nothing is quantised: the working weights are the master
+                flat[lo:hi] = master
+            if self.dp_size == 1 or self.count == 0:
+                return
+        pending = self._post_gather(flat)
+        own = (self.dp_rank + 1) % self.dp_size
+        sends = []
+        for k, (slo, shi, _, _) in enumerate(self.segments[own]):
+            if self.compress:
+                slot = self._slot(own, k)
+                source = flat[slo:shi] if master is None else master[slo - lo : shi - lo]
+                self.codec.encode(source, slot)
+                self.codec.decode(slot, shi - slo, flat[slo:shi])
+            else:
+                slot = flat[slo:shi].view(np.uint8)
+            sends.append(self._send(slot, TAG_ALL_GATHER, ("ag", own, k)))
+        yield from self._all_gather(flat, sends, pending)
+        if self.shared is not None:
+            yield self.dp_comm.Ibarrier()
+
     def _send(self, buf: np.ndarray, tag: int, key: tuple) -> MPI.Request:
         """Isend `buf` (through the backend's host copy for `key` on a staging GPU); shared:
         `buf` lies in the shared wire, and only the news that it is written travels."""
@@ -248,11 +314,11 @@ class RingAllreduce:
         self.backend.finish_recv(buf, (*self._name, *key))
 
     def _reduce_scatter(
-        self, flat: np.ndarray, gather_sends: list[MPI.Request]
+        self, flat: np.ndarray, gather_sends: list[MPI.Request] | None
     ) -> Iterator[MPI.Request]:
         """Pass partial sums round the ring; each hop adds its own contribution. The last hop
         completes a segment of this rank's own chunk, which leaves for the all-gather at once
-        (its request joins gather_sends)."""
+        (its request joins gather_sends; None: a reduce-scatter alone, the chunk stays here)."""
         p, r, tag = self.dp_size, self.dp_rank, TAG_REDUCE_SCATTER
         recv_chunk = [(r - s - 1) % p for s in range(p - 1)]
 
@@ -284,6 +350,11 @@ class RingAllreduce:
                     residual = self._residual_of(c, k)
                     self.codec.decode_add(received, hi - lo, flat[lo:hi], residual)
                     sends.append(self._send(self._encode(flat, c, k), tag, ("rs", c, k)))
+                elif gather_sends is None:  # exact: nobody encodes the owner's sum again
+                    residual = self._residual_of(c, k)
+                    self.codec.decode_add(received, hi - lo, flat[lo:hi], residual)
+                    if residual is not None:
+                        residual[...] = 0.0  # its error is spent, none is made here
                 else:
                     own = self._own_segment(flat, received, c, k)
                     gather_sends.append(self._send(own, TAG_ALL_GATHER, ("ag", c, k)))

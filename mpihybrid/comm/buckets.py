@@ -15,6 +15,16 @@ the rank computes on, and the optimizer updates the bucket's slice of the parame
 its reduction is done. Elementwise optimizers give the same bits per slice as over the whole
 buffer, and the ring's result does not depend on when it runs, so overlap changes timing only.
 
+Distributed optimizer (train.shard_optimizer, ZeRO-1): a bucket's ring runs its reduce-scatter
+only; this rank updates the chunk of the bucket it owns (its optimizer state covers those chunks
+alone), then a second ring of the weights' codec (comm.param_codec) all-gathers the updated
+parameters. Update and gather start as soon as the bucket's reduce-scatter is done, behind the
+compute like the rest.
+
+    red = comm.reducer(s, flat_grads, param_ranges, codec, flat_params=p, param_codec=pc)
+    red.owned                 # [(lo, hi)] per bucket: the flat offsets this rank updates
+    red.begin_step(update, master)   # master(lo, hi): the owner's fp32 weights there, or None
+
 Progress (comm.overlap):
     thread  a communication thread per rank runs the rings (MPI_THREAD_MULTIPLE; mpi4py releases
             the GIL in MPI calls and the codec kernels release it too) and the optimizer
@@ -68,6 +78,8 @@ class BucketEvent:
     reduced: float  # the ring ended, the update started
     end: float  # the update ended
     nbytes: int
+    gathered: float = 0.0  # sharded: the weight all-gather ended (it began at `end`)
+    gather_nbytes: int = 0
 
 
 class Reducer:
@@ -83,8 +95,12 @@ class Reducer:
         error_feedback: bool,
         bucket_bytes: int,
         segment: int,
+        flat_params: np.ndarray | None = None,
+        param_codec: Codec | None = None,
     ) -> None:
+        """param_codec (with flat_params): shard the optimizer, gather the weights in it."""
         self.owner, self.stage, self.flat_grads = owner, stage, flat_grads
+        self.flat_params = flat_params
         n = flat_grads.size
         self.buckets = bucket_ranges(param_ranges, bucket_bytes) if n else []
         # one residual for the stage (what checkpoints keep); each ring works on its slice
@@ -97,19 +113,78 @@ class Reducer:
             )
             for lo, hi in self.buckets
         ]  # fmt: skip
+        # sharded: the weight rings, and the flat offsets this rank owns in each bucket
+        self.param_rings = None if param_codec is None else [
+            RingAllreduce(
+                owner.dp_comm, hi - lo, param_codec, False, segment, None, owner.backend,
+                gather_only=True,
+            )
+            for lo, hi in self.buckets
+        ]  # fmt: skip
+        self.owned = [
+            (lo + ring.own_range[0], lo + ring.own_range[1])
+            for (lo, _), ring in zip(self.buckets, self.rings, strict=True)
+        ]
         self.update: Callable[[int, int], None] = lambda lo, hi: None
+        self.master: Callable[[int, int], np.ndarray | None] = lambda lo, hi: None
         self.submitted = 0  # buckets handed to the ring this step
 
     @property
     def bytes_sent(self) -> dict[str, int]:
         total = {"reduce_scatter": 0, "all_gather": 0}
-        for ring in self.rings:
+        for ring in self.rings + (self.param_rings or []):
             for kind, nbytes in ring.bytes_sent.items():
                 total[kind] += nbytes
         return total
 
-    def begin_step(self, update: Callable[[int, int], None]) -> None:
+    @property
+    def sharded(self) -> bool:
+        return self.param_rings is not None
+
+    @property
+    def lossy_gather(self) -> bool:
+        """Whether the weight gather quantises (the owner then keeps an fp32 master copy)."""
+        return self.sharded and any(ring.compress for ring in self.param_rings)
+
+    def begin_step(
+        self,
+        update: Callable[[int, int], None],
+        master: Callable[[int, int], np.ndarray | None] | None = None,
+    ) -> None:
+        """update(lo, hi): a reduced bucket's parameters [lo, hi) (sharded: this rank's chunk
+        of it); master(lo, hi): the owner's fp32 weights there, which the gather sends."""
         self.update, self.submitted = update, 0
+        self.master = master if master is not None else (lambda lo, hi: None)
+
+    def bucket_steps(self, i: int, times: list[float]) -> Iterator[MPI.Request]:
+        """Bucket i as a generator of requests: reduce, update (and, sharded, gather the
+        weights); `times` gets the clock when the reduction, the update (and the gather) end."""
+        lo, hi = self.buckets[i]
+        clock = time.perf_counter  # the trace's clock (trace.Recorder.clock)
+        ring = self.rings[i]
+        if self.param_rings is None:
+            yield from ring.steps(self.flat_grads[lo:hi], "mean")
+            times.append(clock())
+            self.update(lo, hi)
+            times.append(clock())
+            return
+        yield from ring.reduce_scatter_steps(self.flat_grads[lo:hi], "mean")
+        times.append(clock())
+        olo, ohi = self.owned[i]
+        if ohi > olo:
+            self.update(olo, ohi)
+        times.append(clock())
+        gather = self.param_rings[i].gather_steps(self.flat_params[lo:hi], self.master(olo, ohi))
+        yield from gather
+        times.append(clock())
+
+    def _event(self, i: int, start: float, times: list[float]) -> BucketEvent:
+        reduced, end = times[0], times[1]
+        sent = self.rings[i].last_sent
+        if self.param_rings is None:
+            return BucketEvent(self.stage, i, start, reduced, end, sent, end, 0)
+        gathered = self.param_rings[i].last_sent
+        return BucketEvent(self.stage, i, start, reduced, end, sent, times[2], gathered)
 
     def ready_from(self, lo: int) -> None:
         """Every gradient at offsets >= lo is final for this step: start the buckets it covers."""
@@ -121,15 +196,10 @@ class Reducer:
 
     def run_bucket(self, i: int, wait: Callable[[MPI.Request], None]) -> BucketEvent:
         """Reduce bucket i (each request through `wait`), then update its parameters."""
-        lo, hi = self.buckets[i]
-        clock = time.perf_counter  # the trace's clock (trace.Recorder.clock)
-        start = clock()
-        ring = self.rings[i]
-        for request in ring.steps(self.flat_grads[lo:hi], "mean"):
+        start, times = time.perf_counter(), []
+        for request in self.bucket_steps(i, times):
             wait(request)
-        reduced = clock()
-        self.update(lo, hi)
-        return BucketEvent(self.stage, i, start, reduced, clock(), ring.last_sent)
+        return self._event(i, start, times)
 
 
 class GradientComm:
@@ -153,7 +223,7 @@ class GradientComm:
         self.reducers: list[Reducer] = []
         self.events: list[BucketEvent] = []
         self._todo: list[tuple[Reducer, int]] = []  # poll: queued, not started
-        self._current: tuple[Reducer, int, Iterator, MPI.Request | None, float] | None = None
+        self._current: tuple | None = None  # poll: (red, i, steps, request, start, times)
         self._thread: _Worker | None = None
 
     def reducer(
@@ -164,10 +234,13 @@ class GradientComm:
         codec: Codec,
         error_feedback: bool = True,
         bucket_bytes: int = 4 << 20,
+        flat_params: np.ndarray | None = None,
+        param_codec: Codec | None = None,
     ) -> Reducer:
+        """param_codec (with flat_params): the distributed optimizer (module docstring)."""
         red = Reducer(
             self, stage, flat_grads, param_ranges, codec, error_feedback, bucket_bytes,
-            self.segment,
+            self.segment, flat_params, param_codec,
         )  # fmt: skip
         self.reducers.append(red)
         return red
@@ -188,23 +261,17 @@ class GradientComm:
                 if not self._todo:
                     return
                 red, i = self._todo.pop(0)
-                lo, hi = red.buckets[i]
-                steps = red.rings[i].steps(red.flat_grads[lo:hi], "mean")
-                self._current = (red, i, steps, None, time.perf_counter())
-            red, i, steps, request, start = self._current
+                times: list[float] = []
+                steps = red.bucket_steps(i, times)
+                self._current = (red, i, steps, None, time.perf_counter(), times)
+            red, i, steps, request, start, times = self._current
             if request is not None and not request.Test():
                 return
             request = next(steps, None)
             if request is not None:
-                self._current = (red, i, steps, request, start)
+                self._current = (red, i, steps, request, start, times)
                 continue
-            reduced = time.perf_counter()
-            lo, hi = red.buckets[i]
-            red.update(lo, hi)
-            ring = red.rings[i]
-            self.events.append(
-                BucketEvent(red.stage, i, start, reduced, time.perf_counter(), ring.last_sent)
-            )
+            self.events.append(red._event(i, start, times))
             self._current = None
 
     def finish(self) -> list[BucketEvent]:

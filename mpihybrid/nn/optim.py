@@ -9,7 +9,10 @@ soon as that bucket's all-reduce is done:
     opt.step(grads)               # = begin_step(); update(grads, 0, n)
 
 The update is elementwise, so any such cover gives the same bits as one whole-buffer update
-(a test holds it). The buffers may live on a GPU (CuPy): state is made like the parameters,
+(a test holds it). `apply(p, g, lo, hi)` is the same update on slices p, g whose state lives at
+[lo, hi) of the state buffers: what ShardedOptimizer (ZeRO-1, train.shard_optimizer) builds on,
+whose state covers only the chunks of the buffer this replica owns.
+The buffers may live on a GPU (CuPy): state is made like the parameters,
 and `np.` ufuncs dispatch to the parameters' array module. With numba (`_numba.ENABLED`) and
 numpy buffers, AdamW is one fused pass (`kernels.adamw_update`): the same float32 operations
 in the same order, hence the same bits as the numpy reference (tests/test_kernels.py).
@@ -28,17 +31,27 @@ class SGD:
     """SGD with momentum (PyTorch convention: buf = mu*buf + g; p -= lr*buf) and L2 weight decay."""
 
     def __init__(
-        self, params: np.ndarray, lr: float, momentum: float = 0.0, weight_decay: float = 0.0
+        self,
+        params: np.ndarray,
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        state_size: int | None = None,
     ):
+        """state_size: elements of state (default params.size; a shard holds fewer)."""
         self.params, self.lr, self.momentum, self.weight_decay = params, lr, momentum, weight_decay
-        self.buf = np.zeros_like(params) if momentum else None
+        n = params.size if state_size is None else state_size
+        self.buf = array_module(params).zeros(n, params.dtype) if momentum else None
         self.step_count = 0
 
     def begin_step(self) -> None:
         self.step_count += 1
 
     def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
-        p, g = self.params[lo:hi], grads[lo:hi]
+        self.apply(self.params[lo:hi], grads[lo:hi], lo, hi)
+
+    def apply(self, p: np.ndarray, g: np.ndarray, lo: int, hi: int) -> None:
+        """p -= the step from g (slices of one length); the state at [lo, hi)."""
         if self.weight_decay:
             g = g + self.weight_decay * p
         if self.buf is not None:
@@ -74,12 +87,15 @@ class AdamW:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        state_size: int | None = None,
     ):
+        """state_size: elements of state (default params.size; a shard holds fewer)."""
         self.params, self.lr, self.eps, self.weight_decay = params, lr, eps, weight_decay
         self.beta1, self.beta2 = betas
-        self.m = np.zeros_like(params)
-        self.v = np.zeros_like(params)
         xp = array_module(params)
+        n = params.size if state_size is None else state_size
+        self.m = xp.zeros(n, params.dtype)
+        self.v = xp.zeros(n, params.dtype)
         self.fused = _numba.ENABLED and xp is np and params.dtype == np.float32
         self.block = self.BLOCK if xp is np else max(params.size, 1)
         self.tmp = xp.empty(0 if self.fused else min(self.block, params.size), params.dtype)
@@ -99,17 +115,21 @@ class AdamW:
         self._scalars = (decay, f(self.beta1), f(self.beta2), scale, shift)
 
     def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
+        self.apply(self.params[lo:hi], grads[lo:hi], lo, hi)
+
+    def apply(self, params: np.ndarray, grads: np.ndarray, lo: int, hi: int) -> None:
+        """params -= the step from grads (slices of one length); the state at [lo, hi)."""
         decay, b1, b2, scale, shift = self._scalars
         if self.fused:
             kernels.adamw_update(
-                self.params[lo:hi], grads[lo:hi], self.m[lo:hi], self.v[lo:hi],
+                params, grads, self.m[lo:hi], self.v[lo:hi],
                 decay, b1, b2, scale, shift, bool(self.weight_decay),
             )  # fmt: skip
             return
-        for start in range(lo, hi, self.block):
-            end = min(start + self.block, hi)
-            sl = slice(start, end)
-            p, g, m, v = self.params[sl], grads[sl], self.m[sl], self.v[sl]
+        for start in range(0, hi - lo, self.block):
+            end = min(start + self.block, hi - lo)
+            p, g = params[start:end], grads[start:end]
+            m, v = self.m[lo + start : lo + end], self.v[lo + start : lo + end]
             tmp = self.tmp[: end - start]
             if self.weight_decay:
                 p *= decay
@@ -134,9 +154,80 @@ class AdamW:
         return {"m": self.m, "v": self.v}
 
 
-def build_optimizer(cfg, params: np.ndarray):
+class ShardedOptimizer:
+    """ZeRO-1: the optimizer of one replica that owns chunks `owned` ([(lo, hi)] of the flat
+    buffer, disjoint) and keeps state for them alone, stored back to back.
+
+    master: keep an fp32 copy of the owned weights (a lossy weight gather: the working
+    `params` hold what the gather decoded, the master what the optimizer computed; the next
+    gather encodes from the master again, so quantisation errors never pile up in the
+    weights). update(grads, lo, hi) takes [lo, hi) inside one owned chunk.
+    """
+
+    def __init__(self, cfg, params: np.ndarray, owned: list[tuple[int, int]], master: bool):
+        self.params = params
+        self.owned = sorted((int(lo), int(hi)) for lo, hi in owned if hi > lo)
+        self.starts = [lo for lo, _ in self.owned]  # flat offset -> position in the state
+        self.offsets = np.cumsum([0] + [hi - lo for lo, hi in self.owned]).tolist()
+        n = self.offsets[-1]
+        xp = array_module(params)
+        self.master = None
+        if master:
+            self.master = xp.empty(n, params.dtype)
+            self.load_master(params)
+        self.inner = build_optimizer(cfg, params, state_size=n)
+
+    @property
+    def step_count(self) -> int:
+        return self.inner.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.inner.step_count = value
+
+    def _at(self, lo: int) -> int:
+        """Where flat offset lo (inside an owned chunk) sits in the state buffers."""
+        i = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        if i < 0 or lo >= self.owned[i][1]:
+            raise ValueError(f"offset {lo} is not in a chunk this replica owns")
+        return self.offsets[i] + lo - self.owned[i][0]
+
+    def begin_step(self) -> None:
+        self.inner.begin_step()
+
+    def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
+        at = self._at(lo)
+        p = self.params[lo:hi] if self.master is None else self.master[at : at + hi - lo]
+        self.inner.apply(p, grads[lo:hi], at, at + hi - lo)
+
+    def master_of(self, lo: int, hi: int) -> np.ndarray | None:
+        """The owner's fp32 weights at [lo, hi) (None without a master copy)."""
+        if self.master is None or hi <= lo:
+            return None
+        at = self._at(lo)
+        return self.master[at : at + hi - lo]
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The shard's state buffers (owned chunks back to back)."""
+        return self.inner.state()
+
+    def gather(self, full: np.ndarray, shard: np.ndarray) -> None:
+        """shard[...] = full's owned chunks, back to back (full: a whole-buffer array)."""
+        for (lo, hi), at in zip(self.owned, self.offsets, strict=False):
+            shard[at : at + hi - lo] = full[lo:hi]
+
+    def load_master(self, weights: np.ndarray) -> None:
+        """The master copy from whole-buffer weights (at the start and after a resume)."""
+        if self.master is not None:
+            self.gather(weights, self.master)
+
+
+def build_optimizer(cfg, params: np.ndarray, state_size: int | None = None):
+    """The job's optimizer over `params`; state_size: a shard's state length (ShardedOptimizer)."""
     if cfg.optimizer == "sgd":
-        return SGD(params, cfg.lr, cfg.momentum, cfg.weight_decay)
+        return SGD(params, cfg.lr, cfg.momentum, cfg.weight_decay, state_size)
     if cfg.optimizer == "adamw":
-        return AdamW(params, cfg.lr, tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        return AdamW(
+            params, cfg.lr, tuple(cfg.betas), weight_decay=cfg.weight_decay, state_size=state_size
+        )
     raise ValueError(f"train.optimizer = {cfg.optimizer!r}: unknown")

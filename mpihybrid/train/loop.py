@@ -32,7 +32,7 @@ from mpihybrid.comm.grid import ProcessGrid
 from mpihybrid.config import Job, to_toml
 from mpihybrid.nn.data import build_task, heldout, replica_microbatches
 from mpihybrid.nn.model import boundary_shapes, build_stage
-from mpihybrid.nn.optim import build_optimizer
+from mpihybrid.nn.optim import ShardedOptimizer, build_optimizer
 from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
 from mpihybrid.pipeline.schedules import build_schedule, lower, stage_rank
@@ -194,12 +194,17 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     overlap = c.overlap if on_host else "off"
     gradcomm = GradientComm(grid.dp_comm, overlap, c.segment_kb * 256, backend)
     codec = get_codec(c.codec, c.block)
+    # ZeRO-1: the buckets' rings reduce-scatter, the owner updates, a weight ring gathers
+    param_codec = get_codec(c.param_codec or "fp32", c.block) if t.shard_optimizer else None
     rings = {
         s: gradcomm.reducer(
-            s, st.flat_grads, st.param_ranges, codec, c.error_feedback, c.bucket_kb * 1024
+            s, st.flat_grads, st.param_ranges, codec, c.error_feedback, c.bucket_kb * 1024,
+            st.flat_params, param_codec,
         )
         for s, st in stages.items()
     }  # fmt: skip
+    for st in stages.values():
+        st.recompute = t.recompute == "full"
     runtime = PipelineRuntime(
         grid.pp_comm, stages, actions, num_stages, M, shapes, recorder, c.sync_sends, backend,
         peer_ranks, grads_final=lambda s, lo: rings[s].ready_from(lo),
@@ -214,11 +219,19 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
         runtime=runtime,
         gradcomm=gradcomm,
         rings=rings,
-        optimizers={s: build_optimizer(t, st.flat_params) for s, st in stages.items()},
+        optimizers={s: _optimizer(t, st, rings[s]) for s, st in stages.items()},
         ring_peer=grid.world_rank_of(grid.pp_rank, (grid.dp_rank + 1) % grid.dp_size, g.order),
         peak_inflight=dict.fromkeys(stages, 0),
         trace=trace,
     )
+
+
+def _optimizer(t, stage, reducer):
+    """The stage's optimizer: over the whole stage, or (train.shard_optimizer) over the chunks
+    of its buckets this replica owns, with an fp32 master copy when the weight gather is lossy."""
+    if not t.shard_optimizer:
+        return build_optimizer(t, stage.flat_params)
+    return ShardedOptimizer(t, stage.flat_params, reducer.owned, reducer.lossy_gather)
 
 
 def _build_trace(job: Job, world: MPI.Comm, dp_rank: int, num_actions: int):
@@ -435,7 +448,7 @@ def _begin_updates(run: _Run) -> None:
             optimizer.update(st.flat_grads, lo, hi)
             backend.synchronize()  # a no-op on the CPU
 
-        run.rings[s].begin_step(update)
+        run.rings[s].begin_step(update, getattr(optimizer, "master_of", None))
 
 
 def _reduce_and_update(run: _Run, step: int) -> None:
@@ -451,6 +464,11 @@ def _reduce_and_update(run: _Run, step: int) -> None:
             run.ring_peer,
         )  # fmt: skip
         rec.record(KIND["optimizer"], step, ev.stage, ev.bucket, ev.reduced, ev.end)
+        if run.rings[ev.stage].sharded:  # the weight all-gather: a second ring row
+            rec.record(
+                KIND["allreduce"], step, ev.stage, ev.bucket, ev.end, ev.gathered,
+                ev.gather_nbytes, run.ring_peer,
+            )  # fmt: skip
 
 
 def _finish(
