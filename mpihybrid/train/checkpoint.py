@@ -3,6 +3,13 @@
     DIR/step-000120/manifest.json          written last, by rank 0: what the checkpoint holds
     DIR/step-000120/stage-002.h5           replica 0 of stage 2: params + optimizer state
     DIR/step-000120/residual-s002-r001.h5  replica 1's error-feedback residual of stage 2
+    DIR/step-000120/shard-s002-r001.h5     train.shard_optimizer: replica 1's optimizer shard of
+                                           stage 2 (its owned ranges, their state, its master)
+
+With a sharded optimizer the stage file holds the parameters only and every replica writes the
+state of the chunks it owns. A resume assembles each stage's whole state from the shards (they
+must cover it) and takes what its own optimizer needs: dp may change, and a run may go from
+sharded to not sharded and back (a lossy weight gather's master copy is the parameters then).
 
 A checkpoint is first written into `DIR/.step-000120.partial-<nonce>/` (each file itself through a
 temporary name, fsynced), then rank 0 writes the manifest and renames the directory
@@ -36,6 +43,7 @@ import numpy as np
 
 from mpihybrid.comm.device import copy_from_host, host_array
 from mpihybrid.files import atomic_path, commit_dir, write_atomic
+from mpihybrid.nn.optim import ShardedOptimizer
 from mpihybrid.units import human_bytes
 
 log = logging.getLogger("mpihybrid")
@@ -100,10 +108,14 @@ def save_rank(partial: Path, s: int, dp_rank: int, stage, optimizer, ring, step:
     """This rank's share of a checkpoint, into the (already created) partial directory.
     Returns {file name: sha256} of the files it wrote."""
     digests = {}
+    sharded = isinstance(optimizer, ShardedOptimizer)
+    if sharded:
+        digests |= _save_shard(partial, s, dp_rank, optimizer, step)
     if dp_rank == 0:
         # host copies of arrays that may live on a GPU (no copy on the CPU)
         arrays = {"params": host_array(stage.flat_params)}
-        arrays.update({f"optimizer/{k}": host_array(v) for k, v in optimizer.state().items()})
+        if not sharded:
+            arrays.update({f"optimizer/{k}": host_array(v) for k, v in optimizer.state().items()})
         digests |= _write_h5(
             partial / f"stage-{s:03d}.h5",
             arrays,
@@ -122,9 +134,13 @@ def share_nbytes(dp_rank: int, stages, optimizers, rings) -> int:
     """Bytes of array data this rank writes into one checkpoint (what a full disk is told)."""
     total = 0
     for s, st in stages.items():
+        sharded = isinstance(optimizers[s], ShardedOptimizer)
         if dp_rank == 0:
             total += st.flat_params.nbytes
+        if dp_rank == 0 or sharded:
             total += sum(v.nbytes for v in optimizers[s].state().values())
+        if sharded and optimizers[s].master is not None:
+            total += optimizers[s].master.nbytes
         if rings[s].residual is not None:
             total += rings[s].residual.nbytes
     return total
@@ -183,6 +199,7 @@ def manifest_for(job, step: int, losses: list, accuracies: list, files: dict) ->
         "features": job.data.features,
         "optimizer": job.train.optimizer,
         "codec": job.comm.codec,
+        "shard_optimizer": job.train.shard_optimizer,
         "losses": losses,
         "accuracies": accuracies,
         "job": to_toml(job),
@@ -270,12 +287,15 @@ def load_rank(
     params = arrays.get("params")
     if params is None or params.shape != stage.flat_params.shape:
         raise CheckpointError(f"{path}: stage {s} parameters do not fit this model")
-    copy_from_host(stage.flat_params, params)
-    for name, buf in optimizer.state().items():
-        saved = arrays.get(f"optimizer/{name}")
-        if saved is None or saved.shape != buf.shape:
-            raise CheckpointError(f"{path}: optimizer state {name!r} missing or mis-shaped")
-        copy_from_host(buf, saved)
+    if (manifest or {}).get("shard_optimizer") or isinstance(optimizer, ShardedOptimizer):
+        _load_sharded(path, s, stage, optimizer, manifest or {}, arrays)
+    else:
+        copy_from_host(stage.flat_params, params)
+        for name, buf in optimizer.state().items():
+            saved = arrays.get(f"optimizer/{name}")
+            if saved is None or saved.shape != buf.shape:
+                raise CheckpointError(f"{path}: optimizer state {name!r} missing or mis-shaped")
+            copy_from_host(buf, saved)
     if "optimizer_steps" not in attrs:
         raise CheckpointDamaged(f"{path}: stage {s} file lacks its optimizer_steps attribute")
     optimizer.step_count = int(attrs["optimizer_steps"])
@@ -289,6 +309,89 @@ def load_rank(
             copy_from_host(ring.residual, res["residual"])
         else:  # each replica's quantisation error is its own; a new dp starts them afresh
             ring.residual[...] = 0.0
+
+
+def _shard_name(s: int, dp_rank: int) -> str:
+    return f"shard-s{s:03d}-r{dp_rank:03d}.h5"
+
+
+def _save_shard(partial: Path, s: int, dp_rank: int, optimizer, step: int) -> dict:
+    """A sharded optimizer's share of stage s: its owned ranges ([lo, hi) rows, in the order
+    its state holds them), that state, and its master copy when it keeps one."""
+    arrays = {"owned": np.array(optimizer.owned, np.int64).reshape(-1, 2)}
+    arrays.update({f"optimizer/{k}": host_array(v) for k, v in optimizer.state().items()})
+    if optimizer.master is not None:
+        arrays["master"] = host_array(optimizer.master)
+    attrs = {"stage": s, "replica": dp_rank, "step": step}
+    return _write_h5(partial / _shard_name(s, dp_rank), arrays, attrs)
+
+
+def _whole_state(path: Path, s: int, n: int, names, manifest: dict, arrays: dict):
+    """The whole stage's optimizer state {name: array of n} and the master weights (None when
+    the checkpoint has none): from the stage file, or assembled from every replica's shard.
+    CheckpointError when the shards leave part of the stage uncovered."""
+    if not manifest.get("shard_optimizer"):
+        whole = {}
+        for name in names:
+            saved = arrays.get(f"optimizer/{name}")
+            if saved is None or saved.shape != (n,):
+                raise CheckpointError(f"{path}: optimizer state {name!r} missing or mis-shaped")
+            whole[name] = saved
+        return whole, None
+    whole = {name: np.zeros(n, np.float32) for name in names}
+    master, covered = None, np.zeros(n, bool)
+    listed = manifest.get("files")
+    for r in range(int(manifest["dp"])):
+        name = _shard_name(s, r)
+        if (listed is not None and name not in listed) or not (path / name).is_file():
+            continue  # the coverage check below says what is missing
+        _verify(path, name, manifest)
+        shard, _ = _read_h5(path / name)
+        at = 0
+        for lo, hi in shard.get("owned", np.empty((0, 2), np.int64)).tolist():
+            if not 0 <= lo <= hi <= n:
+                raise CheckpointError(f"{path}: {name} holds range [{lo}, {hi}) outside stage {s}")
+            for key in names:
+                saved = shard.get(f"optimizer/{key}")
+                if saved is None or saved.size < at + hi - lo:
+                    raise CheckpointError(f"{path}: {name} lacks optimizer state {key!r}")
+                whole[key][lo:hi] = saved[at : at + hi - lo]
+            if "master" in shard:
+                master = np.zeros(n, np.float32) if master is None else master
+                master[lo:hi] = shard["master"][at : at + hi - lo]
+            covered[lo:hi] = True
+            at += hi - lo
+    if not covered.all():
+        gap = int(np.argmin(covered))
+        raise CheckpointError(
+            f"checkpoint {path}: the optimizer shards of stage {s} cover "
+            f"{int(covered.sum())} of its {n} parameters (missing from offset {gap}; "
+            f"{manifest['dp']} shards expected)"
+        )
+    return whole, master
+
+
+def _load_sharded(path: Path, s: int, stage, optimizer, manifest: dict, arrays: dict) -> None:
+    """Parameters and optimizer state where either side is sharded (re-sharding as needed).
+    The weights are the master copy where the checkpoint has one, unless this run keeps a
+    master itself (then the working weights and the master are both restored as they were)."""
+    n = stage.flat_params.size
+    sharded = isinstance(optimizer, ShardedOptimizer)
+    names = list(optimizer.state())
+    whole, master = _whole_state(path, s, n, names, manifest, arrays)
+    params = arrays["params"]
+    keeps_master = sharded and optimizer.master is not None
+    copy_from_host(stage.flat_params, params if master is None or keeps_master else master)
+    if sharded:
+        for name, buf in optimizer.state().items():
+            shard = np.empty(buf.shape, np.float32)
+            optimizer.gather(whole[name], shard)
+            copy_from_host(buf, shard)
+        if keeps_master:
+            optimizer.load_master(params if master is None else master)
+    else:
+        for name, buf in optimizer.state().items():
+            copy_from_host(buf, whole[name])
 
 
 def _agree(world, error: str | None) -> None:
