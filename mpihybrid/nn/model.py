@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -162,8 +163,22 @@ def partition(param_counts: list[int], num_chunks: int) -> list[range]:
     return ranges[::-1]
 
 
+class Recompute(NamedTuple):
+    """What a forward keeps under train.recompute = "full": the stage's input alone; the
+    backward runs the forward again from it (the same operations: the same bits)."""
+
+    input: np.ndarray
+
+
 class Stage:
-    """A contiguous slice of blocks that one rank owns (one model chunk)."""
+    """A contiguous slice of blocks that one rank owns (one model chunk).
+
+    recompute: forward keeps only its input (Recompute) and the backward redoes the forward
+    just before it: activation memory of one micro-batch in flight falls to its input, for
+    one more forward per micro-batch.
+    """
+
+    recompute: bool = False
 
     def __init__(
         self, blocks: list[Block], first_block: int, seed: int, dtype: np.dtype = np.float32
@@ -205,11 +220,19 @@ class Stage:
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
         # the caches keep references to their inputs (x included): a caller must not
         # overwrite x in place until the matching backward has run
+        y, caches = self._forward(x)
+        return (y, Recompute(x)) if self.recompute else (y, caches)
+
+    def _forward(self, x: np.ndarray) -> tuple[np.ndarray, list]:
         caches = []
         for layer in self.layers:
             x, cache = layer.forward(x)
             caches.append(cache)
         return x, caches
+
+    def _caches(self, cache: object) -> list:
+        """The layers' caches: a Recompute's forward done again (its output is not needed)."""
+        return self._forward(cache.input)[1] if isinstance(cache, Recompute) else cache
 
     def backward(
         self, dy: np.ndarray, cache: object, need_dx: bool = True, on_grad: GradHook | None = None
@@ -217,6 +240,7 @@ class Stage:
         """need_dx=False (the model's first stage): the first layer skips its input gradient.
         on_grad(lo): called after each layer, from the last: its gradients (flat offsets >= lo)
         are written (the gradient buckets start from it on the step's last backward)."""
+        cache = self._caches(cache)
         last = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(reversed(self.layers), reversed(cache), strict=True)):
             dy = layer.backward(dy, c, need_dx or i < last)
@@ -227,6 +251,9 @@ class Stage:
     def backward_input(
         self, dy: np.ndarray, cache: object, need_dx: bool = True
     ) -> tuple[np.ndarray | None, object]:
+        """The input gradient alone; returns it and what backward_weight needs (kept until
+        the W: a recomputed forward is not redone for it)."""
+        cache = self._caches(cache)
         wcaches = []
         last = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(reversed(self.layers), reversed(cache), strict=True)):
