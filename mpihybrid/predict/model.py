@@ -213,7 +213,9 @@ def _rank_end(
     shift = free = 0.0  # compute delayed by bucket work so far; when the last bucket is done
     for ready, s, n in sorted(buckets, key=lambda b: b[0]):
         ring, work_s = ring_seconds(job, s, n, cluster)
-        update = optimizer_seconds(job, n, cluster)
+        # sharded (ZeRO-1): the rank updates its 1/dp of the bucket
+        owned = n // job.grid.dp if job.train.shard_optimizer else n
+        update = optimizer_seconds(job, owned, cluster)
         start = max(ready + shift, free)
         free = start + ring + update
         if start < compute_end + shift:
@@ -262,7 +264,12 @@ def predict(job: Job, cluster: Cluster) -> dict:
     actions = build_schedule(t.schedule, g.pp, t.microbatches, t.virtual_stages, t.early_grad_send)
     costs = Costs(
         forward=[action_seconds(w, "F", cluster) for w in work],
-        backward=[action_seconds(w, "B", cluster) for w in work],
+        # recompute = full: a backward first runs its forward again
+        backward=[
+            action_seconds(w, "B", cluster)
+            + (action_seconds(w, "F", cluster) if t.recompute == "full" else 0.0)
+            for w in work
+        ],
         weight=[action_seconds(w, "W", cluster) for w in work],
         send=message_seconds(job, work, cluster),
     )

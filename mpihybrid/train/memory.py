@@ -75,8 +75,12 @@ def rank_memory(
         ring += slots * FLOAT * math.ceil(params / g.dp)
     split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
     live = Liveness(split)
+    recompute = t.recompute == "full"  # a micro-batch in flight keeps its input alone
     for a in actions:
-        live.step(a.kind, a.stage, a.microbatch, work[a.stage].activation_bytes)
+        held = work[a.stage].input_bytes if recompute else work[a.stage].activation_bytes
+        live.step(a.kind, a.stage, a.microbatch, held)
+    if recompute:  # and one micro-batch's forward cache lives again during its backward
+        live.peak_total_bytes += max(work[s].activation_bytes for s in mine)
     # every receive of a step is posted when it starts: one buffer per (direction, mb)
     last, recv = len(work) - 1, 0
     for s in mine:
@@ -85,10 +89,16 @@ def rank_memory(
         if s < last and stage_rank(s + 1, g.pp, t.virtual_stages) != rank:
             recv += t.microbatches * work[s + 1].input_bytes  # their gradients from the next
     per_param = {"adamw": 2, "sgd": 1 if t.momentum else 0}[t.optimizer]  # moments, velocity
+    # train.shard_optimizer: state for the owned 1/dp; a lossy weight gather adds the owner's
+    # fp32 master of it and the gather's encoded vector twice (its wire and the one it receives)
+    owned = math.ceil(params / g.dp) if t.shard_optimizer else params
+    gather = get_codec(c.param_codec or "fp32", c.block)
+    if t.shard_optimizer and gather.lossy and g.dp > 1:
+        ring += FLOAT * owned + 2 * gather.nbytes(params)
     parts = {
         "parameters": FLOAT * params,
         "gradients": FLOAT * params,
-        "optimizer state": FLOAT * params * per_param,
+        "optimizer state": FLOAT * owned * per_param,
         "ring buffers": int(ring),
         "activations": int(live.peak_total_bytes),
         "receive buffers": int(recv),
