@@ -39,6 +39,13 @@ def train(n, *args, cwd=None):
         (2, ["--trace", "/proc/run.h5"], "cannot write /proc/run.h5"),
         (2, ["--set", "checkpoint.dir=/proc/ckpt"], "checkpoint.dir = '/proc/ckpt'"),
         (2, ["--set", "model.hidden=1000000000"], "the job needs about"),
+        (2, ["--set", "comm.param_codec=int8"], "needs train.shard_optimizer = true"),
+        (2, ["--set", "train.recompute=some"], "train.recompute = 'some': unknown"),
+        (
+            2,
+            ["--set", "train.shard_optimizer=true", "--set", "comm.param_codec=fp16"],
+            "comm.param_codec = 'fp16': unknown",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(n, args, message):
