@@ -1,0 +1,102 @@
+"""Per-rank memory of the distributed optimizer and of recomputation: measured and predicted.
+
+    mpiexec -n 2 python benchmarks/zero_memory.py jobs/gpt_bench.toml --set grid.pp=1 \
+        --set grid.dp=2 --set train.global_batch=16 --set train.shard_optimizer=true
+
+Trains the job once for --steps steps and prints per rank: the peak resident set over the
+training steps (VmHWM, the trace's peak_rss_bytes), predict's memory (the repository's
+clusters/local.toml), the pre-run estimate (train.memory), the optimizer state the rank holds
+(its master copy included) and predict's peak activations. One job per launch: a process keeps
+the memory numpy freed (keep_freed_host_memory), so a second run in it would count the first's.
+No timing: run it beside other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mpi4py import MPI  # noqa: E402
+
+from mpihybrid.config import load_job  # noqa: E402
+from mpihybrid.predict.cluster import load_cluster  # noqa: E402
+from mpihybrid.predict.model import predict  # noqa: E402
+from mpihybrid.train import loop  # noqa: E402
+from mpihybrid.train.memory import rank_estimate, reset_peak_rss  # noqa: E402
+
+MIB = 1 << 20
+CLUSTER = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "clusters", "local.toml"
+)
+
+
+def measure(job, world) -> dict | None:
+    """One training run; rank 0 gets every rank's figures."""
+    state = {}
+    build = loop._build
+
+    def spy(*a, **k):  # the optimizer state each rank holds, read from the run as built
+        run = build(*a, **k)
+        state["bytes"] = sum(
+            v.nbytes + (getattr(o, "master", None) is not None and o.master.nbytes)
+            for o in run.optimizers.values()
+            for v in o.state().values()
+        )
+        return run
+
+    loop._build = spy
+    reset_peak_rss()
+    try:
+        summary = loop.train(job, world, quiet=True)
+    finally:
+        loop._build = build
+    states = world.gather(state["bytes"], root=0)
+    if world.rank != 0:
+        return None
+    g = job.grid
+    pp_of = [r % g.pp if g.order == "pipeline-inner" else r // g.dp for r in range(world.size)]
+    predicted = predict(job, load_cluster(CLUSTER))["memory"]
+    return {
+        "peak_rss": summary.peak_rss_bytes,
+        "predicted": [predicted[p]["total_bytes"] for p in pp_of],
+        "predicted_activations": [predicted[p]["activation_bytes"] for p in pp_of],
+        "estimate": [sum(rank_estimate(job, p).values()) for p in pp_of],
+        "optimizer_state": states,
+        "step_s": summary.runtime_s / max(summary.steps - summary.start, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("job")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    world = MPI.COMM_WORLD
+    overrides = [*args.overrides, f"train.steps={args.steps}", "trace.path="]
+    job = load_job(args.job, overrides, world.size)
+    r = measure(job, world)
+    if world.rank != 0:
+        return
+    if args.json:
+        print(json.dumps({"overrides": args.overrides, **r}))
+        return
+    print("== " + " ".join(args.overrides))
+    for rank, rss in enumerate(r["peak_rss"]):
+        err = 100 * (r["predicted"][rank] / rss - 1)
+        print(
+            f"  rank {rank}: peak RSS {rss / MIB:7.1f} MiB, predicted "
+            f"{r['predicted'][rank] / MIB:7.1f} ({err:+.1f} %), estimate "
+            f"{r['estimate'][rank] / MIB:7.1f}, optimizer state "
+            f"{r['optimizer_state'][rank] / MIB:6.1f} MiB, predicted activations "
+            f"{r['predicted_activations'][rank] / MIB:6.1f} MiB"
+        )
+
+
+if __name__ == "__main__":
+    main()
