@@ -497,3 +497,83 @@ def test_activation_peaks_equal_what_the_runtime_counts(sets):
 
 def test_local_cluster_file_says_how_it_was_made():
     assert "--calibrate" in Path(LOCAL).read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# the recommender
+
+
+def _search(*args: str):
+    return CliRunner().invoke(main, ["predict", *args, "--search", "--json"])
+
+
+def test_search_ranks_fitting_layouts_best_first_and_their_sets_make_them():
+    """World 4 for the GPT benchmark: every pp x dp, both orders, every schedule, codecs and
+    buckets; best first; each entry's --set strings give back its prediction exactly."""
+    from mpihybrid.pipeline.schedules import SCHEDULES
+
+    result = _search("jobs/gpt_bench.toml", "--world", "4", "--cluster", str(LOCAL))
+    assert result.exit_code == 0, result.output
+    ranked = json.loads(result.stdout)
+    throughputs = [e["throughput"] for e in ranked]
+    assert throughputs == sorted(throughputs, reverse=True) and len(ranked) > 100
+    sets = [dict(s.split("=") for s in e["set"]) for e in ranked]
+    assert {(s["grid.pp"], s["grid.dp"]) for s in sets} == {("1", "4"), ("2", "2"), ("4", "1")}
+    assert {s["grid.order"] for s in sets if s["grid.dp"] == "2"} == {"pipeline-inner",
+                                                                      "data-inner"}  # fmt: skip
+    assert {s["train.schedule"] for s in sets if s["grid.pp"] != "1"} == set(SCHEDULES)
+    assert {s["comm.codec"] for s in sets} == {"fp32", "fp16", "bf16", "int8"}
+    assert len({s["comm.bucket_kb"] for s in sets}) >= 4
+    assert ranked[0]["reason"].startswith("best:") and all(e["reason"] for e in ranked)
+    cluster = load_cluster(LOCAL)
+    for entry in (ranked[0], ranked[len(ranked) // 2], ranked[-1]):
+        again = predict(_job("jobs/gpt_bench.toml", *entry["set"]), cluster)
+        assert again["throughput"] == pytest.approx(entry["throughput"], rel=1e-12)
+
+
+def test_search_keeps_only_layouts_that_fit(tmp_path):
+    """A device of 700 MiB: the GPT's layouts that need more are left out, the rest kept."""
+    table = _table()
+    table["node"]["memory_bytes"] = 700 * 2**20
+    small = tmp_path / "small.toml"
+    small.write_text(_toml(table))
+    everything = json.loads(_search("jobs/gpt_bench.toml", "--cluster", str(A100)).stdout)
+    result = _search("jobs/gpt_bench.toml", "--cluster", str(small))
+    assert result.exit_code == 0, result.output
+    kept = json.loads(result.stdout)
+    assert 0 < len(kept) < len(everything)
+    assert all(e["peak_memory_bytes"] <= 700 * 2**20 for e in kept)
+    assert {tuple(e["set"]) for e in kept} == {
+        tuple(e["set"]) for e in everything if e["peak_memory_bytes"] <= 700 * 2**20
+    }
+
+
+def test_search_with_no_layout_that_fits_exits_4_and_none_to_make_exits_2(tmp_path):
+    table = _table()
+    table["node"]["memory_bytes"] = 2**20
+    tiny = tmp_path / "tiny.toml"
+    tiny.write_text(_toml(table))
+    result = _search("jobs/gpt_bench.toml", "--cluster", str(tiny))
+    assert result.exit_code == 4 and json.loads(result.stdout) == []
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mpihybrid: error: does not fit: none of the ")
+    # 7 ranks: 8 sequences split over no dp of 7, and 6 blocks over no pipeline of 7
+    made = _search("jobs/gpt_bench.toml", "--world", "7", "--cluster", str(A100))
+    assert made.exit_code == 2
+    assert made.output.strip().splitlines() == [
+        "mpihybrid: error: no layout of this job on 7 ranks: every pp x dp, schedule and M was "
+        "refused (see `mpihybrid train` for the rule)"
+    ]
+
+
+def test_more_ranks_than_cores_share_them():
+    """node.cores: 4 ranks on 2 cores run at half the rates; 2 ranks on 2 cores as given."""
+    from mpihybrid.predict.cluster import shared_cores
+
+    local = load_cluster(LOCAL)
+    one = dataclasses.replace(local, node=dataclasses.replace(local.node, ranks_per_node=4))
+    assert shared_cores(one, 2) == one
+    shared = shared_cores(one, 4)
+    assert shared.device.gemm_flops == local.device.gemm_flops / 2
+    assert shared.codecs["int8"].encode == local.codecs["int8"].encode / 2
+    assert shared_cores(shared, 4) == shared  # applied once

@@ -11,6 +11,7 @@ stderr after the prediction, which --json still prints).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -139,15 +140,30 @@ def format_prediction(r: dict) -> str:
               "written, then predict on it.")  # fmt: skip
 @click.option("--cluster-out", metavar="FILE", help="Where --calibrate writes (replacing the "
               "file); default: a new ~/.config/mpihybrid/clusters/local.toml.")  # fmt: skip
+@click.option("--search", is_flag=True, help="Rank every layout of the job for its world size "
+              "(pp x dp, grid.order, schedule, M, codec, comm.bucket_kb) that fits, best "
+              "first.")  # fmt: skip
+@click.option("--world", type=int, metavar="N",
+              help="--search: the world size (default: the job's pp x dp).")  # fmt: skip
+@click.option("--top", type=int, default=15, show_default=True, metavar="N",
+              help="--search: rows printed (--json gives every layout).")  # fmt: skip
+@click.option("--ranks-per-node", type=int, metavar="N", help="Ranks placed on one node "
+              "(default: the cluster's node.ranks_per_node), e.g. 4 for `mpiexec -n 4` on one "
+              "machine.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Every figure as JSON.")
-def predict(job_file, overrides, cluster_path, trace_path, cluster_out, as_json) -> None:
+def predict(
+    job_file, overrides, cluster_path, trace_path, cluster_out, search, world, top,
+    ranks_per_node, as_json,
+) -> None:  # fmt: skip
     """Predict JOB_FILE's step time, throughput, bubble, exposed communication and memory.
 
-    Exit 4 (after the prediction) when a rank does not fit the device's memory."""
+    Exit 4 (after the prediction) when a rank does not fit the device's memory; with --search,
+    when no layout fits."""
     from mpihybrid.config import ConfigError
     from mpihybrid.pipeline.schedules import ScheduleError
     from mpihybrid.predict.cluster import ClusterError, find_cluster, load_cluster
     from mpihybrid.predict.model import predict as run_prediction
+    from mpihybrid.predict.search import SearchError
     from mpihybrid.trace.file import TraceError
 
     # with --json the calibration's lines go to stderr: stdout stays one JSON document
@@ -161,8 +177,20 @@ def predict(job_file, overrides, cluster_path, trace_path, cluster_out, as_json)
                 raise ValueError(f"trace {trace_path!r} does not exist")
             cluster_path = str(_calibrate(trace_path, cluster_path, cluster_out, echo))
         cluster_file = find_cluster(cluster_path)
-        result = run_prediction(job, load_cluster(cluster_file))
-    except (ConfigError, ClusterError, ScheduleError, TraceError, ValueError, OSError) as exc:
+        cluster = load_cluster(cluster_file)
+        if ranks_per_node is not None:
+            if ranks_per_node < 1:
+                raise ValueError(f"--ranks-per-node {ranks_per_node}: must be >= 1")
+            node = dataclasses.replace(cluster.node, ranks_per_node=ranks_per_node)
+            cluster = dataclasses.replace(cluster, node=node)
+        if search:
+            _search(job, cluster, world or job.grid.pp * job.grid.dp, top, as_json, job_file)
+            return
+        if world is not None:
+            raise ValueError("--world is the world size --search ranks layouts for")
+        result = run_prediction(job, cluster)
+    except (ConfigError, ClusterError, ScheduleError, SearchError, TraceError, ValueError,
+            OSError) as exc:  # fmt: skip
         _fail(str(exc))
     result["cluster_file"] = str(cluster_file)
     click.echo(json.dumps(result, indent=1) if as_json else format_prediction(result))
@@ -181,3 +209,50 @@ def exit_if_it_does_not_fit(result: dict) -> None:
             err=True,
         )
         sys.exit(EXIT_DOES_NOT_FIT)
+
+
+def _search(job, cluster, world: int, top: int, as_json: bool, job_file: str) -> None:
+    """Print the ranked layouts (--json: all of them, best first); exit 4 when none fits."""
+    from mpihybrid.predict.search import search
+
+    if world < 1 or top < 1:
+        raise ValueError(f"--world {world} / --top {top}: must be >= 1")
+    ranked, made = search(job, cluster, world)
+    if as_json:
+        keys = ("throughput", "step_time_s", "bubble", "exposed_comm_s", "peak_memory_bytes",
+                "set", "reason")  # fmt: skip
+        click.echo(json.dumps([{k: e[k] for k in keys} for e in ranked], indent=1))
+    else:
+        click.echo(format_search(ranked, made, world, cluster.name, top, job_file))
+    if not ranked:
+        click.echo(
+            f"mpihybrid: error: does not fit: none of the {made} layouts on {world} ranks fits "
+            f"a device of {human_bytes(cluster.node.memory_bytes)} ({cluster.name})",
+            err=True,
+        )
+        sys.exit(EXIT_DOES_NOT_FIT)
+
+
+def format_search(ranked: list, made: int, world: int, name: str, top: int, job_file: str) -> str:
+    if not ranked:
+        return f"== search: {made} layouts on {world} ranks, none fits ({name})"
+    unit = ranked[0]["prediction"]["unit"]
+    lines = [
+        f"== search: {made} layouts of {ranked[0]['prediction']['job']['model']} on {world} "
+        f"ranks predicted on {name}, {len(ranked)} fit; the best {min(top, len(ranked))}:",
+        f"{'#':>3} {unit + '/s':>11} {'step ms':>8} {'bubble':>6} {'exp ms':>7} {'memory':>9}  "
+        "pp x dp  order           schedule          v   M  codec  bucket  reason",
+    ]
+    for i, e in enumerate(ranked[:top]):
+        j = e["prediction"]["job"]
+        bucket = next(s.split("=")[1] for s in e["set"] if s.startswith("comm.bucket_kb"))
+        lines.append(
+            f"{i + 1:>3} {e['throughput']:>11,.0f} {1e3 * e['step_time_s']:>8.2f} "
+            f"{e['bubble']:>6.3f} {1e3 * e['exposed_comm_s']:>7.2f} "
+            f"{human_bytes(e['peak_memory_bytes']):>9}  {j['pp']:>2} x {j['dp']:<2}  "
+            f"{j['order']:<15} {j['schedule']:<17} {j['virtual_stages']} {j['microbatches']:>3}  "
+            f"{j['codec']:<5}  {bucket:>6}  {e['reason']}"
+        )
+    sets = " ".join(f"--set {s}" for s in ranked[0]["set"])
+    lines.append(f"run the best: mpiexec -n {world} mpihybrid train {job_file} {sets}")
+    return "\n".join(lines)

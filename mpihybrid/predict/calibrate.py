@@ -363,7 +363,9 @@ def calibrate(
     hop_bytes = max((w.input_bytes for w in stage_work(job)), default=0)
     cluster = Cluster(
         name="local",
-        node=Node(ranks_per_node=os.cpu_count() or 1, memory_bytes=_ram()),
+        node=Node(
+            ranks_per_node=os.cpu_count() or 1, memory_bytes=_ram(), cores=os.cpu_count() or 1
+        ),
         device=device,
         links={"node": Link(max(1e-6, hop - hop_bytes / node_bw), node_bw), "network": network},
         codecs=rates["codecs"],
@@ -388,7 +390,8 @@ def calibrate(
         "device.step_overhead_s": f"median measured step {measured:.4f} s less the prediction",
         "device.base_memory_bytes": base_note,
         "device.host_copy_bandwidth": "0: arrays live on the host",
-        "node.ranks_per_node": "os.cpu_count(): one rank per core",
+        "node.ranks_per_node": "os.cpu_count(): one rank per core (--ranks-per-node: more)",
+        "node.cores": "os.cpu_count(): more ranks than this share the cores",
         "node.memory_bytes": "MemTotal of /proc/meminfo",
         "links.node.alpha_s": f"median waited hop {hop * 1e6:.0f} us less its bytes",
         "links.node.bandwidth": node_note,

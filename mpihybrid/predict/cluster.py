@@ -6,7 +6,9 @@
 A cluster file is TOML (every rate in bytes or FLOPs per second, every time in seconds):
 
     name = "..."
-    [node]      ranks_per_node (one rank per device), memory_bytes (of one device)
+    [node]      ranks_per_node (one rank per device), memory_bytes (of one device), cores
+                (optional: CPU cores that run the ranks; more ranks on a node than cores share
+                them, every rate slowed by ranks / cores; 0 or absent: a core per rank)
     [device]    gemm_flops (achieved, float32 matmuls), gemm_bandwidth (a GEMM's operand
                 bytes; 0 = not counted), gemm_call_s (per matmul call), mem_bandwidth
                 (elementwise work), optimizer_bandwidth (the optimizer's bytes / s),
@@ -53,6 +55,7 @@ class ClusterError(ValueError):
 class Node:
     ranks_per_node: int
     memory_bytes: float
+    cores: int = 0  # 0: a core (device) per rank
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,8 @@ class Cluster:
 
 
 # fields that may be 0 (not counted); every other rate must be > 0
-MAY_BE_ZERO = {"gemm_bandwidth", "host_copy_bandwidth", "node_bandwidth", "base_memory_bytes"}
+MAY_BE_ZERO = {"gemm_bandwidth", "host_copy_bandwidth", "node_bandwidth", "base_memory_bytes",
+               "cores"}  # fmt: skip
 
 
 def _section(table: dict, where: str, cls: type, optional: tuple[str, ...] = ()):
@@ -137,7 +141,7 @@ def parse_cluster(data: dict) -> Cluster:
     """A Cluster from a parsed TOML table; ClusterError on the first bad or missing field."""
     if not isinstance(data.get("name"), str):
         raise ClusterError("missing field name (a string)")
-    node = _section(_table(data, "node", "node"), "node", Node)
+    node = _section(_table(data, "node", "node"), "node", Node, optional=("cores",))
     if node.ranks_per_node < 1 or node.ranks_per_node != int(node.ranks_per_node):
         raise ClusterError(f"node.ranks_per_node = {node.ranks_per_node}: an integer >= 1")
     device = _section(_table(data, "device", "device"), "device", Device)
@@ -158,11 +162,35 @@ def parse_cluster(data: dict) -> Cluster:
     }
     return Cluster(
         name=data["name"],
-        node=Node(int(node.ranks_per_node), node.memory_bytes),
+        node=Node(int(node.ranks_per_node), node.memory_bytes, int(node.cores)),
         device=device,
         links=links,
         codecs=codecs,
     )
+
+
+def shared_cores(cluster: Cluster, world: int) -> Cluster:
+    """The cluster as `world` ranks see it when a node holds more of them than it has cores
+    (node.cores): the cores are time-shared (MPI's waits poll, so a waiting rank keeps its
+    share), every rate of the device, the codecs and the node's link slowed by ranks / cores."""
+    n = cluster.node
+    ranks = min(world, n.ranks_per_node)
+    if not n.cores or ranks <= n.cores:
+        return cluster
+    k = ranks / n.cores
+    d = cluster.device
+    device = Device(
+        gemm_flops=d.gemm_flops / k, gemm_bandwidth=d.gemm_bandwidth / k,
+        gemm_call_s=d.gemm_call_s * k, mem_bandwidth=d.mem_bandwidth / k,
+        optimizer_bandwidth=d.optimizer_bandwidth / k, op_overhead_s=d.op_overhead_s * k,
+        step_overhead_s=d.step_overhead_s * k, base_memory_bytes=d.base_memory_bytes,
+        host_copy_bandwidth=d.host_copy_bandwidth / k,
+    )  # fmt: skip
+    link = cluster.links["node"]
+    links = {**cluster.links, "node": Link(link.alpha_s * k, link.bandwidth / k, 0.0)}
+    codecs = {name: CodecRate(r.encode / k, r.decode / k) for name, r in cluster.codecs.items()}
+    # cores 0: the sharing is in the rates now (applying this twice changes nothing)
+    return Cluster(cluster.name, Node(n.ranks_per_node, n.memory_bytes, 0), device, links, codecs)
 
 
 def user_dir() -> Path:

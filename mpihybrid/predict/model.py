@@ -31,7 +31,7 @@ from mpihybrid.config import Job
 from mpihybrid.nn.cost import FLOAT, ChunkWork, Cost, Gemm, stage_work
 from mpihybrid.pipeline.schedules import Action, build_schedule, stage_rank
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
-from mpihybrid.predict.cluster import Cluster, Device, Link
+from mpihybrid.predict.cluster import Cluster, Device, Link, shared_cores
 from mpihybrid.train import memory
 
 # bytes the optimizers of optim.py read and write per parameter: SGD's `p -= lr * g` is a
@@ -210,7 +210,8 @@ def _rank_end(
     for s, a in last.items():
         for ready, n in _bucket_ready(work[s], a, (s, a.microbatch) in split, sim, job, cluster):
             buckets.append((compute_end if after else ready, s, n))
-    shift = free = 0.0  # compute delayed by bucket work so far; when the last bucket is done
+    shift = free = late_update = 0.0  # compute delayed by bucket work so far; when the last
+    # bucket is done; updates of the buckets that start after the compute
     for ready, s, n in sorted(buckets, key=lambda b: b[0]):
         ring, work_s = ring_seconds(job, s, n, cluster)
         # sharded (ZeRO-1): the rank updates its 1/dp of the bucket
@@ -220,11 +221,16 @@ def _rank_end(
         free = start + ring + update
         if start < compute_end + shift:
             shift += (ring if job.comm.overlap == "poll" else work_s) + update
+        else:
+            late_update += update
     end = max(compute_end + shift, free)
+    exposed = max(0.0, free - compute_end - shift)
     return {
         "end_s": end,
         "compute_end_s": compute_end + shift,
-        "exposed_comm_s": max(0.0, free - compute_end - shift),
+        "exposed_comm_s": exposed,  # ring and update past the compute
+        "delay_s": shift,  # compute delayed by bucket work on the rank's core
+        "exposed_ring_s": max(0.0, exposed - late_update),  # of it, the rings alone
     }
 
 
@@ -257,9 +263,11 @@ def rank_memory(job: Job, work: list[ChunkWork], actions: list[Action], cluster:
 # ---------------------------------------------------------------------------------------------
 
 
-def predict(job: Job, cluster: Cluster) -> dict:
-    """Everything `mpihybrid predict` reports for a resolved job on `cluster` (JSON-ready)."""
+def pipeline(job: Job, cluster: Cluster) -> tuple:
+    """(work, actions, costs, simulation) of the job's pipeline: what its codec and buckets do
+    not change (the recommender reuses it across them)."""
     g, t = job.grid, job.train
+    cluster = shared_cores(cluster, g.pp * g.dp)
     work = stage_work(job)
     actions = build_schedule(t.schedule, g.pp, t.microbatches, t.virtual_stages, t.early_grad_send)
     costs = Costs(
@@ -273,7 +281,15 @@ def predict(job: Job, cluster: Cluster) -> dict:
         weight=[action_seconds(w, "W", cluster) for w in work],
         send=message_seconds(job, work, cluster),
     )
-    sim = simulate(actions, costs, t.virtual_stages)
+    return work, actions, costs, simulate(actions, costs, t.virtual_stages)
+
+
+def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
+    """Everything `mpihybrid predict` reports for a resolved job on `cluster` (JSON-ready);
+    `piped`: pipeline(job, cluster) when already computed."""
+    g, t = job.grid, job.train
+    cluster = shared_cores(cluster, g.pp * g.dp)
+    work, actions, costs, sim = piped or pipeline(job, cluster)
     memory = [rank_memory(job, work, actions[r], cluster) for r in range(g.pp)]
     ranks = []
     for r in range(g.pp):
