@@ -1,50 +1,30 @@
-"""Where one stage's time goes, layer type by layer type: forward, input and weight gradient.
+"""Where one stage's time goes, layer by layer: forward, input and weight gradient.
 
     python benchmarks/stage_profile.py jobs/gpt_bench.toml            # chunk 0 of pp
     python benchmarks/stage_profile.py jobs/gpt_bench.toml --chunk 1
     python benchmarks/stage_profile.py jobs/gpt_bench.toml --default-malloc  # without mallopt
+    python benchmarks/stage_profile.py jobs/gpt_bench.toml --partition  # split by measured cost
 
 Runs M micro-batches of forward, then backward_input + backward_weight, as a pipeline stage
 does (activations of all M alive at once), a few times, on one core; prints ms per micro-batch
-summed over the layers of each type, largest first (the last chunk's loss included), and the
-optimizer step. `MPIHYBRID_KERNELS=numpy` profiles the numpy references instead of the kernels.
+of each layer and pass, largest first (the last chunk's loss included; "glue": the residual adds
+and the Python between layers), then the same by op (what `bench train`'s time split uses),
+and the optimizer step. `MPIHYBRID_KERNELS=numpy` profiles the numpy references instead.
+--partition times every block of the whole model instead and prints the `model.partition` that
+balances the measured seconds (a list for the job file), beside the FLOP-based "cost" split.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import time
-
-import numpy as np
 
 from mpihybrid import _numba
 from mpihybrid.comm.device import keep_freed_host_memory
 from mpihybrid.config import load_job
-from mpihybrid.nn.data import build_task, microbatches
-from mpihybrid.nn.layers import SoftmaxCrossEntropy
-from mpihybrid.nn.model import build_stage
+from mpihybrid.nn.model import partition
 from mpihybrid.nn.optim import build_optimizer
-from mpihybrid.nn.transformer import Residual
-
-
-def timed(layer, totals: dict) -> None:
-    """Wrap the layer's passes (and its branch's, for a Residual) with timers."""
-    if isinstance(layer, Residual):
-        for sub in layer.branch:
-            timed(sub, totals)
-        return
-    name = repr(layer)
-    for method in ("forward", "backward_input", "backward_weight"):
-        inner = getattr(layer, method)
-
-        def wrapper(*args, _inner=inner, _key=(name, method)):
-            start = time.perf_counter()
-            out = _inner(*args)
-            totals[_key] += time.perf_counter() - start
-            return out
-
-        setattr(layer, method, wrapper)
+from mpihybrid.nn.profile import CATEGORIES, num_chunks, profile_chunk, timed_partition
 
 
 def main() -> None:
@@ -52,6 +32,8 @@ def main() -> None:
     parser.add_argument("job")
     parser.add_argument("--chunk", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--partition", action="store_true", help="time every block, split")
     parser.add_argument(
         "--default-malloc",
         action="store_true",
@@ -60,60 +42,57 @@ def main() -> None:
     args = parser.parse_args()
     if not args.default_malloc:
         keep_freed_host_memory()  # as train() does
-    job = load_job(args.job, [], job_world(args.job))
-    task = build_task(job.data)
-    chunks = job.grid.pp * job.train.virtual_stages
-    stage = build_stage(job.model, task.in_features, task.num_classes, args.chunk, chunks, 0)
-    m = job.train.microbatches
-    x, y = task.global_batch(0, job.train.global_batch // job.grid.dp)
-    batches = microbatches(x, y, 0, 1, m)
-    rng = np.random.default_rng(0)
-    if args.chunk > 0:  # a later chunk gets activations, not tokens
-        shape = (len(batches[0][0]), *([task.in_features] if job.model.kind == "gpt" else []))
-        width = job.model.hidden if job.model.kind == "gpt" else stage.layers[0].in_features
-        inputs = [rng.standard_normal((*shape, width)).astype(np.float32) for _ in range(m)]
-    else:
-        inputs = [b[0] for b in batches]
-    totals: dict = collections.defaultdict(float)
-    for layer in stage.layers:
-        timed(layer, totals)
-    last = args.chunk == chunks - 1
-    loss_fn = SoftmaxCrossEntropy()
-    for repeat in range(args.repeats + 1):
-        if repeat == 1:  # the first pass warms up
-            totals.clear()
-            start = time.perf_counter()
-        caches = [stage.forward(xb) for xb in inputs]
-        for (out, cache), (_, targets) in zip(caches, batches, strict=True):
-            dy = _loss_gradient(loss_fn, out, targets, totals) if last else np.full_like(out, 1e-3)
-            _, wcache = stage.backward_input(dy, cache, need_dx=args.chunk > 0)
-            stage.backward_weight(wcache)
-    per_mb = (time.perf_counter() - start) / args.repeats / m
+    job = load_job(args.job, args.overrides, job_world(args.job, args.overrides))
+    if args.partition:
+        return print_partition(job, args.repeats)
+    by_layer = profile_chunk(job, args.chunk, args.repeats, key=lambda l, m: (repr(l), m))
+    by_op = profile_chunk(job, args.chunk, args.repeats)
+    per_mb = sum(by_layer.values())
+    from mpihybrid.nn.data import task_dims
+    from mpihybrid.nn.model import build_stage
+
+    stage = build_stage(job.model, *task_dims(job.data), args.chunk, num_chunks(job), 0)
     optimizer = build_optimizer(job.train, stage.flat_params)
+    optimizer.step(stage.flat_grads)  # warm-up (compiles)
     t0 = time.perf_counter()
     for _ in range(args.repeats):
         optimizer.step(stage.flat_grads)
     opt = (time.perf_counter() - t0) / args.repeats
     print(f"kernels: {_numba.describe()}")
-    print(f"chunk {args.chunk} of {chunks}: {stage.num_params:,} parameters, "
+    print(f"chunk {args.chunk} of {num_chunks(job)}: {stage.num_params:,} parameters, "
           f"F+B+W {1e3 * per_mb:.1f} ms per micro-batch, {job.train.optimizer} step "
           f"{1e3 * opt:.1f} ms")  # fmt: skip
-    for (name, method), seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
+    for key, seconds in sorted(by_layer.items(), key=lambda kv: -kv[1]):
+        name, method = key if isinstance(key, tuple) else (key, "")
         if seconds:
-            print(f"  {name:<28} {method:<16} {1e3 * seconds / args.repeats / m:7.2f} ms")
+            print(f"  {name:<48} {method:<16} {1e3 * seconds:7.2f} ms")
+    total = sum(by_op.values())
+    print("by op (" + ", ".join(sorted(set(CATEGORIES.values()))) + ", loss, glue):")
+    for key, seconds in sorted(by_op.items(), key=lambda kv: -kv[1]):
+        print(f"  {key:<20} {1e3 * seconds:7.2f} ms  {100 * seconds / total:5.1f}%")
 
 
-def _loss_gradient(loss_fn, logits: np.ndarray, targets: np.ndarray, totals: dict) -> np.ndarray:
-    """The loss's forward and backward on the logits (in place, as the runtime does), timed."""
-    start = time.perf_counter()
-    _, cache = loss_fn.forward(logits, targets)
-    loss_fn.correct(cache)
-    dy = loss_fn.backward(cache)
-    totals[("SoftmaxCrossEntropy", "forward+backward")] += time.perf_counter() - start
-    return dy
+def print_partition(job, repeats: int) -> None:
+    from mpihybrid.nn.data import task_dims
+    from mpihybrid.nn.model import block_costs, build_blocks, chunk_ranges
+
+    counts, seconds = timed_partition(job, repeats)
+    blocks = build_blocks(job.model, *task_dims(job.data))
+    flops = block_costs(blocks)
+    by_cost = chunk_ranges(job.model, blocks, num_chunks(job))
+    print(f"kernels: {_numba.describe()}; ms per micro-batch (F+B+W) and GFLOPs per row, by block:")
+    for g, (s, f) in enumerate(zip(seconds, flops, strict=True)):
+        print(f"  block {g:<3} {1e3 * s:7.2f} ms  {f / 1e9:6.3f}")
+
+    def chunk_ms(ranges) -> str:
+        return " / ".join(f"{1e3 * sum(seconds[r.start : r.stop]):.1f}" for r in ranges)
+
+    measured = partition(seconds, num_chunks(job))
+    print(f"by measured time: model.partition = {counts} (chunks {chunk_ms(measured)} ms)")
+    print(f"by FLOPs ('cost'): blocks {[len(r) for r in by_cost]} (chunks {chunk_ms(by_cost)} ms)")
 
 
-def job_world(path: str) -> int:
+def job_world(path: str, overrides: list[str]) -> int:
     """The world size the job's grid asks for (the profile itself runs in one process)."""
     from mpihybrid.config import build_job, load_table
 

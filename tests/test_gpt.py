@@ -647,6 +647,11 @@ def test_bench_train_reports_consistent_figures():
         assert compute == pytest.approx(busy[t["rank"]], rel=1e-6)
         assert 0 <= t["exposed_allreduce"] <= t["communication"]
         assert 0 <= t["allreduce_hidden"] <= 1
+        # the pieces of the rank's wall add up: ops of its chunks' profile, messages, runtime
+        parts = t["parts"]
+        assert sum(parts.values()) == pytest.approx(1.0) and min(parts.values()) >= 0
+        assert parts["GEMM (Linear)"] > 0 and "recv (bubble)" in parts and "runtime" in parts
+    assert "loss" in out["chunk_profiles"]["1"] and "embedding" in out["chunk_profiles"]["0"]
 
 
 @pytest.mark.mpi

@@ -142,12 +142,18 @@ _COMM_KINDS = ("send", "recv", "grad_wait")
 
 
 def _time_split(
-    events: np.ndarray, first: int, wall: float, ranks: list[dict], gemm: dict[int, float]
+    events: np.ndarray,
+    first: int,
+    wall: float,
+    ranks: list[dict],
+    gemm: dict[int, float],
+    profiles: dict[int, dict[str, float]],
 ) -> list[dict]:
     """Per rank, fractions of the measured wall time: GEMM (`gemm[rank]`: seconds of matmuls at
     the rank's measured rate), elementwise (the rest of F/B/W), optimizer, communication (the
     main thread's waits: p2p and gradients); exposed = the gradient wait alone, hidden = the
-    share of the buckets' all-reduce + optimizer time that ran behind the compute."""
+    share of the buckets' all-reduce + optimizer time that ran behind the compute. `parts`: the
+    main thread's wall time in pieces that add up to 1 (see _parts)."""
     rows = events[events["step"] >= first]
     took = rows["end"] - rows["start"]
 
@@ -165,6 +171,7 @@ def _time_split(
         split.append(
             {
                 "rank": rank,
+                "parts": _parts(rank, compute, wall, seconds, profiles.get(rank, {})),
                 "gemm": matmul / wall,
                 "elementwise": (compute - matmul) / wall,
                 "optimizer": seconds(rank, ("optimizer",)) / wall,
@@ -174,6 +181,53 @@ def _time_split(
             }
         )
     return split
+
+
+def _parts(rank: int, compute: float, wall: float, seconds, profile: dict) -> dict[str, float]:
+    """The rank's main thread over the measured steps, fractions of wall adding up to 1: its
+    F/B/W time cut by op as the rank's chunks' profile (profile_chunk: Linear GEMMs, attention,
+    GELU, LayerNorm, embedding, loss, glue) cuts it; sends; receives (waiting for a neighbour:
+    the bubble, and the copies); the wait for the gradient buckets (exposed all-reduce and the
+    optimizer updates left to it); runtime: the rest (Python between actions, step metrics)."""
+    total = sum(profile.values())
+    parts = {k: compute * v / total / wall for k, v in profile.items()} if total else {}
+    if not total:
+        parts["compute"] = compute / wall
+    parts["send"] = seconds(rank, ("send",)) / wall
+    parts["recv (bubble)"] = seconds(rank, ("recv",)) / wall
+    parts["gradient wait"] = seconds(rank, ("grad_wait",)) / wall
+    parts["runtime"] = max(0.0, 1.0 - sum(parts.values()))
+    return parts
+
+
+def _profile_chunks(job: Job, world: MPI.Comm) -> dict[int, dict[str, float]] | None:
+    """Every rank at once profiles some model chunks (chunk c on the ranks r with c = r modulo
+    min(world, chunks)); rank 0 gets {chunk: seconds per micro-batch by op}."""
+    from mpihybrid.nn.profile import num_chunks, profile_chunk
+
+    n = num_chunks(job)
+    mod = min(world.size, n)
+    mine = {c: profile_chunk(job, c, repeats=2) for c in range(n) if c % mod == world.rank % mod}
+    gathered = world.gather(mine, root=0)
+    if world.rank != 0:
+        return None
+    out: dict[int, dict[str, float]] = {}
+    for part in gathered:
+        for c, prof in part.items():
+            out.setdefault(c, prof)
+    return out
+
+
+def _rank_profiles(ranks: list[dict], chunks: dict[int, dict[str, float]]) -> dict:
+    """Each rank's profile: the sum over its chunks, op by op."""
+    out = {}
+    for r in ranks:
+        prof: dict[str, float] = {}
+        for s in r["stages"]:
+            for k, v in chunks.get(s, {}).items():
+                prof[k] = prof.get(k, 0.0) + v
+        out[r["rank"]] = prof
+    return out
 
 
 def _units_per_sample(job: Job) -> int:
@@ -216,6 +270,7 @@ def bench_train(
     runs, other_walls, last, roofs, peak_rss = _run_repeats(
         job, other, world, warmup, repeats, gemms, progress
     )
+    chunk_profiles = _profile_chunks(job, world)
     hot = hot_gemm_rate(max(gemms, key=lambda g: gemm_flops([g]))) if world.rank == 0 else 0.0
     if world.rank != 0:
         return None
@@ -249,7 +304,9 @@ def bench_train(
             wall,
             report["ranks"],
             _gemm_seconds(job, report["ranks"], chunk_gemm_flops(job), rates, steps),
+            _rank_profiles(report["ranks"], chunk_profiles),
         ),  # fmt: skip
+        "chunk_profiles": {str(c): p for c, p in sorted(chunk_profiles.items())},
         "peak_rss_bytes": [int(b) for b in peak_rss],
         "final_loss": float(last.losses[-1]) if last.losses else None,
         "against": _against(against, other_walls, throughputs, steps),
@@ -420,6 +477,7 @@ def format_bench(result: dict) -> str:
             for t in result["time_split"]
         )
         + " (of wall; GEMM at the rank's measured rate)",
+        *_format_parts(result["time_split"]),
         "stages         "
         + ", ".join(
             f"{s['stage']}: busy {100 * s['busy']:.0f}%, activations {s['peak_inflight']} "
@@ -440,6 +498,17 @@ def format_bench(result: dict) -> str:
             + ")",
         ]
     return "\n".join(lines)
+
+
+def _format_parts(split: list[dict]) -> list[str]:
+    """The time split as a table: one row per piece, one column per rank, columns add to 100."""
+    keys = list(dict.fromkeys(k for t in split for k in t["parts"]))
+    head = "  ".join(f"{'rank ' + str(t['rank']):>7}" for t in split)
+    lines = [f"time split     % of each rank's wall (adds up to 100)   {'':<14}{head}"]
+    for k in keys:
+        cells = "  ".join(f"{100 * t['parts'].get(k, 0.0):7.1f}" for t in split)
+        lines.append(f"  {k:<53}{cells}")
+    return lines
 
 
 if __name__ == "__main__":  # pragma: no cover

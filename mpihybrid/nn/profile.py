@@ -1,0 +1,145 @@
+"""Where a stage's compute goes, op by op: the kernel columns of `bench train`'s time split.
+
+    from mpihybrid.nn.profile import profile_chunk
+    ms = profile_chunk(job, chunk=0, repeats=3)   # {"GEMM (Linear)": s, "GELU": s, ...} per mb
+
+Runs the job's micro-batches through one model chunk as a pipeline stage does (M forwards
+with their activations alive, then M input and weight gradients; the last chunk's loss too),
+each layer's passes timed; seconds per micro-batch by category. "glue" is the rest of the
+chunk's time: residual adds, the Python between layers. Used by benchmarks/stage_profile.py
+(one process) and by `bench train` (every rank at once, right after a measured repeat).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+from mpihybrid.nn.data import build_task, microbatches
+from mpihybrid.nn.layers import GELU, LayerNorm, Linear, SoftmaxCrossEntropy
+from mpihybrid.nn.model import build_stage
+from mpihybrid.nn.transformer import CausalAttention, Embedding, Residual
+
+CATEGORIES = {
+    Linear: "GEMM (Linear)",
+    CausalAttention: "attention",
+    GELU: "GELU",
+    LayerNorm: "LayerNorm",
+    Embedding: "embedding",
+}
+LOSS, GLUE = "loss", "glue"
+
+
+def timed(layer, totals: dict, key=None) -> None:
+    """Wrap the layer's passes (and its branch's, for a Residual) with timers adding into
+    totals[key(layer, method)] (default key: the category)."""
+    if isinstance(layer, Residual):
+        for sub in layer.branch:
+            timed(sub, totals, key)
+        return
+    for method in ("forward", "backward_input", "backward_weight"):
+        inner = getattr(layer, method)
+        name = key(layer, method) if key else CATEGORIES.get(type(layer), type(layer).__name__)
+
+        def wrapper(*args, _inner=inner, _key=name, **kwargs):
+            start = time.perf_counter()
+            out = _inner(*args, **kwargs)
+            totals[_key] += time.perf_counter() - start
+            return out
+
+        setattr(layer, method, wrapper)
+
+
+def chunk_inputs(job, chunk: int, seed: int = 0):
+    """(inputs, targets) of the job's M micro-batches for `chunk` (activations past chunk 0)."""
+    task = build_task(job.data)
+    m = job.train.microbatches
+    x, y = task.global_batch(0, job.train.global_batch // max(job.grid.dp, 1))
+    batches = microbatches(x, y, 0, 1, m)
+    if chunk == 0:
+        return [b[0] for b in batches], [b[1] for b in batches]
+    rng = np.random.default_rng(seed)
+    shape = (len(batches[0][0]), *([task.in_features] if job.model.kind == "gpt" else []))
+    stage = build_stage(job.model, task.in_features, task.num_classes, chunk, num_chunks(job), 0)
+    width = job.model.hidden if job.model.kind == "gpt" else stage.layers[0].in_features
+    inputs = [rng.standard_normal((*shape, width)).astype(np.float32) for _ in range(m)]
+    return inputs, [b[1] for b in batches]
+
+
+def num_chunks(job) -> int:
+    return job.grid.pp * job.train.virtual_stages
+
+
+def profile_stage(stage, inputs, targets, last: bool, first: bool, repeats: int, key=None):
+    """Seconds per micro-batch by category (or by `key(layer, method)`), glue included."""
+    totals: dict = collections.defaultdict(float)
+    for layer in stage.layers:
+        timed(layer, totals, key)
+    loss_fn = SoftmaxCrossEntropy()
+    for repeat in range(repeats + 1):
+        if repeat == 1:  # the first pass warms up (and compiles)
+            totals.clear()
+            start = time.perf_counter()
+        caches = [stage.forward(x) for x in inputs]
+        for (out, cache), t in zip(caches, targets, strict=True):
+            if last:
+                t0 = time.perf_counter()
+                _, lcache = loss_fn.forward(out, t)
+                loss_fn.correct(lcache)
+                dy = loss_fn.backward(lcache, 1.0 / len(inputs))
+                totals[LOSS] += time.perf_counter() - t0
+            else:
+                dy = np.full_like(out, 1e-3)
+            _, wcache = stage.backward_input(dy, cache, need_dx=not first)
+            stage.backward_weight(wcache)
+    took = time.perf_counter() - start
+    per_mb = repeats * len(inputs)
+    result = {k: v / per_mb for k, v in totals.items()}
+    result[GLUE] = max(0.0, took / per_mb - sum(result.values()))
+    return result
+
+
+def profile_chunk(job, chunk: int, repeats: int = 3, key=None) -> dict[str, float]:
+    """profile_stage of model chunk `chunk` of the job, on the job's own micro-batches."""
+    from mpihybrid.nn.data import task_dims
+
+    stage = build_stage(job.model, *task_dims(job.data), chunk, num_chunks(job), job.train.seed)
+    inputs, targets = chunk_inputs(job, chunk)
+    last = chunk == num_chunks(job) - 1
+    return profile_stage(stage, inputs, targets, last, chunk == 0, repeats, key)
+
+
+def timed_block_costs(job, repeats: int = 3) -> list[float]:
+    """Seconds per micro-batch of each block of the whole model (F + B + W, the loss with the
+    head), timed on the job's micro-batches as one stage: what `model.partition = "cost"`
+    estimates from FLOPs, measured on this machine."""
+    from mpihybrid.nn.data import task_dims
+    from mpihybrid.nn.model import build_stage
+
+    stage = build_stage(job.model, *task_dims(job.data), 0, 1, job.train.seed)
+    owner = {}
+    for g, block in enumerate(stage.blocks):
+        for layer in block:
+            for sub in layer.branch if isinstance(layer, Residual) else [layer]:
+                owner[id(sub)] = g
+    inputs, targets = chunk_inputs(job, 0)
+    per = profile_stage(stage, inputs, targets, True, True, repeats, key=lambda l, m: owner[id(l)])
+    costs = [per.get(g, 0.0) for g in range(len(stage.blocks))]
+    costs[-1] += per.get(LOSS, 0.0)
+    return costs
+
+
+def timed_partition(job, repeats: int = 3) -> tuple[list[int], list[float]]:
+    """(layers per chunk, seconds per block): the split of `model.partition` that balances the
+    blocks' measured seconds (nn.model.partition on them), as a list a job file takes."""
+    from mpihybrid.nn.model import partition
+
+    costs = timed_block_costs(job, repeats)
+    ranges = partition(costs, num_chunks(job))
+    counts = [len(r) for r in ranges]
+    if job.model.kind == "gpt":  # the embedding and the head ride with the first and last chunk
+        counts[0] -= 1
+        counts[-1] -= 1
+    return counts, costs
