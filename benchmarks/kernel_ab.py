@@ -6,7 +6,9 @@
 Shapes are one micro-batch of jobs/gpt_bench.toml (b = 2 sequences x T = 64 tokens, C = 240,
 F = 2048, 4 heads) and AdamW over stage 0's 6,068,304 parameters. Each round times the fast
 path, then the reference, on the same inputs, so a drifting machine hits both alike; printed:
-median ms of each and their ratio. Runs on one core (set OMP_NUM_THREADS=1).
+median ms of each and their ratio. Runs on one core (set OMP_NUM_THREADS=1). Every kernel the
+layers take must show >= 1.0x here (issue #31); the cross-entropy has none (numpy's exp won), its
+row stays as the check that the numpy path is what runs.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import time
 import numpy as np
 
 from mpihybrid import _numba
-from mpihybrid.nn.layers import GELU, LayerNorm, SoftmaxCrossEntropy
+from mpihybrid.nn.layers import GELU, LayerNorm, Linear, SoftmaxCrossEntropy
 from mpihybrid.nn.optim import AdamW
-from mpihybrid.nn.transformer import CausalAttention
+from mpihybrid.nn.transformer import CausalAttention, Embedding, Residual
 
 B, T, C, F, HEADS, V, STAGE0_PARAMS = 2, 64, 240, 2048, 4, 10_000, 6_068_304
 
@@ -30,6 +32,16 @@ def cases(rng: np.random.Generator) -> dict:
     x_ffn = rng.standard_normal((B, T, F)).astype(np.float32)
     gelu = GELU()
     gelu_cache = gelu.forward(x_ffn)[1]
+    up = _linear(rng, C, F)
+    biased = Residual([up, GELU()]).branch[1]  # a GELU that adds its Linear's bias
+    pre = np.empty_like(x_ffn)
+
+    def bias_gelu():  # the reference adds the bias as the Linear does, then its GELU
+        np.copyto(pre, x_ffn)
+        if not _numba.ENABLED:
+            np.add(pre, up.params["bias"], out=pre)
+        biased.forward(pre)
+
     x = rng.standard_normal((B, T, C)).astype(np.float32)
     norm = LayerNorm(C)
     norm.bind(
@@ -37,8 +49,14 @@ def cases(rng: np.random.Generator) -> dict:
         {"weight": np.zeros(C, np.float32), "bias": np.zeros(C, np.float32)},
     )
     norm_cache = norm.forward(x)[1]
+    proj = _linear(rng, C, C)
+    skip = rng.standard_normal((B, T, C)).astype(np.float32)
     qkv = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
     attention = CausalAttention(C, HEADS, T)
+    embedding = Embedding(V, T, C)
+    shapes = {"tokens": (V, C), "positions": (T, C)}
+    embedding.bind(*({k: np.zeros(s, np.float32) for k, s in shapes.items()} for _ in range(2)))
+    tokens = rng.integers(0, V, (B, T))
     logits = rng.standard_normal((B, T, V)).astype(np.float32)
     work = np.empty_like(logits)
     targets = rng.integers(0, V, (B, T))
@@ -59,14 +77,27 @@ def cases(rng: np.random.Generator) -> dict:
 
     return {
         "GELU forward (128 x 2048)": lambda: gelu.forward(x_ffn),
+        "bias + GELU forward (128 x 2048)": bias_gelu,
         "GELU backward": lambda: gelu.backward(x_ffn, gelu_cache),
+        "Linear 240->240 + bias + residual": lambda: proj.forward(x, skip=skip),
         "LayerNorm forward (128 x 240)": lambda: norm.forward(x),
         "LayerNorm backward (dx + dW)": lambda: norm.backward(x, norm_cache),
         "attention forward (2 x 4 heads x 64^2)": lambda: attention.forward(qkv),
         "attention backward": lambda: attention.backward(x, attention.forward(qkv)[1]),
-        "cross-entropy forward (128 x 10000)": cross_entropy,
+        "embedding backward (128 tokens x 240)": lambda: embedding.backward_weight((tokens, x)),
+        "cross-entropy forward (numpy in both)": cross_entropy,
         "AdamW step (6.07 M parameters)": adamw,
     }
+
+
+def _linear(rng: np.random.Generator, fan_in: int, fan_out: int) -> Linear:
+    layer = Linear(fan_in, fan_out)
+    params = {
+        "weight": (0.05 * rng.standard_normal((fan_in, fan_out))).astype(np.float32),
+        "bias": rng.standard_normal(fan_out).astype(np.float32),
+    }
+    layer.bind(params, {k: np.zeros_like(v) for k, v in params.items()})
+    return layer
 
 
 def main() -> None:

@@ -159,6 +159,8 @@ class Linear(Layer):
         self.out_features = out_features
         self.bias = bias
         self.init_std = init_std
+        # a GELU right after adds this bias in its own pass (GELU.bias_from): set by Residual
+        self.bias_to_next = False
 
     def __repr__(self) -> str:
         return f"Linear({self.in_features}, {self.out_features}, bias={self.bias})"
@@ -176,12 +178,20 @@ class Linear(Layer):
         if self.bias:
             params["bias"][...] = 0.0
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+    def forward(self, x: np.ndarray, skip: np.ndarray | None = None) -> tuple[np.ndarray, object]:
+        """skip: a residual (..., out) added to the output (a branch's last layer)."""
         w = self.params["weight"].astype(x.dtype, copy=False)
         # one GEMM over all rows: (..., in) @ (in, out) would loop over the leading dimension
         y = _rows(x) @ w
-        if self.bias:
+        if self.bias and self.bias_to_next and kernels.fast(y):
+            pass  # the GELU after adds the bias in its pass (the same test on the same array)
+        elif self.bias and skip is not None and kernels.fast(y, skip):
+            kernels.bias_residual_add(y, self.params["bias"], _rows(skip))
+            skip = None
+        elif self.bias:
             y += self.params["bias"].astype(x.dtype, copy=False)
+        if skip is not None:
+            y += _rows(skip)
         return y.reshape(*x.shape[:-1], self.out_features), x
 
     def backward_input(
@@ -256,10 +266,19 @@ class GELU(Layer):
     would cost more than the matmuls around a wide feed-forward layer.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        # the Linear before this GELU, when it leaves its bias to this pass (Residual sets it)
+        self.bias_from: Linear | None = None
+
     def __repr__(self) -> str:
         return "GELU()"
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        if self.bias_from is not None and kernels.fast(x):  # its Linear left out the bias
+            y, t = np.empty_like(x), np.empty_like(x)
+            kernels.bias_gelu_forward(_rows(x), self.bias_from.params["bias"], _rows(y), _rows(t))
+            return y, (x, t)
         if kernels.fast(x):
             y, t = np.empty_like(x), np.empty_like(x)
             kernels.gelu_forward(x.reshape(-1), y.reshape(-1), t.reshape(-1))
@@ -398,12 +417,7 @@ class SoftmaxCrossEntropy:
         xp = array_module(logits)
         exps = _rows(logits)
         t = targets.reshape(-1)
-        if kernels.fast(exps) and type(t) is np.ndarray:
-            total, target_logit = np.empty((len(t), 1), exps.dtype), np.empty(len(t), exps.dtype)
-            scratch = np.empty(exps.shape[1], np.int32)
-            kernels.cross_entropy_forward(exps, t, scratch, total.reshape(-1), target_logit)
-            loss = float(np.mean(np.log(total[:, 0]) - target_logit))
-            return loss, (exps, total, t, logits.shape)
+        # no numba kernel: numpy's vectorised exp beats a fused pass here (kernels.py)
         rows = xp.arange(exps.shape[0])
         # subtracting the row max keeps exp() from overflowing; softmax is unchanged by it
         exps -= exps.max(axis=1, keepdims=True)

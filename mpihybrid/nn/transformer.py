@@ -22,7 +22,7 @@ import numpy as np
 
 from mpihybrid.comm.device import array_module
 from mpihybrid.nn import kernels
-from mpihybrid.nn.layers import FLOAT, Cost, Layer, layer_costs
+from mpihybrid.nn.layers import FLOAT, GELU, Cost, Layer, Linear, layer_costs
 
 GPT_INIT_STD = 0.02  # GPT-2's initialisation of embeddings and linear weights
 
@@ -57,8 +57,19 @@ class Embedding(Layer):
 
     def backward_weight(self, wcache: object) -> None:
         tokens, dy = wcache
-        rows = dy.reshape(-1, self.dim)
-        array_module(dy).add.at(self.grads["tokens"], tokens.reshape(-1), rows)
+        rows, ids = dy.reshape(-1, self.dim), tokens.reshape(-1)
+        table = self.grads["tokens"]
+        if kernels.fast(rows, table) and type(ids) is np.ndarray:
+            kernels.embedding_backward(ids, rows, table)
+        elif array_module(dy) is np:
+            # each distinct token's rows summed (sorted, stable), then added once: numpy's
+            # add.at dispatches per element (0.4 ms for 128 x 240, against 0.05 ms for this)
+            order = np.argsort(ids, kind="stable")
+            ordered = ids[order]
+            starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+            table[ordered[starts]] += np.add.reduceat(rows[order], starts, axis=0)
+        else:  # a device's scatter-add
+            array_module(dy).add.at(table, ids, rows)
         self.grads["positions"][: tokens.shape[-1]] += dy.reshape(-1, *dy.shape[-2:]).sum(axis=0)
 
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
@@ -188,6 +199,10 @@ class Residual(Layer):
     def __init__(self, branch: list[Layer]) -> None:
         super().__init__()
         self.branch = branch
+        # a Linear then a GELU: the GELU's kernel adds the Linear's bias (one pass, not two)
+        for before, after in zip(branch, branch[1:], strict=False):
+            if isinstance(before, Linear) and before.bias and isinstance(after, GELU):
+                before.bias_to_next, after.bias_from = True, before
 
     def __repr__(self) -> str:
         return f"Residual({', '.join(map(repr, self.branch))})"
@@ -217,11 +232,17 @@ class Residual(Layer):
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
         h, caches = x, []
-        for layer in self.branch:
+        for layer in self.branch[:-1]:
             h, cache = layer.forward(h)
             caches.append(cache)
-        # the branch ends in a layer whose output nobody else holds: add the skip in place
-        h += x
+        last = self.branch[-1]
+        if isinstance(last, Linear):  # its bias and the skip in one pass
+            h, cache = last.forward(h, skip=x)
+        else:
+            # the branch ends in a layer whose output nobody else holds: add the skip in place
+            h, cache = last.forward(h)
+            h += x
+        caches.append(cache)
         return h, caches
 
     def backward_input(
