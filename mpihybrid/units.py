@@ -1,4 +1,4 @@
-"""Numbers for people: byte counts and rates as text (reports, analysis tables, benchmarks)."""
+"""Numbers for people: byte counts and rates as text, and the one way the CLI prints a table."""
 
 from __future__ import annotations
 
@@ -21,3 +21,19 @@ def human_rate(bytes_per_s: float | None) -> str:
             return f"{bytes_per_s:.1f} {unit}"
         bytes_per_s /= 1000
     return "-"  # pragma: no cover
+
+
+def table(header: list[str], rows: list[list[str]], labels: int = 1) -> list[str]:
+    """An aligned text table, the only one the CLI prints (analyze, compare, bench, sweep): the
+    first `labels` columns left-aligned, the numbers right-aligned, dashes under the header."""
+    header = [str(c) for c in header]
+    rows = [[str(c) for c in row] for row in rows]
+    widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < labels else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return [line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]

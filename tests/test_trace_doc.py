@@ -64,7 +64,8 @@ def fresh(tmp_path_factory):
                    "--set", "train.steps=2")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     with h5py.File(path) as f:  # the one attribute load() consumes
-        assert [str(n) for n in f.attrs["json_attrs"]] == ["hostnames", "peak_rss_bytes"]
+        names = [str(n) for n in f.attrs["json_attrs"]]
+        assert names == ["hostnames", "host_cores", "peak_rss_bytes"]
     return load(path)
 
 
@@ -83,6 +84,7 @@ def test_every_documented_attribute_is_written_with_its_type(fresh):
             assert isinstance(value, want) and (want is bool or not isinstance(value, bool)), name
     assert len(fresh.attrs["hostnames"]) == fresh.attrs["world_size"]  # one per rank
     assert len(fresh.attrs["peak_rss_bytes"]) == fresh.attrs["world_size"]
+    assert len(fresh.attrs["host_cores"]) == fresh.attrs["world_size"]
 
 
 @pytest.mark.mpi

@@ -35,10 +35,42 @@ def _durations(events: np.ndarray) -> np.ndarray:
 
 
 def _measured_steps(events: np.ndarray, skip_steps: int) -> np.ndarray:
-    """The steps after the first `skip_steps` (warm-up); all of them when nothing would be left."""
+    """The measured window: the steps after the first `skip_steps` (warm-up: the first step
+    also compiles kernels and touches every buffer); all of them when nothing would be left."""
     steps = np.unique(events["step"][events["step"] >= 0])
     kept = steps[steps >= skip_steps]
     return kept if len(kept) else steps
+
+
+def _groups(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows grouped by the integer columns, one 1-D sort per column (no mask per group): the
+    distinct keys (a row each, in key order) and every row's group index."""
+    n = len(columns[0])
+    index = np.zeros(n, dtype=np.int64)
+    for column in columns:  # (groups so far) x (this column), made dense again: never overflows
+        values, dense = np.unique(np.asarray(column, dtype=np.int64), return_inverse=True)
+        _, index = np.unique(index * len(values) + dense.reshape(-1), return_inverse=True)
+        index = index.reshape(-1)
+    first = np.full(int(index.max()) + 1 if n else 0, n, dtype=np.int64)
+    np.minimum.at(first, index, np.arange(n))
+    distinct = np.stack([np.asarray(c, dtype=np.int64)[first] for c in columns], axis=1)
+    return distinct.reshape(len(first), len(columns)), index
+
+
+def _group_sum(index: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    return np.bincount(index, weights=values, minlength=n).astype(np.float64)
+
+
+def _group_min(index: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    out = np.full(n, np.inf)
+    np.minimum.at(out, index, values)
+    return out
+
+
+def _group_max(index: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    out = np.full(n, -np.inf)
+    np.maximum.at(out, index, values)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,46 +101,66 @@ def match_messages(events: np.ndarray) -> Messages:
     follows the F or B that produced its tensor, a RECV precedes the F or B that consumes it
     (schedules.lower).
     """
-    col = {name: events[name].tolist() for name in ("rank", "step", "stage", "microbatch")}
-    kind, start, end, replica = (events[n].tolist() for n in ("kind", "start", "end", "replica"))
-    key = list(zip(col["rank"], col["step"], col["stage"], col["microbatch"], strict=True))
-    compute: dict[tuple, dict[str, tuple[float, float]]] = {}  # (rank, step, stage, mb) -> F/B
-    for i, k in enumerate(kind):
-        if k in (KIND["forward"], KIND["backward"]):
-            compute.setdefault(key[i], {})[COMPUTE[k]] = (start[i], end[i])
+    kind = events["kind"]
+    fb = np.isin(kind, [KIND["forward"], KIND["backward"]])
+    io = np.isin(kind, [KIND["send"], KIND["recv"]])
+    rows = np.flatnonzero(fb | io)
+    # every F/B/SEND/RECV row's (rank, step, stage, micro-batch), grouped once
+    keys, key_of = _groups(*(events[n][rows] for n in ("rank", "step", "stage", "microbatch")))
+    start, end = events["start"][rows], events["end"][rows]
+    times = {d: np.full((len(keys), 2), np.nan) for d in "FB"}  # (start, end) of its F and its B
+    for d, name in (("F", "forward"), ("B", "backward")):
+        mine = kind[rows] == KIND[name]
+        times[d][key_of[mine]] = np.stack([start[mine], end[mine]], axis=1)
+    has_compute = ~np.isnan(times["F"][:, 0]) | ~np.isnan(times["B"][:, 0])
 
-    recvs = {}  # (step, replica, stage, mb, direction) -> (row, start of the consumer)
-    sends = []  # (row, direction, end of the producer)
-    for i, k in enumerate(kind):
-        if k not in (KIND["send"], KIND["recv"]) or key[i] not in compute:
-            continue
-        times = compute[key[i]]
-        if k == KIND["recv"]:
-            # the consumer: the first F/B of this (stage, mb) to start after the wait began
-            after = [(t0, d) for d, (t0, _) in times.items() if t0 >= start[i]]
-            if after:
-                t0, d = min(after)
-                recvs[(col["step"][i], replica[i], col["stage"][i], col["microbatch"][i], d)] = (
-                    i, t0
-                )  # fmt: skip
-        else:
-            # the producer: the last F/B of this (stage, mb) to end before the send began
-            before = [(t1, d) for d, (_, t1) in times.items() if t1 <= start[i]]
-            if before:
-                t1, d = max(before)
-                sends.append((i, d, t1))
-    rows = []
-    for i, d, t1 in sends:
-        dest = col["stage"][i] + (1 if d == "F" else -1)
-        hit = recvs.get((col["step"][i], replica[i], dest, col["microbatch"][i], d))
-        if hit is not None:
-            rows.append((i, hit[0], d, t1, hit[1]))
+    def pick(which: np.ndarray, later: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For rows `which` (indices into rows): the F or B of its key that a receive feeds (the
+        first to start after the wait began) or that fed a send (the last to end before it
+        began): found, is-F, and that F/B's start (receive) or end (send)."""
+        k, t = key_of[which], start[which]
+        col = 0 if later else 1
+        f, b = times["F"][k, col], times["B"][k, col]
+        with np.errstate(invalid="ignore"):
+            f_ok, b_ok = (f >= t, b >= t) if later else (f <= t, b <= t)
+            # ties go to B for a receive, to F for a send (the order of the names)
+            f_wins = f_ok & (~b_ok | ((f < b) if later else (f >= b)))
+        return f_ok | b_ok, f_wins, np.where(f_wins, f, b)
+
+    recv = np.flatnonzero((kind[rows] == KIND["recv"]) & has_compute[key_of])
+    send = np.flatnonzero((kind[rows] == KIND["send"]) & has_compute[key_of])
+    found, recv_f, consumer = pick(recv, later=True)
+    recv, recv_f, consumer = recv[found], recv_f[found], consumer[found]
+    found, send_f, producer = pick(send, later=False)
+    send, send_f, producer = send[found], send_f[found], producer[found]
+
+    # a send meets the receive of the same step, replica, micro-batch and direction on the
+    # neighbour stage: s + 1 for an activation, s - 1 for a gradient
+    def meeting(idx: np.ndarray, is_f: np.ndarray, stage: np.ndarray) -> list[np.ndarray]:
+        r = rows[idx]
+        return [events["step"][r], events["replica"][r], stage, events["microbatch"][r], is_f]
+
+    dest = events["stage"][rows[send]] + np.where(send_f, 1, -1)
+    both = [
+        np.concatenate([a, b])
+        for a, b in zip(
+            meeting(recv, recv_f, events["stage"][rows[recv]]),
+            meeting(send, send_f, dest),
+            strict=True,
+        )
+    ]
+    _, meet_of = _groups(*both)
+    recv_at = np.full(len(recv) + len(send), -1, dtype=np.int64)
+    recv_at[meet_of[: len(recv)]] = np.arange(len(recv))  # a repeated receive: the last one
+    hit = recv_at[meet_of[len(recv) :]]
+    ok = hit >= 0
+    send, send_f, producer, hit = send[ok], send_f[ok], producer[ok], hit[ok]
     return Messages(
-        send=np.array([r[0] for r in rows], dtype=np.int64),
-        recv=np.array([r[1] for r in rows], dtype=np.int64),
-        direction=np.array([r[2] for r in rows], dtype="<U1"),
-        producer_end=np.array([r[3] for r in rows], dtype=np.float64),
-        consumer_start=np.array([r[4] for r in rows], dtype=np.float64),
+        send=rows[send].astype(np.int64),
+        recv=rows[recv[hit]].astype(np.int64),
+        direction=np.where(send_f, "F", "B").astype("<U1"),
+        producer_end=producer.astype(np.float64),
+        consumer_start=consumer[hit].astype(np.float64),
     )
 
 
@@ -132,9 +184,11 @@ def stage_costs(events: np.ndarray, num_stages: int) -> dict[str, list[float]]:
     """Mean seconds of one F, B and W per stage (0.0 where a stage has none of that kind)."""
     costs = {}
     for name in ("forward", "backward", "weight"):
-        rows = events[events["kind"] == KIND[name]]
-        means = [_durations(rows[rows["stage"] == s]) for s in range(num_stages)]
-        costs[name] = [float(d.mean()) if len(d) else 0.0 for d in means]
+        rows = events[(events["kind"] == KIND[name]) & (events["stage"] >= 0)]
+        rows = rows[rows["stage"] < num_stages]
+        total = _group_sum(rows["stage"], _durations(rows), num_stages)
+        count = np.bincount(rows["stage"], minlength=num_stages)
+        costs[name] = [float(t / c) if c else 0.0 for t, c in zip(total, count, strict=True)]
     return costs
 
 
@@ -163,20 +217,20 @@ def bubble_summary(
     compute = events[np.isin(events["kind"], list(COMPUTE))]
     steps = _measured_steps(compute, skip_steps)
     compute = compute[np.isin(compute["step"], steps)]
-    fractions: dict[int, list[float]] = {}
-    for step in steps:
-        in_step = compute[compute["step"] == step]
-        for replica in np.unique(in_step["replica"]):
-            rows = in_step[in_step["replica"] == replica]
-            phase = float(rows["end"].max() - rows["start"].min())
-            if phase <= 0:
-                continue
-            for rank in np.unique(rows["rank"]):
-                busy = float(_durations(rows[rows["rank"] == rank]).sum())
-                fractions.setdefault(int(rank), []).append(max(0.0, 1.0 - busy / phase))
-    per_rank = {r: float(np.mean(f)) for r, f in sorted(fractions.items())}
-    everything = [f for fs in fractions.values() for f in fs]
-    measured = float(np.mean(everything)) if everything else 0.0
+    # one phase per (step, replica); one busy time per (phase, rank): grouped once, not masked
+    phases, phase_of = _groups(compute["step"], compute["replica"])
+    phase = _group_max(phase_of, compute["end"], len(phases)) - _group_min(
+        phase_of, compute["start"], len(phases)
+    )
+    cells, cell_of = _groups(phase_of, compute["rank"])
+    busy = _group_sum(cell_of, _durations(compute), len(cells))
+    span = phase[cells[:, 0]] if len(cells) else np.zeros(0)
+    kept = span > 0
+    fraction = np.maximum(0.0, 1.0 - busy[kept] / span[kept])
+    ranks, rank_of = np.unique(cells[kept, 1], return_inverse=True)
+    means = np.bincount(rank_of, weights=fraction) / np.maximum(np.bincount(rank_of), 1)
+    per_rank = {int(r): float(f) for r, f in zip(ranks, means, strict=True)}
+    measured = float(fraction.mean()) if len(fraction) else 0.0
 
     num_stages = pp * virtual_stages
     costs = stage_costs(compute, num_stages)
@@ -227,17 +281,17 @@ def _stage_param_counts(trace: Trace, num_stages: int) -> list[int] | None:
         return None
 
 
-def _sum(rows: np.ndarray) -> float:
-    return float(_durations(rows).sum())
-
-
 def _peak_activations(events: np.ndarray, num_stages: int) -> tuple[list[int], list[int]]:
     """Most micro-batches alive at once per stage, and the most bytes they held, replaying each
-    (rank, step) in start order (liveness.replay_rows)."""
+    rank's rows in start order (liveness.replay_rows)."""
     peak_count, peak_bytes = [0] * num_stages, [0] * num_stages
     compute = events[np.isin(events["kind"], list(COMPUTE))]
-    for rank, step in {(int(e["rank"]), int(e["step"])) for e in compute}:
-        live = replay_rows(compute[(compute["rank"] == rank) & (compute["step"] == step)])
+    # a rank's steps follow each other and each frees what it holds, so one replay of all of a
+    # rank's rows in start order gives every step's peaks (one call per rank, not per step)
+    compute = compute[np.argsort(compute["rank"], kind="stable")]
+    cut = np.flatnonzero(np.diff(compute["rank"])) + 1
+    for rows in np.split(compute, cut) if len(compute) else []:
+        live = replay_rows(rows)
         for s in range(num_stages):
             peak_count[s] = max(peak_count[s], live.peak_count[s])
             peak_bytes[s] = max(peak_bytes[s], live.peak_bytes[s])
@@ -250,19 +304,18 @@ def _allreduce_bandwidth(rows: np.ndarray, params: list[int] | None, n: int) -> 
     (the microbatch column; -1 in traces from before buckets) of each ring's shortest duration.
     A bucket that overlapped compute shares the core with it: its bandwidth reads low."""
     out = []
+    # a ring finishes together: the last rank to arrive waits least, so the shortest duration
+    # of one call is the collective's own time (nccl-tests times after a barrier)
+    calls, call_of = _groups(rows["stage"], rows["step"], rows["microbatch"])
+    shortest = _group_min(call_of, _durations(rows), len(calls))
+    stage_steps, step_of = _groups(calls[:, 0], calls[:, 1])  # (stage, step): its buckets
+    per_step = _group_sum(step_of, shortest, len(stage_steps))
+    rank_calls, _ = _groups(rows["stage"], rows["step"], rows["rank"])
+    wire = _group_sum(rows["stage"] - rows["stage"].min(), rows["bytes"], 0) if len(rows) else []
     for s in np.unique(rows["stage"]):
-        mine = rows[rows["stage"] == s]
-        # a ring finishes together: the last rank to arrive waits least, so the shortest
-        # duration of one call is the collective's own time (nccl-tests times after a barrier)
-        per_step = []
-        for t in np.unique(mine["step"]):
-            of_step = mine[mine["step"] == t]
-            buckets = np.unique(of_step["microbatch"])
-            per_step.append(
-                sum(_durations(of_step[of_step["microbatch"] == b]).min() for b in buckets)
-            )
-        seconds = float(np.mean(per_step))
-        calls = len(np.unique(mine[["step", "rank"]]))  # one rank's reduction of one step
+        seconds = float(per_step[stage_steps[:, 0] == s].mean())
+        calls = int(np.sum(rank_calls[:, 0] == s))  # one rank's reduction of one step
+        wire_bytes = float(wire[s - rows["stage"].min()])
         size = 4 * params[s] if params is not None else None
         algbw = size / seconds if size is not None and seconds > 0 else None
         out.append(
@@ -273,7 +326,7 @@ def _allreduce_bandwidth(rows: np.ndarray, params: list[int] | None, n: int) -> 
                 "seconds": seconds,
                 "algbw": algbw,
                 "busbw": algbw * 2 * (n - 1) / n if algbw is not None else None,
-                "wire_bytes": float(mine["bytes"].sum() / calls),  # one rank, one step
+                "wire_bytes": wire_bytes / calls,  # one rank, one step
             }
         )
     return out
@@ -282,8 +335,11 @@ def _allreduce_bandwidth(rows: np.ndarray, params: list[int] | None, n: int) -> 
 def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     """Everything `mpihybrid analyze` reports, as plain numbers (JSON-ready).
 
-    Times are seconds summed over the whole run (stage rows: over all replicas of the stage);
-    step time, bubble, costs and all-reduce bandwidth leave out the first `skip_steps` steps.
+    One measured window for every figure: the traced steps after the first `skip_steps`
+    (warm-up), all of them when no other is traced ("window"). Times are seconds summed over the
+    window (stage rows: over all replicas of the stage); step time, throughput, bubble, costs,
+    all-reduce bandwidth and activations come from the window too. Bytes and event counts are
+    totals over every traced step ("traced_steps"). Linear in the events (grouped, not masked).
     """
     from mpihybrid.pipeline.simulate import BUBBLE_FORMULAS, bubble_formula
 
@@ -292,15 +348,18 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     run = _run_info(attrs, config)
     run["finished"] = bool(attrs.get("finished", True))
     run["stopped_at_step"] = attrs.get("stopped_at_step")
+    run["oversubscribed"] = oversubscription(attrs)
     if not trace.has_actions:
         return _steps_only(trace, run, config, skip_steps)
     pp, dp, schedule, m = run["pp"], run["dp"], run["schedule"], run["microbatches"]
     v, early = run["virtual_stages"], run["early_grad_send"]
     num_stages = pp * v
-    of = {name: ev[ev["kind"] == KIND[name]] for name in KINDS}
-    steps = _measured_steps(of["step"], skip_steps)
+    all_steps = ev[ev["kind"] == KIND["step"]]
+    steps = _measured_steps(all_steps, skip_steps)
+    window = ev[np.isin(ev["step"], steps)]
+    of = {name: window[window["kind"] == KIND[name]] for name in KINDS}
 
-    ranks = _rank_rows(ev)
+    ranks = _rank_rows(window)
     bubble = bubble_summary(ev, schedule, pp, m, v, skip_steps, early)
     bubble["formula"] = bubble_formula(schedule, pp, m, v)
     bubble["formula_text"] = BUBBLE_FORMULAS[schedule]
@@ -310,30 +369,68 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     messages = match_messages(ev)
     allreduce = []
     if dp > 1:  # with one replica nothing travels
-        rows = of["allreduce"][np.isin(of["allreduce"]["step"], steps)]
-        allreduce = _allreduce_bandwidth(rows, _stage_param_counts(trace, num_stages), dp)
+        params = _stage_param_counts(trace, num_stages)
+        allreduce = _allreduce_bandwidth(of["allreduce"], params, dp)
 
-    step_time = _step_time(of["step"], steps)
+    step_time = _step_time(all_steps, steps)
     run["world_size"] = int(attrs.get("world_size", len(ranks)))
     run["steps"] = len(step_time["per_step"])
+    sends = ev[ev["kind"] == KIND["send"]]
     return {
         "events": "all",
         "run": run,
-        "counts": {name: int(len(of[name])) for name in KINDS},
+        "window": _window(steps, step_time),
+        "counts": {name: int(np.sum(ev["kind"] == KIND[name])) for name in KINDS},
         "ranks": ranks,
-        "stages": _stage_rows(ev, of, bubble["costs"], schedule, pp, m, v, early),
+        "stages": _stage_rows(window, of, bubble["costs"], schedule, pp, m, v, early),
         "bubble": bubble,
-        "bytes": _bytes_sent(ev, of, messages),
-        "messages": {
-            "sends": int(np.sum(of["send"]["microbatch"] >= 0)),
-            "matched": len(messages),
-        },
+        "bytes": _bytes_sent(ev, sends, ev[ev["kind"] == KIND["allreduce"]], messages),
+        "messages": {"sends": int(np.sum(sends["microbatch"] >= 0)), "matched": len(messages)},
         "allreduce": allreduce,
         "step_time": step_time,
-        "throughput": _throughput(of["step"], config, run["steps"]),
+        "throughput": _throughput(step_time, config, len(steps)),
         "straggler": _straggler(ranks),
         "quality": _quality(trace),
     }
+
+
+def _window(steps: np.ndarray, step_time: dict) -> dict:
+    """The measured window, in steps counted from 1 as the progress line counts them."""
+    first, last = (int(steps[0]) + 1, int(steps[-1]) + 1) if len(steps) else (0, 0)
+    traced = step_time["steps"]
+    return {
+        "first": first,
+        "last": last,
+        "steps": int(len(steps)),
+        "traced_steps": len(traced),
+        "left_out": [s for s in traced if s < first],  # warm-up steps, from 1
+    }
+
+
+def oversubscription(attrs: dict) -> dict | None:
+    """The host with the most ranks per core when it has more ranks than cores, from the trace's
+    hostnames and host_cores; None when no host is oversubscribed or the trace does not say."""
+    hosts, cores = attrs.get("hostnames"), attrs.get("host_cores")
+    if not hosts or not cores or len(hosts) != len(cores):
+        return None
+    ranks: dict[str, int] = {}
+    for host in hosts:
+        ranks[str(host)] = ranks.get(str(host), 0) + 1
+    n_cores = {str(h): int(c) for h, c in zip(hosts, cores, strict=True)}
+    worst = max(ranks, key=lambda h: ranks[h] / max(n_cores[h], 1))
+    if ranks[worst] <= n_cores[worst]:
+        return None
+    return {"host": worst, "ranks": ranks[worst], "cores": n_cores[worst]}
+
+
+def oversubscription_text(over: dict | None) -> str | None:
+    """The one-line caveat under every figure of an oversubscribed run."""
+    if over is None:
+        return None
+    return (
+        f"oversubscribed: {over['ranks']} ranks on {over['cores']} cores of {over['host']}: "
+        "ranks waited for a core, so times and bubbles measure the machine, not the schedule"
+    )
 
 
 STEPS_ONLY = "steps only"  # analyze()["events"] of a trace.events = false run
@@ -343,20 +440,21 @@ def _steps_only(trace: Trace, run: dict, config: dict, skip_steps: int) -> dict:
     """What a trace with one row per rank and step (trace.events = false) can tell: step times,
     throughput, each rank's step time, quality. No time split, bubble, bytes or memory."""
     step_rows = trace.events[trace.events["kind"] == KIND["step"]]
-    step_time = _step_time(step_rows, _measured_steps(step_rows, skip_steps))
+    steps = _measured_steps(step_rows, skip_steps)
+    step_time = _step_time(step_rows, steps)
     run["world_size"] = int(trace.attrs.get("world_size", len(np.unique(step_rows["rank"]))))
     run["steps"] = len(step_time["per_step"])
-    ranks = [
-        {"rank": int(r), "step": _sum(step_rows[step_rows["rank"] == r])}
-        for r in np.unique(step_rows["rank"])
-    ]
+    measured = step_rows[np.isin(step_rows["step"], steps)]
+    ranks, rank_of = np.unique(measured["rank"], return_inverse=True)
+    seconds = _group_sum(rank_of, _durations(measured), len(ranks))
     return {
         "events": STEPS_ONLY,
         "run": run,
+        "window": _window(steps, step_time),
         "counts": {name: int(np.sum(trace.events["kind"] == KIND[name])) for name in KINDS},
-        "ranks": ranks,
+        "ranks": [{"rank": int(r), "step": float(t)} for r, t in zip(ranks, seconds, strict=True)],
         "step_time": step_time,
-        "throughput": _throughput(step_rows, config, run["steps"]),
+        "throughput": _throughput(step_time, config, len(steps)),
         "quality": _quality(trace),
     }
 
@@ -375,7 +473,7 @@ def _run_info(attrs: dict, config: dict) -> dict:
     }
 
 
-def _exposed(mine: np.ndarray, row: dict) -> dict:
+def _exposed(grad_wait: float | None, row: dict) -> dict:
     """How much of a rank's gradient work (ring + optimizer) the step waited for.
 
     Traces with grad_wait rows ran the buckets behind the compute (comm.overlap): what the main
@@ -383,8 +481,7 @@ def _exposed(mine: np.ndarray, row: dict) -> dict:
     traces ran the all-reduce and the optimizer after the pipeline: all of it is exposed.
     """
     work = row["allreduce"] + row["optimizer"]
-    wait = mine[mine["kind"] == KIND["grad_wait"]]
-    exposed = _sum(wait) if len(wait) else work
+    exposed = grad_wait if grad_wait is not None else work
     return {
         "exposed_comm": exposed,
         "hidden_comm": max(0.0, work - exposed),
@@ -395,14 +492,22 @@ def _exposed(mine: np.ndarray, row: dict) -> dict:
 def _rank_rows(ev: np.ndarray) -> list[dict]:
     """Per rank: seconds in each SPLIT column, the whole steps, idle and busy."""
     ranks = []
-    for rank in np.unique(ev["rank"]):
-        mine = ev[ev["rank"] == rank]
-        row = {"rank": int(rank), "replica": int(mine["replica"][0])}
-        row["stages"] = sorted({int(s) for s in mine["stage"] if s >= 0})
+    rank_ids, first_row, rank_of = np.unique(ev["rank"], return_index=True, return_inverse=True)
+    n = len(rank_ids)
+    seconds = _group_sum(rank_of * len(KINDS) + ev["kind"], _durations(ev), n * len(KINDS))
+    seconds = seconds.reshape(n, len(KINDS))
+    counts = np.bincount(rank_of * len(KINDS) + ev["kind"], minlength=n * len(KINDS))
+    counts = counts.reshape(n, len(KINDS))
+    on_stage = ev["stage"] >= 0
+    pairs = np.unique(np.stack([rank_of[on_stage], ev["stage"][on_stage]], axis=1), axis=0)
+    for i, rank in enumerate(rank_ids):
+        row = {"rank": int(rank), "replica": int(ev["replica"][first_row[i]])}
+        row["stages"] = [int(s) for s in pairs[pairs[:, 0] == i, 1]]
         for name in SPLIT:
-            row[name] = _sum(mine[mine["kind"] == KIND[name]])
-        row["total"] = _sum(mine[mine["kind"] == KIND["step"]])
-        row.update(_exposed(mine, row))
+            row[name] = float(seconds[i, KIND[name]])
+        row["total"] = float(seconds[i, KIND["step"]])
+        waited = counts[i, KIND["grad_wait"]] > 0
+        row.update(_exposed(float(seconds[i, KIND["grad_wait"]]) if waited else None, row))
         main_thread = sum(row[name] for name in MAIN_THREAD) + row["exposed_comm"]
         row["idle"] = max(0.0, row["total"] - main_thread)
         row["busy"] = row["forward"] + row["backward"] + row["weight"] + row["optimizer"]
@@ -421,11 +526,15 @@ def _stage_rows(
     num_stages = pp * v
     peak_count, peak_bytes = _peak_activations(ev, num_stages)
     predicted_peak = peak_inflight(build_schedule(schedule, pp, m, v, early), num_stages)
+    per_stage = {}
+    for name in SPLIT:
+        rows = of[name][(of[name]["stage"] >= 0) & (of[name]["stage"] < num_stages)]
+        per_stage[name] = _group_sum(rows["stage"], _durations(rows), num_stages)
     stages = []
     for s in range(num_stages):
         row = {"stage": s}
         for name in SPLIT:
-            row[name] = _sum(of[name][of[name]["stage"] == s])
+            row[name] = float(per_stage[name][s])
         for name in ("forward", "backward", "weight"):
             row[f"mean_{name}"] = costs[name][s]
         row["peak_inflight"] = peak_count[s]
@@ -435,21 +544,23 @@ def _stage_rows(
     return stages
 
 
-def _bytes_sent(ev: np.ndarray, of: dict, messages: Messages) -> dict:
+def _bytes_sent(ev: np.ndarray, sends: np.ndarray, rings: np.ndarray, messages: Messages) -> dict:
+    """Bytes over every traced step."""
     nbytes = ev["bytes"][messages.send]
     sent = {
         "activation": int(nbytes[messages.direction == "F"].sum()),
         "activation_grad": int(nbytes[messages.direction == "B"].sum()),
     }
     # a send whose receive is not in the trace (none in a complete run)
-    sent["unmatched"] = int(of["send"]["bytes"].sum()) - sum(sent.values())
-    sent["allreduce"] = int(of["allreduce"]["bytes"].sum())
+    sent["unmatched"] = int(sends["bytes"].sum()) - sum(sent.values())
+    sent["allreduce"] = int(rings["bytes"].sum())
     return sent
 
 
 def _step_time(step_rows: np.ndarray, measured_steps: np.ndarray) -> dict:
     per_step = step_times(step_rows)
-    measured = [t for step, t in per_step.items() if step in measured_steps]
+    kept = set(measured_steps.tolist())
+    measured = [t for step, t in per_step.items() if step in kept]
     return {
         "mean": float(np.mean(measured)) if measured else 0.0,
         "median": float(statistics.median(measured)) if measured else 0.0,
@@ -457,17 +568,25 @@ def _step_time(step_rows: np.ndarray, measured_steps: np.ndarray) -> dict:
         "max": max(measured, default=0.0),
         "first": next(iter(per_step.values()), 0.0),
         "per_step": list(per_step.values()),
+        "steps": [s + 1 for s in per_step],  # per_step's steps, from 1
+        "measured_seconds": float(sum(measured)),
     }
 
 
-def _throughput(step_rows: np.ndarray, config: dict, num_steps: int) -> dict:
-    span = float(step_rows["end"].max() - step_rows["start"].min()) if len(step_rows) else 0.0
+def _throughput(step_time: dict, config: dict, num_steps: int) -> dict:
+    """Samples (and tokens, for token data) per second of the measured window: its batches over
+    the sum of its step times, so that samples/s = global batch / mean step time."""
+    seconds = step_time["measured_seconds"]
     global_batch = config.get("train.global_batch")
     samples = int(global_batch) * num_steps if global_batch is not None else None
+    per_s = samples / seconds if samples is not None and seconds > 0 else None
+    seq_len = config.get("data.seq_len") if config.get("model.kind") == "gpt" else None
     return {
         "samples": samples,
-        "seconds": span,
-        "samples_per_s": samples / span if samples is not None and span > 0 else None,
+        "seconds": seconds,
+        "samples_per_s": per_s,
+        "tokens": samples * int(seq_len) if seq_len and samples is not None else None,
+        "tokens_per_s": per_s * int(seq_len) if seq_len and per_s is not None else None,
     }
 
 

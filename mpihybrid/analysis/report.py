@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-from mpihybrid.analysis.metrics import SPLIT, STEPS_ONLY
-from mpihybrid.units import human_bytes, human_rate
-
-
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
-
-    def line(cells: list[str]) -> str:
-        # first column left-aligned (labels), numbers right-aligned
-        return "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        )
-
-    return [line(header), *(line(r) for r in rows)]
+from mpihybrid.analysis.metrics import SPLIT, STEPS_ONLY, oversubscription_text
+from mpihybrid.units import human_bytes, human_rate, table
 
 
 def format_analysis(result: dict) -> str:
-    """analyze()'s result as text tables (times per step in ms unless marked)."""
-    n = max(result["run"]["steps"], 1)
+    """analyze()'s result as text tables (times per step of the measured window, in ms unless
+    marked)."""
+    n = max(result["window"]["steps"], 1)
 
     def ms(seconds: float) -> str:  # per step
         return f"{1e3 * seconds / n:.2f}"
@@ -55,16 +43,47 @@ def _run_line(run: dict) -> str:
     )
 
 
+def window_text(window: dict) -> str:
+    """ "steps 2-60 (59 steps; step 1, warm-up, left out)": the measured window, counted from 1."""
+    span = (
+        f"step {window['first']}"
+        if window["first"] == window["last"]
+        else f"steps {window['first']}-{window['last']}"
+    )
+    span += f" ({window['steps']} step{'s' * (window['steps'] != 1)}"
+    left = window["left_out"]
+    if left:
+        named = f"step {left[0]}" if len(left) == 1 else f"steps {left[0]}-{left[-1]}"
+        span += f"; {named}, warm-up, left out"
+    return span + ")"
+
+
 def _state_line(run: dict) -> list[str]:
-    """A line saying the run did not finish, when it did not (preempted, stopped or running)."""
+    """A line saying the run did not finish, when it did not (preempted, stopped or running);
+    a line saying it was oversubscribed, when it was."""
+    over = oversubscription_text(run.get("oversubscribed"))
+    caveat = [f"caveat          {over}"] if over else []
     if run.get("finished", True):
-        return []
+        return caveat
     stopped = run.get("stopped_at_step")
     if stopped is not None:
         return [
-            f"state           stopped after step {stopped} (preempted or stopped); traced so far"
+            f"state           stopped after step {stopped} (preempted or stopped); traced so far",
+            *caveat,
         ]
-    return ["state           not finished: the run is going on or died; its last flush is here"]
+    return [
+        "state           not finished: the run is going on or died; its last flush is here",
+        *caveat,
+    ]
+
+
+def throughput_text(tp: dict) -> str | None:
+    """ "4,559 samples/s" or, for token data, "291,776 tokens/s (4,559 samples/s)"."""
+    if tp["samples_per_s"] is None:
+        return None
+    if tp.get("tokens_per_s") is not None:
+        return f"{tp['tokens_per_s']:,.0f} tokens/s ({tp['samples_per_s']:,.0f} sequences/s)"
+    return f"{tp['samples_per_s']:,.0f} samples/s"
 
 
 def _steps_only_lines(result: dict, ms) -> list[str]:
@@ -75,11 +94,12 @@ def _steps_only_lines(result: dict, ms) -> list[str]:
         *_state_line(result["run"]),
         "events          one row per rank and step (trace.events = false): step times only; "
         "no time split, bubble, bytes or activation memory (run with trace.events = true)",
+        f"measured        {window_text(result['window'])}: every figure below",
         f"step time       mean {1e3 * st['mean']:.2f} ms, median {1e3 * st['median']:.2f} ms "
-        f"(step 1 took {1e3 * st['first']:.2f} ms)",
+        f"(the first traced step took {1e3 * st['first']:.2f} ms)",
     ]
-    if tp["samples_per_s"] is not None:
-        lines.append(f"throughput      {tp['samples_per_s']:,.0f} samples/s")
+    if throughput_text(tp) is not None:
+        lines.append(f"throughput      {throughput_text(tp)}")
     if q["final_loss"] is not None:
         lines.append(
             f"quality         final loss {q['final_loss']:.4f}, "
@@ -108,22 +128,19 @@ def heldout_lines(rows: list[dict]) -> list[str]:
 def _summary_lines(result: dict, ms) -> list[str]:
     """The run, step time, throughput, bubble, quality and the straggler, a line each."""
     run, st, bubble = result["run"], result["step_time"], result["bubble"]
-    # steps as the progress line counts them: from 1
-    measured_steps = [s + 1 for s in bubble["steps"]]
-    span = f"steps {measured_steps[0]}-{measured_steps[-1]}" if measured_steps else "no steps"
-    if len(measured_steps) == 1:
-        span = f"step {measured_steps[0]}"
     lines = [
         _run_line(run),
         *_state_line(run),
+        f"measured        {window_text(result['window'])}: every figure below but bytes sent",
         f"step time       mean {1e3 * st['mean']:.2f} ms, median {1e3 * st['median']:.2f} ms "
-        f"({span}; the first traced step took {1e3 * st['first']:.2f} ms)",
+        f"(the first traced step took {1e3 * st['first']:.2f} ms)",
     ]
     tp = result["throughput"]
-    if tp["samples_per_s"] is not None:
+    if throughput_text(tp) is not None:
+        unit = "sequences" if tp.get("tokens_per_s") is not None else "samples"
         lines.append(
-            f"throughput      {tp['samples_per_s']:,.0f} samples/s "
-            f"({tp['samples']} samples in {tp['seconds']:.3f} s)"
+            f"throughput      {throughput_text(tp)}, {tp['samples']:,} {unit} in "
+            f"{tp['seconds']:.3f} s of steps"
         )
     lines.append(
         f"bubble          measured {bubble['measured']:.3f}, predicted {bubble['predicted']:.3f} "
@@ -197,7 +214,8 @@ def _bytes_lines(result: dict) -> list[str]:
     lines = [
         "",
         f"bytes sent      activation {human_bytes(b['activation'])}, activation_grad "
-        f"{human_bytes(b['activation_grad'])}, all-reduce {human_bytes(b['allreduce'])}",
+        f"{human_bytes(b['activation_grad'])}, all-reduce {human_bytes(b['allreduce'])} "
+        f"(every traced step: {result['window']['traced_steps']})",
     ]
     if result["allreduce"]:
         rows = [

@@ -37,8 +37,9 @@ BUCKET_KINDS = ("allreduce", "optimizer")
 
 
 def step_range(trace: Trace, spec: str | int | None) -> range:
-    """The steps to draw, as the trace numbers them (from 0), chosen by `spec` in the numbers
-    users see (from 1, as the progress line): None = the last step, N = step N, "A:B" = A .. B-1
+    """The steps chosen by `spec` (timeline and export --steps), as the trace numbers them (from
+    0), from the numbers users see (from 1, as the progress line and analyze count): None = the
+    last step, N = step N, "A:B" = steps A to B, both included, like trace.first_step/last_step
     (either may be left out); ValueError naming the steps the trace holds when none is chosen."""
     steps = trace.events["step"][trace.events["step"] >= 0] + 1
     if not len(steps):
@@ -53,11 +54,11 @@ def step_range(trace: Trace, spec: str | int | None) -> range:
         try:
             if ":" in text:
                 lo, hi = text.split(":", 1)
-                chosen = range(int(lo) if lo else first, int(hi) if hi else last + 1)
+                chosen = range(int(lo) if lo else first, (int(hi) if hi else last) + 1)
             else:
                 chosen = range(int(text), int(text) + 1)
         except ValueError:
-            raise ValueError(f"steps {spec!r}: expected N or A:B, e.g. 2:5") from None
+            raise ValueError(f"steps {spec!r}: expected N or A:B (A to B), e.g. 2:4") from None
     kept = range(max(chosen.start, first) - 1, min(chosen.stop, last + 1) - 1)
     if not len(kept):
         raise ValueError(f"steps {spec}: the trace holds steps {first}..{last}")

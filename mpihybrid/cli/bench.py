@@ -27,6 +27,7 @@ from mpi4py import MPI
 from mpihybrid.comm.allreduce import DEFAULT_SEGMENT, RingAllreduce
 from mpihybrid.comm.codecs import CODECS, get_codec
 from mpihybrid.units import human_bytes
+from mpihybrid.units import table as text_table
 
 DEFAULT_SIZES = [4096 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB
 
@@ -158,10 +159,7 @@ def format_table(rows: list[dict]) -> str:
                 f"{r['ratio']:.2f}",
             )
         )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(text_table(list(table[0]), [list(r) for r in table[1:]], labels=0))
 
 
 # encode+feedback: x + residual encoded, the new error kept (the ring's first hop);
@@ -220,16 +218,7 @@ def format_codec_table(rows: list[dict]) -> str:
         table.append(
             (r["codec"], r["operation"], f"{r['fast']:.2f}", f"{r['numpy']:.2f}", f"{ratio:.1f}")
         )
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = [
-        "  ".join(
-            cell.ljust(w) if i < 2 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in table
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(text_table(list(table[0]), [list(r) for r in table[1:]], labels=2))
 
 
 def parse_size(text: str) -> int:

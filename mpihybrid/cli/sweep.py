@@ -30,6 +30,7 @@ from mpihybrid.files import write_atomic
 from mpihybrid.pipeline.liveness import replay_rows
 from mpihybrid.pipeline.schedules import SCHEDULES
 from mpihybrid.trace.recorder import step_times
+from mpihybrid.units import table as text_table
 
 PLOTS = ("throughput.png", "speedup.png", "bubble.png", "memory.png")
 COLUMNS = (
@@ -318,10 +319,7 @@ def format_table(rows: list[dict]) -> str:
                 "-" if speedup is None else f"{speedup:.2f}x",
             )
         )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(text_table(list(header), [list(r) for r in table[1:]], labels=0))
 
 
 def check_output(path: Path, overwrite: bool) -> None:

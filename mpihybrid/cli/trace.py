@@ -72,7 +72,7 @@ def analyze(run, as_json) -> None:
 @click.argument("run", metavar="RUN.h5")
 @click.option("-o", "--output", metavar="OUT.png", help="PNG to write (default: RUN.png).")
 @click.option("--step", type=int, help="The step to draw, from 1 (default: the last).")
-@click.option("--steps", "step_span", metavar="A:B", help="Draw steps A..B-1 (from 1), e.g. 2:5.")
+@click.option("--steps", "step_span", metavar="A:B", help="Draw steps A to B (from 1), e.g. 2:4.")
 @click.option("--ascii", "as_ascii", is_flag=True, help="Print the step x rank grid instead.")
 @click.option("--replica", type=int, default=0, show_default=True, help="Replica for --ascii.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
@@ -130,12 +130,14 @@ def export(run, fmt, output, overwrite) -> None:
 
 @click.command()
 @click.argument("runs", nargs=-1, required=True, metavar="A.h5 B.h5 ...")
-def compare(runs) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON instead.")
+def compare(runs, as_json) -> None:
     """Compare runs side by side: the settings that differ, then step time, bubble, bytes,
-    throughput and accuracy, each with its ratio to the first run."""
-    from mpihybrid.analysis.metrics import flat_config
-    from mpihybrid.analysis.report import table
-    from mpihybrid.units import human_bytes
+    throughput and accuracy, each with its ratio to the first run. Every figure comes from
+    each run's measured window (its traced steps after the first), as analyze shows it."""
+    from mpihybrid.analysis.metrics import flat_config, oversubscription_text
+    from mpihybrid.analysis.report import window_text
+    from mpihybrid.units import human_bytes, table
 
     if len(runs) < 2:
         _fail("compare needs at least two traces")
@@ -143,11 +145,15 @@ def compare(runs) -> None:
     results = [_analyze(t, r) for t, r in zip(traces, runs, strict=True)]
     configs = [flat_config(t) for t in traces]
     keys = sorted({k for c in configs for k in c} - set(_NOT_COMPARED))
-    rows = [
-        [k, *(str(c.get(k, "-")) for c in configs)]
-        for k in keys
-        if len({repr(c.get(k)) for c in configs}) > 1
-    ]
+    differ = [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
+    labels = short_labels(runs)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(_compare_json(runs, labels, results, configs, differ), indent=2))
+        return
+    rows = [[k, *(str(c.get(k, "-")) for c in configs)] for k in differ]
+    rows.append(["measured window", *(window_text(r["window"]) for r in results)])
 
     def metric(label: str, get, fmt) -> list[str]:
         values = [get(r) for r in results]
@@ -172,11 +178,62 @@ def compare(runs) -> None:
         metric("bytes activation_grad", lambda r: r["bytes"]["activation_grad"], human_bytes),
         metric("bytes all-reduce", lambda r: r["bytes"]["allreduce"], human_bytes),
         metric("samples/s", lambda r: r["throughput"]["samples_per_s"], "{:,.0f}".format),
+        metric("tokens/s", lambda r: r["throughput"].get("tokens_per_s"), "{:,.0f}".format),
         metric("final loss", lambda r: r["quality"]["final_loss"], "{:.4f}".format),
         metric("train accuracy", lambda r: r["quality"]["train_accuracy"], "{:.3f}".format),
         metric("held-out accuracy", lambda r: r["quality"]["test_accuracy"], "{:.3f}".format),
     ]
-    click.echo("\n".join(table(["", *short_labels(runs)], rows)))
+    rows = [r for r in rows if r[0] != "tokens/s" or any(c != "-" for c in r[1:])]
+    click.echo("\n".join(table(["", *labels], rows)))
+    for label, result in zip(labels, results, strict=True):
+        caveat = oversubscription_text(result["run"].get("oversubscribed"))
+        if caveat:
+            click.echo(f"{label}: {caveat}")
+
+
+# the figures compare shows, as (JSON name, path into an analyze() result)
+_COMPARED = (
+    ("step_time_mean_s", ("step_time", "mean")),
+    ("step_time_median_s", ("step_time", "median")),
+    ("bubble_measured", ("bubble", "measured")),
+    ("bubble_predicted", ("bubble", "predicted")),
+    ("bytes_activation", ("bytes", "activation")),
+    ("bytes_activation_grad", ("bytes", "activation_grad")),
+    ("bytes_allreduce", ("bytes", "allreduce")),
+    ("samples_per_s", ("throughput", "samples_per_s")),
+    ("tokens_per_s", ("throughput", "tokens_per_s")),
+    ("final_loss", ("quality", "final_loss")),
+    ("train_accuracy", ("quality", "train_accuracy")),
+    ("test_accuracy", ("quality", "test_accuracy")),
+)
+
+
+def _compare_json(runs, labels, results, configs, differ) -> dict:
+    """compare --json: every run's settings that differ, its window and figures, and each
+    figure's ratio to the first run's (None where either is missing or the first is 0)."""
+
+    def get(result: dict, path: tuple[str, str]):
+        return (result.get(path[0]) or {}).get(path[1])
+
+    out = []
+    for path, label, result, config in zip(runs, labels, results, configs, strict=True):
+        figures = {name: get(result, where) for name, where in _COMPARED}
+        ratios = {}
+        for name, where in _COMPARED:
+            first, mine = get(results[0], where), figures[name]
+            ratios[name] = mine / first if first and mine is not None else None
+        out.append(
+            {
+                "path": path,
+                "label": label,
+                "settings": {k: config.get(k) for k in differ},
+                "window": result.get("window"),
+                "oversubscribed": result["run"].get("oversubscribed"),
+                "figures": figures,
+                "ratio_to_first": ratios,
+            }
+        )
+    return {"differ": differ, "runs": out}
 
 
 def short_labels(paths: list[str]) -> list[str]:

@@ -57,6 +57,8 @@ def replay_rows(rows: np.ndarray) -> Liveness:
     live = Liveness(
         set(zip(weights["stage"].tolist(), weights["microbatch"].tolist(), strict=True))
     )
-    for e in rows[np.argsort(rows["start"], kind="stable")]:
-        live.step(COMPUTE[int(e["kind"])], int(e["stage"]), int(e["microbatch"]), int(e["bytes"]))
+    ordered = rows[np.argsort(rows["start"], kind="stable")]
+    columns = (ordered[n].tolist() for n in ("kind", "stage", "microbatch", "bytes"))
+    for kind, stage, microbatch, nbytes in zip(*columns, strict=True):  # lists: no row objects
+        live.step(COMPUTE[kind], stage, microbatch, nbytes)
     return live

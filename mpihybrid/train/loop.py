@@ -250,6 +250,7 @@ def _build_trace(job: Job, world: MPI.Comm, dp_rank: int, num_actions: int):
     writer = None
     if tr.path and world.rank == 0:
         attrs = _run_attrs(world, job, hostnames)
+        attrs["host_cores"] = [cores for _, cores in hosts]  # analysis: oversubscribed or not
         writer = TraceWriter(tr.path, config=to_toml(job), attrs=attrs, overwrite=tr.overwrite)
     stream = TraceStream(world, recorder, writer, bool(tr.path), tr.flush_steps, tr.flush_seconds)
     return recorder, stream
@@ -271,8 +272,9 @@ def oversubscribed(hosts: list[tuple[str, int]]) -> str | None:
     return (
         f"oversubscribed: {ranks[worst]} ranks on {worst}, which has {cores[worst]} cores: ranks "
         "wait for a core, so step times and bubbles measure the machine, not the schedule. Run "
-        f"at most {cores[worst]} ranks per host (a smaller grid: --set grid.pp=... grid.dp=...) "
-        "or read the figures as oversubscribed."
+        f"at most {cores[worst]} ranks per host (mpiexec -n {cores[worst]} --set grid.pp=P "
+        f"--set grid.dp=D with P x D = {cores[worst]}) or read the figures as oversubscribed; "
+        "the trace records it."
     )
 
 
