@@ -221,6 +221,12 @@ def test_export_chrome_is_valid_trace_event_json(trace_path, tmp_path):
     for k in ends:
         assert starts[k]["pid"] != ends[k]["pid"]
         assert inside(starts[k], "send") and inside(ends[k], "recv")
+        # an arrow runs forward in time: from the posted send to where the receive completed
+        assert ends[k]["ts"] >= starts[k]["ts"], (starts[k], ends[k])
+        assert any(
+            p == ends[k]["pid"] and c == "recv" and 0 <= ts + d - ends[k]["ts"] <= 1e-3 + 1e-9
+            for p, t, ts, d, c in slices
+        )
 
 
 @pytest.mark.mpi
@@ -238,6 +244,7 @@ def test_export_csv_has_a_row_per_event(trace_path, tmp_path):
     # every stage but the first sends its gradient before its weight gradient: a W each
     assert sum(r["kind"] == "weight" for r in rows) == (PP * V - 1) * M * STEPS * DP
     assert rows[0]["kind"] in KIND
+    assert {int(r["step"]) for r in rows} == set(range(1, STEPS + 1))  # from 1, as the CLI counts
 
 
 @pytest.mark.mpi

@@ -166,3 +166,65 @@ def test_a_step_range_includes_both_ends_everywhere(steps_only):
     assert step_range(trace, "2:") == range(1, 3) and step_range(trace, ":1") == range(0, 1)
     assert step_range(trace, "2:2") == range(1, 2) and step_range(trace, None) == range(2, 3)
     assert step_range(trace, 3) == range(2, 3) and step_range(trace, "1:9") == range(0, 3)
+
+
+def test_export_a_window_of_steps_counted_from_1(tmp_path):
+    import csv
+    import json
+
+    run = pipeline_trace(tmp_path / "run.h5")  # steps 1-4, 6 rows each
+    out = tmp_path / "w.csv"
+    result = cli("export", run, "--format", "csv", "-o", out, "--steps", "2:3")
+    assert result.exit_code == 0 and "12 events, steps 2-3" in result.output, result.output
+    with open(out, newline="") as fh:
+        assert {int(r["step"]) for r in csv.DictReader(fh)} == {2, 3}
+    out = tmp_path / "w.json"
+    assert cli("export", run, "--format", "chrome", "-o", out, "--steps", "4").exit_code == 0
+    slices = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == 6 and {e["args"]["step"] for e in slices} == {4}
+    result = cli("export", run, "--format", "csv", "-o", tmp_path / "x.csv", "--steps", "7:9")
+    assert result.exit_code == 2 and "the trace holds steps 1..4" in result.output
+
+
+def test_export_and_timeline_refuse_to_write_over_their_input(tmp_path):
+    run = pipeline_trace(tmp_path / "run.h5")
+    before = run.read_bytes()
+    for args in (("export", run, "--format", "csv", "-o", run, "--overwrite"),
+                 ("export", run, "--format", "chrome", "-o", tmp_path / "." / "run.h5"),
+                 ("timeline", run, "-o", run, "--overwrite")):  # fmt: skip
+        result = cli(*args)
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and "is the input trace" in lines[0]
+    assert run.read_bytes() == before
+
+
+def png_size(path) -> tuple[int, int]:
+    import struct
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_timeline_stacks_runs_on_one_time_axis(tmp_path):
+    fast = pipeline_trace(tmp_path / "fast.h5")
+    slow = pipeline_trace(tmp_path / "slow.h5", scale=2.0)
+    out = tmp_path / "both.png"
+    result = cli("timeline", fast, slow, "-o", out, "--steps", "2:3")
+    assert result.exit_code == 0 and "2 runs stacked" in result.output, result.output
+    assert png_size(out) == (1400, 2 * (150 + 50 * 2))  # a panel of two ranks per run
+    result = cli("timeline", fast, slow)  # where would it go?
+    assert result.exit_code == 2 and "give -o OUT.png" in result.output
+
+
+def test_timeline_refuses_more_bars_than_it_can_draw(tmp_path, monkeypatch):
+    import mpihybrid.analysis.timeline as timeline
+
+    run = pipeline_trace(tmp_path / "run.h5")  # 4 bars a step
+    monkeypatch.setattr(timeline, "MAX_BARS", 10)
+    result = cli("timeline", run, "-o", tmp_path / "all.png", "--steps", "1:4")
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1
+    assert "steps 1-4 hold 16 events, more than the 10 bars" in lines[0]
+    assert not (tmp_path / "all.png").exists()
+    assert cli("timeline", run, "-o", tmp_path / "two.png", "--steps", "1:2").exit_code == 0

@@ -3,7 +3,9 @@
     mpihybrid export runs/seed.h5 --format chrome -o runs/seed.json   # open in ui.perfetto.dev
 
 Chrome format: one process per rank (pid = world rank), "X" complete events with ts/dur in
-microseconds, and a flow arrow ("s" -> "f") from every send to the receive it fed.
+microseconds, and a flow arrow ("s" -> "f") from every send, where it was posted, to the receive
+it fed, where that receive completed. Steps are counted from 1 in both formats, as every command
+shows them; `steps` (a range of the trace's own numbers, from 0) exports a window.
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ def event_name(e: np.void, direction: str | None = None, chunks: bool = False) -
     return f"{name} {int(e['step']) + 1}"  # steps shown from 1, as the progress line counts
 
 
+def window(trace: Trace, steps: range | None) -> Trace:
+    """The trace's rows of `steps` only (None: all of them)."""
+    if steps is None:
+        return trace
+    ev = trace.events
+    kept = ev[(ev["step"] >= steps.start) & (ev["step"] < steps.stop)]
+    return Trace(events=kept, steps=trace.steps, config=trace.config, attrs=trace.attrs)
+
+
 def to_chrome(trace: Trace) -> dict:
     """The trace as a Chrome trace-event document ({"traceEvents": [...], ...})."""
     ev = trace.events
@@ -70,7 +81,7 @@ def to_chrome(trace: Trace) -> dict:
         ]
     for i, e in enumerate(ev):
         args = {
-            "step": int(e["step"]) + 1,  # from 1, as every command shows steps (the CSV: from 0)
+            "step": int(e["step"]) + 1,  # from 1, as every command shows steps
             "stage": int(e["stage"]),
             "microbatch": int(e["microbatch"]),
             "bytes": int(e["bytes"]),
@@ -90,11 +101,12 @@ def to_chrome(trace: Trace) -> dict:
         )
     for k, (i, j) in enumerate(zip(messages.send, messages.recv, strict=True)):
         s, r = ev[i], ev[j]
-        # each end sits inside its slice (the midpoint) so the viewer binds it to that slice
+        # from where the send was posted to where its receive completed (the data has arrived),
+        # each end just inside its slice so the viewer binds it to that slice
         flow = {"name": "activation" if messages.direction[k] == "F" else "gradient"}
         flow |= {"cat": "p2p", "id": k, "tid": WORK_TID}
-        out.append(flow | {"ph": "s", "pid": int(s["rank"]), "ts": _mid(s)})
-        out.append(flow | {"ph": "f", "bp": "e", "pid": int(r["rank"]), "ts": _mid(r)})
+        out.append(flow | {"ph": "s", "pid": int(s["rank"]), "ts": _inside(s, at_end=False)})
+        out.append(flow | {"ph": "f", "bp": "e", "pid": int(r["rank"]), "ts": _inside(r, True)})
     return {
         "traceEvents": out,
         "displayTimeUnit": "ms",
@@ -106,12 +118,16 @@ def to_chrome(trace: Trace) -> dict:
     }
 
 
-def _mid(e: np.void) -> float:
-    return (float(e["start"]) + float(e["end"])) / 2 * 1e6
+def _inside(e: np.void, at_end: bool) -> float:
+    """Microseconds just inside the slice of `e`: by 1 ns (or half the slice, if shorter) from
+    its end or its start."""
+    start, end = float(e["start"]) * 1e6, float(e["end"]) * 1e6
+    margin = min(1e-3, (end - start) / 2)
+    return end - margin if at_end else start + margin
 
 
 def to_csv(trace: Trace) -> str:
-    """One row per event with a header; kind as its name, times in seconds."""
+    """One row per event with a header; kind as its name, steps from 1, times in seconds."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
@@ -120,15 +136,23 @@ def to_csv(trace: Trace) -> str:
         writer.writerow(
             [
                 int(e["rank"]), int(e["stage"]), int(e["replica"]), KINDS[int(e["kind"])],
-                int(e["step"]), int(e["microbatch"]), repr(start), repr(end), repr(end - start),
+                int(e["step"]) + 1, int(e["microbatch"]), repr(start), repr(end), repr(end - start),
                 int(e["bytes"]), int(e["peer"]),
             ]
         )  # fmt: skip
     return buf.getvalue()
 
 
-def export(trace: Trace, path: str | os.PathLike, fmt: str, overwrite: bool = False) -> None:
-    """Write the trace as `fmt` ("chrome" or "csv") to `path`, atomically."""
+def export(
+    trace: Trace,
+    path: str | os.PathLike,
+    fmt: str,
+    overwrite: bool = False,
+    steps: range | None = None,
+) -> None:
+    """Write the trace (its `steps` only, if given) as `fmt` ("chrome" or "csv") to `path`,
+    atomically."""
+    trace = window(trace, steps)
     if fmt == "chrome":
         data = json.dumps(to_chrome(trace), separators=(",", ":"))
     elif fmt == "csv":

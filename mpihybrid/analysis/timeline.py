@@ -1,10 +1,14 @@
 """Timelines of a trace: a Gantt chart PNG (matplotlib) and the ASCII step x rank grid.
 
     mpihybrid timeline runs/seed.h5 -o runs/seed.png --steps 2:4
+    mpihybrid timeline runs/1f1b.h5 runs/gpipe.h5 -o runs/both.png   # stacked, one time axis
     mpihybrid timeline runs/seed.h5 --ascii
 
-The PNG is WIDTH_PX wide and HEADER_PX + ROW_PX per rank tall: one row per rank, a colour per
-event kind, micro-batch numbers on the F/B/W bars wide enough to hold them.
+The PNG is WIDTH_PX wide and, per trace, HEADER_PX + ROW_PX per rank tall: one row per rank,
+compute (F, B, W) in full-height bars with their micro-batch numbers, what the rank waited for
+(a receive, its gradient buckets) in a thin pale bar, so the compute stands out even when the
+waits fill the step; the gradient buckets' ring and optimizer in a lane under the row. Several
+traces stack on one time axis (ms since each one's first drawn step began).
 """
 
 from __future__ import annotations
@@ -21,19 +25,32 @@ from mpihybrid.trace.file import Trace
 from mpihybrid.trace.recorder import COMPUTE, KIND
 
 WIDTH_PX, HEADER_PX, ROW_PX, DPI = 1400, 150, 50, 100
+MAX_BARS = 100_000  # more would take minutes to draw and show nothing a person can read
 COLOURS = {
     "forward": "#4c72b0",
     "backward": "#55a868",
     "weight": "#8172b2",
     "send": "#dd8452",
-    "recv": "#d0d0d0",  # waiting: light, so the compute stands out
+    "recv": "#bdbdbd",  # waiting: a thin pale bar, so the compute stands out
+    "grad_wait": "#f2b5b7",  # the step waiting for its gradient buckets: thin and pale too
     "allreduce": "#c44e52",
     "optimizer": "#937860",
-    "grad_wait": "#f2b5b7",  # the step waiting for its gradient buckets: pale, like recv
+}
+LEGEND = {
+    "forward": "F forward",
+    "backward": "B backward",
+    "weight": "W weight gradient",
+    "send": "send",
+    "recv": "waiting for a receive",
+    "grad_wait": "waiting for gradients",
+    "allreduce": "all-reduce (bucket lane)",
+    "optimizer": "optimizer (bucket lane)",
+    "step": "step",
 }
 # the gradient buckets' rings and updates run behind the compute (comm.overlap): a thin lane
-# under each rank's row, so both stay visible; everything else fills the row
+# under each rank's row, so both stay visible; waits are thin bars in the row; compute fills it
 BUCKET_KINDS = ("allreduce", "optimizer")
+WAIT_KINDS = ("recv", "grad_wait")
 
 
 def step_range(trace: Trace, spec: str | int | None) -> range:
@@ -82,8 +99,24 @@ def _rank_labels(events: np.ndarray, pp: int) -> dict[int, str]:
     return labels
 
 
-def render_png(trace: Trace, steps: range) -> bytes:
-    """The Gantt chart of `steps` as PNG bytes (needs matplotlib: pip install 'mpihybrid[plot]')."""
+def _drawn_rows(trace: Trace, steps: range) -> np.ndarray:
+    """The rows a chart of `steps` draws (whole steps for a trace.events = false trace);
+    ValueError past MAX_BARS, naming how many there are."""
+    ev = trace.events
+    is_step = ev["kind"] == KIND["step"]
+    in_steps = (ev["step"] >= steps.start) & (ev["step"] < steps.stop)
+    rows = ev[in_steps & (~is_step if trace.has_actions else is_step)]
+    if len(rows) > MAX_BARS:
+        raise ValueError(
+            f"{steps_text(steps)} hold {len(rows):,} events, more than the {MAX_BARS:,} bars a "
+            "timeline draws: choose fewer steps (--steps A:B), or export them to Perfetto"
+        )
+    return rows
+
+
+def render_png(traces: Trace | list[Trace], steps: range | list[range], labels=None) -> bytes:
+    """The Gantt chart of `steps` of each trace as PNG bytes, stacked on one time axis (needs
+    matplotlib: pip install 'mpihybrid[plot]'); labels name the panels (default: none)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -93,72 +126,106 @@ def render_png(trace: Trace, steps: range) -> bytes:
             "the timeline PNG needs matplotlib: pip install 'mpihybrid[plot]'"
         ) from err
 
-    ev = trace.events
-    pp = int(trace.attrs.get("pp", 1))
-    labels = _rank_labels(ev, pp)
-    ranks = sorted(labels)
-    # a trace.events = false trace has only whole steps: draw those, and say so
-    only_steps = not trace.has_actions
-    colours = {"step": "#8c8c8c"} if only_steps else COLOURS
-    is_step = ev["kind"] == KIND["step"]
-    rows = ev[np.isin(ev["step"], list(steps)) & (is_step if only_steps else ~is_step)]
-    t0 = float(rows["start"].min()) if len(rows) else 0.0
-    t1 = float(rows["end"].max()) if len(rows) else 1.0
+    traces = traces if isinstance(traces, list) else [traces]
+    spans = steps if isinstance(steps, list) else [steps] * len(traces)
+    labels = labels or [None] * len(traces)
+    drawn = [_drawn_rows(t, s) for t, s in zip(traces, spans, strict=True)]
+    if sum(len(r) for r in drawn) > MAX_BARS:
+        raise ValueError(f"the traces hold more than the {MAX_BARS:,} bars a timeline draws")
+    ranks_of = [sorted(_rank_labels(t.events, int(t.attrs.get("pp", 1)))) for t in traces]
+    # one time axis: the longest drawn span sets it, every panel starts at its first step
+    origin = [float(r["start"].min()) if len(r) else 0.0 for r in drawn]
+    length = max((float(r["end"].max()) - o for r, o in zip(drawn, origin, strict=True)
+                  if len(r)), default=1.0)  # fmt: skip
     scale = 1e3  # ms on the axis
-
-    height_in = (HEADER_PX + ROW_PX * len(ranks)) / DPI
+    panel_px = [HEADER_PX + ROW_PX * len(r) for r in ranks_of]
+    height_in = sum(panel_px) / DPI
     fig = Figure(figsize=(WIDTH_PX / DPI, height_in), dpi=DPI)
     FigureCanvasAgg(fig)  # attaches itself: savefig renders through Agg, no pyplot state
-    bottom, top = 0.55 / height_in, 1 - 0.45 / height_in  # room for the axis and the legend
-    ax = fig.add_axes((0.12, bottom, 0.86, top - bottom))
-    # a label fits when its bar is at least ~14 px wide
-    min_width = (t1 - t0) * 14 / (0.86 * WIDTH_PX)
-    y_of = {r: i for i, r in enumerate(ranks)}
-    _draw_bars(ax, rows, y_of, t0, scale, min_width, colours)
-    for step in steps:  # dashed line where each step starts on its first rank
-        starts = ev["start"][(ev["step"] == step) & (ev["kind"] == KIND["step"])]
-        if len(starts):
-            ax.axvline((float(starts.min()) - t0) * scale, color="black", lw=0.6, ls="--")
-    ax.set_yticks(range(len(ranks)), [labels[r] for r in ranks], fontsize=8)
-    ax.set_ylim(len(ranks) - 0.5, -0.5)
-    ax.set_xlim(0, (t1 - t0) * scale)
-    ax.set_xlabel(f"ms since step {steps.start + 1} began", fontsize=8)
-    shown = [n for n in colours if np.any(rows["kind"] == KIND[n])]
+    top_px = 0
+    kinds_drawn: list[str] = []
+    for trace, rows, span, label, ranks, t0, px in zip(
+        traces, drawn, spans, labels, ranks_of, origin, panel_px, strict=True
+    ):
+        # room above each panel for its title (and the legend, on the first)
+        bottom = 1 - (top_px + px - 0.55 * DPI) / (height_in * DPI)
+        top = 1 - (top_px + 0.45 * DPI) / (height_in * DPI)
+        top_px += px
+        ax = fig.add_axes((0.12, bottom, 0.86, top - bottom))
+        _panel(ax, trace, rows, span, ranks, t0, length, scale, label)
+        colours = COLOURS if trace.has_actions else {"step": "#8c8c8c"}
+        kinds_drawn += [n for n in colours if np.any(rows["kind"] == KIND[n])]
+    shown = list(dict.fromkeys(kinds_drawn))
     if shown:
-        ax.legend(
-            handles=[Patch(color=colours[n], label=n) for n in shown],
+        colour_of = COLOURS | {"step": "#8c8c8c"}
+        fig.axes[0].legend(
+            handles=[Patch(color=colour_of[n], label=LEGEND[n]) for n in shown],
             loc="lower left",
             bbox_to_anchor=(0, 1.0),
-            ncol=len(shown),
+            ncol=min(len(shown), 4),
             fontsize=8,
             frameon=False,
         )
-    a = trace.attrs
-    title = (
-        f"{a.get('schedule', '')}, pp={a.get('pp', '?')} x dp={a.get('dp', '?')}, "
-        f"M={a.get('microbatches', '?')}, codec {a.get('codec', '?')}: {steps_text(steps)}"
-    )
-    if only_steps:
-        title += " (trace.events = false: whole steps only, no F/B/W)"
-    ax.set_title(title, loc="right", fontsize=9)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)
     return buf.getvalue()
 
 
+def _panel(ax, trace: Trace, rows, steps: range, ranks, t0, length, scale, label) -> None:
+    """One trace's rows on `ax`: bars, step lines, rank labels, the title (and its caveats)."""
+    from mpihybrid.analysis.metrics import oversubscription
+
+    ev = trace.events
+    labels = _rank_labels(ev, int(trace.attrs.get("pp", 1)))
+    colours = COLOURS if trace.has_actions else {"step": "#8c8c8c"}
+    # a label fits when its bar is at least ~14 px wide
+    min_width = length * 14 / (0.86 * WIDTH_PX)
+    y_of = {r: i for i, r in enumerate(ranks)}
+    _draw_bars(ax, rows, y_of, t0, scale, min_width, colours)
+    step_rows = ev[ev["kind"] == KIND["step"]]
+    for step in steps:  # dashed line where each step starts on its first rank
+        starts = step_rows["start"][step_rows["step"] == step]
+        if len(starts):
+            ax.axvline((float(starts.min()) - t0) * scale, color="black", lw=0.6, ls="--")
+    ax.set_yticks(range(len(ranks)), [labels[r] for r in ranks], fontsize=8)
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
+    ax.set_xlim(0, length * scale)
+    ax.ticklabel_format(axis="x", style="plain", useOffset=False)
+    ax.set_xlabel(f"ms since {steps_text(steps)} began" if label is None else
+                  f"ms since the first drawn step began ({steps_text(steps)} of this run)",
+                  fontsize=8)  # fmt: skip
+    a = trace.attrs
+    title = (
+        f"{a.get('schedule', '')}, pp={a.get('pp', '?')} x dp={a.get('dp', '?')}, "
+        f"M={a.get('microbatches', '?')}, codec {a.get('codec', '?')}: {steps_text(steps)}"
+    )
+    if label:
+        title = f"{label}: {title}"
+    if not trace.has_actions:
+        title += " (trace.events = false: whole steps only, no F/B/W)"
+    over = oversubscription(a)
+    if over:
+        title += (
+            f"\noversubscribed: {over['ranks']} ranks on {over['cores']} cores of "
+            f"{over['host']}: times measure the machine, not the schedule"
+        )
+    ax.set_title(title, loc="right", fontsize=9, color="#b00000" if over else "black")
+
+
 def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, min_width, colours):
     """A bar per event in its kind's colour; micro-batch numbers on the F/B/W bars wide enough."""
+    labelled = 0
     for name, colour in colours.items():
         sel = rows[rows["kind"] == KIND[name]]
         if not len(sel):
             continue
         y = np.array([y_of[int(r)] for r in sel["rank"]], dtype=float)
-        lane = name in BUCKET_KINDS
+        lane, wait = name in BUCKET_KINDS, name in WAIT_KINDS
         ax.barh(
             y + 0.3 if lane else y - 0.1,
             (sel["end"] - sel["start"]) * scale,
             left=(sel["start"] - t0) * scale,
-            height=0.2 if lane else 0.6,
+            height=0.2 if lane else 0.16 if wait else 0.6,
             color=colour,
             edgecolor="white" if lane else "none",  # bucket after bucket stays readable
             linewidth=0.4,
@@ -166,7 +233,8 @@ def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, min_wi
         if KIND[name] not in COMPUTE:
             continue
         for e, yy in zip(sel, y, strict=True):
-            if e["end"] - e["start"] >= min_width:
+            if e["end"] - e["start"] >= min_width and labelled < 5000:
+                labelled += 1
                 ax.text(
                     (float(e["start"] + e["end"]) / 2 - t0) * scale,
                     yy - 0.1,
@@ -178,9 +246,15 @@ def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, min_wi
                 )
 
 
-def write_png(trace: Trace, path: str | os.PathLike, steps: range, overwrite: bool = False) -> None:
-    """Render the Gantt chart of `steps` and write it atomically to `path`."""
-    write_atomic(path, render_png(trace, steps), overwrite)
+def write_png(
+    trace: Trace | list[Trace],
+    path: str | os.PathLike,
+    steps: range | list[range],
+    overwrite: bool = False,
+    labels: list[str] | None = None,
+) -> None:
+    """Render the Gantt chart of `steps` (of each trace, stacked) and write it atomically."""
+    write_atomic(path, render_png(trace, steps, labels), overwrite)
 
 
 def ascii_timeline(trace: Trace, step: int, replica: int = 0) -> str:

@@ -43,6 +43,17 @@ def _analyze(trace, path: str) -> dict:
         _fail(f"{path}: cannot analyse this trace ({type(exc).__name__}: {exc})")
 
 
+def _not_the_input(output: str, run: str) -> None:
+    """Refuse an output path that is the input trace (writing it would replace the trace)."""
+    import os
+
+    same = Path(output).resolve() == Path(run).resolve()
+    if not same and Path(output).exists() and Path(run).exists():
+        same = os.path.samefile(output, run)
+    if same:
+        _fail(f"{output} is the input trace: choose another output path")
+
+
 def _write(write) -> None:
     """Call write() and turn the file-system refusals into one error line."""
     try:
@@ -69,25 +80,32 @@ def analyze(run, as_json) -> None:
 
 
 @click.command()
-@click.argument("run", metavar="RUN.h5")
+@click.argument("runs", nargs=-1, required=True, metavar="RUN.h5 [MORE.h5 ...]")
 @click.option("-o", "--output", metavar="OUT.png", help="PNG to write (default: RUN.png).")
 @click.option("--step", type=int, help="The step to draw, from 1 (default: the last).")
 @click.option("--steps", "step_span", metavar="A:B", help="Draw steps A to B (from 1), e.g. 2:4.")
 @click.option("--ascii", "as_ascii", is_flag=True, help="Print the step x rank grid instead.")
 @click.option("--replica", type=int, default=0, show_default=True, help="Replica for --ascii.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
-def timeline(run, output, step, step_span, as_ascii, replica, overwrite) -> None:
+def timeline(runs, output, step, step_span, as_ascii, replica, overwrite) -> None:
     """Gantt chart of RUN.h5: one row per rank, a colour per event kind, micro-batch numbers on
-    the F/B/W bars; or, with --ascii, the step x rank grid of the order each rank ran."""
+    the F/B/W bars; several runs stack on one time axis (1F1B above GPipe, say); or, with
+    --ascii, the step x rank grid of the order each rank ran."""
     from mpihybrid.analysis.timeline import ascii_timeline, step_range, steps_text, write_png
 
     if step is not None and step_span is not None:
         _fail("give --step or --steps, not both")
-    trace = _load(run)
-    try:
-        steps = step_range(trace, step if step is not None else step_span)
-    except ValueError as exc:
-        _fail(f"{run}: {exc}")
+    if len(runs) > 1 and (as_ascii or output is None):
+        _fail("several runs draw one stacked PNG: give -o OUT.png (and no --ascii)")
+    traces, spans = [], []
+    for run in runs:
+        trace = _load(run)
+        try:
+            spans.append(step_range(trace, step if step is not None else step_span))
+        except ValueError as exc:
+            _fail(f"{run}: {exc}")
+        traces.append(trace)
+    run, trace, steps = runs[0], traces[0], spans[0]
     if as_ascii:
         try:
             click.echo("\n\n".join(ascii_timeline(trace, s, replica) for s in steps))
@@ -96,13 +114,19 @@ def timeline(run, output, step, step_span, as_ascii, replica, overwrite) -> None
         if output is None:
             return
     out = output or str(Path(run).with_suffix(".png"))
+    for each in runs:
+        _not_the_input(out, each)
     if Path(out).exists() and not overwrite:
         _fail(f"{out} already exists (--overwrite replaces it)")
+    labels = short_labels(list(runs)) if len(runs) > 1 else None
     try:
-        _write(lambda: write_png(trace, out, steps, overwrite))
-    except ImportError as exc:
-        _fail(str(exc))
-    click.echo(f"wrote {out} ({steps_text(steps)})")
+        _write(lambda: write_png(traces, out, spans, overwrite, labels))
+    except (ImportError, ValueError) as exc:
+        _fail(f"{run}: {exc}" if isinstance(exc, ValueError) and len(runs) == 1 else str(exc))
+    if len(runs) == 1:
+        click.echo(f"wrote {out} ({steps_text(steps)})")
+    else:
+        click.echo(f"wrote {out} ({len(runs)} runs stacked on one time axis)")
 
 
 @click.command()
@@ -115,17 +139,29 @@ def timeline(run, output, step, step_span, as_ascii, replica, overwrite) -> None
     help="chrome: trace-event JSON (ui.perfetto.dev, chrome://tracing); csv: a row per event.",
 )
 @click.option("-o", "--output", required=True, metavar="OUT", help="File to write.")
+@click.option("--steps", "step_span", metavar="A:B", help="Export steps A to B (from 1) only.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
-def export(run, fmt, output, overwrite) -> None:
+def export(run, fmt, output, step_span, overwrite) -> None:
     """Export RUN.h5 for other tools: Chrome/Perfetto JSON (a process per rank, flow arrows from
-    each send to its receive) or CSV."""
+    each send to its receive) or CSV; steps are counted from 1 in both."""
     from mpihybrid.analysis.export import export as write_export
+    from mpihybrid.analysis.export import window
+    from mpihybrid.analysis.timeline import step_range, steps_text
 
+    _not_the_input(output, run)
     if Path(output).exists() and not overwrite:
         _fail(f"{output} already exists (--overwrite replaces it)")
     trace = _load(run)
-    _write(lambda: write_export(trace, output, fmt, overwrite))
-    click.echo(f"wrote {output} ({len(trace.events)} events, {fmt})")
+    steps = None
+    if step_span is not None:
+        try:
+            steps = step_range(trace, step_span)
+        except ValueError as exc:
+            _fail(f"{run}: {exc}")
+    n = len(window(trace, steps).events)
+    _write(lambda: write_export(trace, output, fmt, overwrite, steps))
+    what = f", {steps_text(steps)}" if steps is not None else ""
+    click.echo(f"wrote {output} ({n} events{what}, {fmt})")
 
 
 @click.command()
