@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mpihybrid.analysis.metrics import analyze
+from mpihybrid.analysis.metrics import analyze, match_messages
 from mpihybrid.cli import main
 from mpihybrid.trace.file import WRITER_ATTRS, load, write_trace
 from mpihybrid.trace.recorder import KIND
@@ -221,12 +221,23 @@ def test_export_chrome_is_valid_trace_event_json(trace_path, tmp_path):
     for k in ends:
         assert starts[k]["pid"] != ends[k]["pid"]
         assert inside(starts[k], "send") and inside(ends[k], "recv")
-        # an arrow runs forward in time: from the posted send to where the receive completed
-        assert ends[k]["ts"] >= starts[k]["ts"], (starts[k], ends[k])
+        # an arrow runs from the posted send to where the receive completed: the end of its slice
         assert any(
             p == ends[k]["pid"] and c == "recv" and 0 <= ts + d - ends[k]["ts"] <= 1e-3 + 1e-9
             for p, t, ts, d, c in slices
         )
+        assert any(
+            p == starts[k]["pid"] and c == "send" and 0 <= starts[k]["ts"] - ts <= 1e-3 + 1e-9
+            for p, t, ts, d, c in slices
+        )
+    # so no arrow runs backwards unless the ranks' clocks disagree by more than the message
+    # took (midpoints, as before, put 90 of 240 backwards on a quiet machine)
+    messages = match_messages(events)
+    mid = (events["start"] + events["end"]) / 2
+    backwards_before = int(np.sum(mid[messages.recv] < mid[messages.send]))
+    backwards_now = sum(ends[k]["ts"] < starts[k]["ts"] for k in ends)
+    assert backwards_now <= backwards_before
+    assert backwards_now <= len(ends) // 4, (backwards_now, len(ends))
 
 
 @pytest.mark.mpi

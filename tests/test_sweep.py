@@ -215,6 +215,7 @@ def test_tiny_sweep_writes_one_sane_row_per_run(tiny_sweep):
         gpipe = next(g for g in rows if g["schedule"] == "gpipe" and g["microbatches"] == str(m))
         speedup = float(gpipe["step_ms"]) / float(r["step_ms"])
         assert math.isclose(float(r["speedup_vs_gpipe"]), speedup, rel_tol=1e-4)
+    assert "plan: 4 cells (gpipe, 1f1b x M 2,4) x 1 repeat = 4 runs of" in proc.stdout
     # the table printed by rank 0: one line per (M, schedule)
     assert sum(line.split()[:2] in (["2", "gpipe"], ["4", "1f1b"]) for line in
                proc.stdout.splitlines()) == 2  # fmt: skip
@@ -261,6 +262,7 @@ def test_skipped_combination_is_noted_and_overwrite_replaces(tmp_path):
         (["--set", "train.global_batch=13"], "not divisible"),
         (["-o", "/nonexistent-dir/x.csv"], "/nonexistent-dir"),
         (["--plots", "/dev/null/plots"], "--plots /dev/null/plots: cannot create"),
+        (["--repeats", "2000000000"], "= 30,000,000,000 runs: more than the 10,000"),
     ],
 )
 def test_bad_input_exits_2_on_every_rank_before_training(tmp_path, args, message):
@@ -329,3 +331,13 @@ def test_traces_per_cell_and_a_fixed_global_batch(tmp_path):
     again = sweep(str(job), "--schedules", "1f1b", "--microbatches", "2", "--repeats", "1",
                   "--traces", str(traces), "-o", str(tmp_path / "b.csv"))  # fmt: skip
     assert again.returncode == 2 and "repeat-1.h5 already exists" in again.stderr
+
+
+def test_a_sweep_too_big_to_run_is_refused_before_any_cell_is_built():
+    from mpihybrid.cli.sweep import check_size
+
+    check_size(5, 3, 3, 30)  # the README's sweep
+    with pytest.raises(ConfigError, match=r"5 x 400,000,000 x 1|= 2,000,000,000 runs"):
+        check_size(5, 400_000_000, 1, 30)
+    with pytest.raises(ConfigError, match=r"train.steps\(1,000,000\)"):
+        check_size(1, 2, 1, 1_000_000)

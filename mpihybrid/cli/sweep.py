@@ -117,6 +117,42 @@ def cell_job(job: Job, cell: Cell, world_size: int, fixed_batch: bool = False) -
     return resolve(dataclasses.replace(job, train=train, trace=trace), world_size)
 
 
+MAX_RUNS = 10_000  # one sweep; more is a typo or another tool's job
+MAX_STEPS = 1_000_000  # training steps over all its runs
+
+
+def check_size(schedules: int, microbatches: int, repeats: int, steps: int) -> None:
+    """ConfigError before any cell is built when the sweep would run more than MAX_RUNS runs or
+    MAX_STEPS steps in all."""
+    runs = schedules * microbatches * repeats
+    if runs > MAX_RUNS:
+        raise ConfigError(
+            f"--schedules x --microbatches x --repeats = {schedules} x {microbatches} x "
+            f"{repeats} = {runs:,} runs: more than the {MAX_RUNS:,} one sweep runs"
+        )
+    if runs * steps > MAX_STEPS:
+        raise ConfigError(
+            f"{runs:,} runs x train.steps({steps:,}) = {runs * steps:,} steps: more than the "
+            f"{MAX_STEPS:,} one sweep trains; fewer runs or --set train.steps=N"
+        )
+
+
+def plan_text(cells: list[tuple[Cell, Job]], repeats: int) -> str:
+    """The plan line printed before the first run."""
+    names = list(dict.fromkeys(row_label_of(cell) for cell, _ in cells))
+    ms = sorted({cell.microbatches for cell, _ in cells})
+    steps = cells[0][1].train.steps
+    runs = len(cells) * repeats
+    return (
+        f"plan: {len(cells)} cells ({', '.join(names)} x M {','.join(map(str, ms))}) x "
+        f"{repeats} repeat{'s' * (repeats != 1)} = {runs} runs of {steps} steps each"
+    )
+
+
+def row_label_of(cell: Cell) -> str:
+    return f"{cell.schedule} v={cell.virtual_stages}" if cell.virtual_stages > 1 else cell.schedule
+
+
 def plan(
     job: Job,
     schedules: list[str],
@@ -430,6 +466,8 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
 
     for note in notes:
         echo(f"note: {note}")
+    echo(plan_text(cells, repeats))
+    caveat = _oversubscribed(world)
     try:
         rows = run_sweep(
             world, cells, repeats, warmup_steps, progress, backend,
@@ -439,18 +477,32 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
             write_csv(Path(output), rows, overwrite)
             echo("")
             echo(format_table(rows))
+            if caveat:
+                echo(f"caveat: {caveat}")
             echo(f"\n{len(rows)} runs -> {output}")
             if plots:
                 from mpihybrid.cli.sweep_plots import write_plots
 
                 title = _plot_title(job_file, cells[0][1], fixed_global_batch)
-                for path in write_plots(medians(rows), Path(plots), title):
+                for path in write_plots(medians(rows), Path(plots), title, caveat):
                     echo(f"plot -> {path}")
     except Exception:
         # One rank failing must end the whole job, never leave the others waiting.
         sys.stderr.write(f"[rank {world.rank}] sweep failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         world.Abort(1)
+
+
+def _oversubscribed(world) -> str | None:
+    """Collective: rank 0 gets the caveat of an oversubscribed launch, the others None."""
+    import os
+    import socket
+
+    from mpihybrid.train.loop import oversubscribed
+
+    hosts = world.gather((socket.gethostname(), os.cpu_count() or 1), root=0)
+    message = oversubscribed(hosts) if hosts else None
+    return message.split(": ranks wait")[0] + ": times measure the machine" if message else None
 
 
 def _plot_title(job_file: str, job: Job, fixed_batch: bool) -> str:
@@ -485,6 +537,7 @@ def _prepare(world, job_file, overrides, schedules, microbatches, repeats, virtu
         if value < low:
             raise ConfigError(f"{option} = {value}: must be >= {low}")
     job = load_job(job_file, list(overrides), world.Get_size())
+    check_size(len(names), len(ms), repeats, job.train.steps)
     if job.train.steps <= warmup_steps:
         raise ConfigError(
             f"train.steps({job.train.steps}) must exceed --warmup-steps({warmup_steps})"

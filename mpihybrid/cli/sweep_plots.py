@@ -32,39 +32,47 @@ MARKERS = "osD^vP*X"  # one per series, so lines that coincide stay visible
 OFFSET = 0.035  # series i is drawn at M * 2**((i - centre) * OFFSET): apart, on the log axis
 
 
-def write_plots(summary: list[dict], directory: Path, title: str = "") -> list[Path]:
+def write_plots(
+    summary: list[dict], directory: Path, title: str = "", caveat: str | None = None
+) -> list[Path]:
     """PNGs against M, one colour and marker per schedule, from sweep.medians() rows (their
     "label" names the series), each series slightly offset along M so that equal values do not
-    hide each other; bars span min..max over the repeats; where a panel holds a prediction it
-    is dashed with open markers, the textbook bubble dotted. `title` heads every figure."""
+    hide each other. Measured medians are solid with bars from the fastest to the slowest of
+    the repeats, predictions dashed with open markers on top, the textbook bubble dotted, one
+    black line per distinct formula; the legend says all of it. `title` heads every figure,
+    `caveat` (an oversubscribed machine) goes under it in red."""
     plt = import_pyplot()
     make_directory(directory)
     series: dict[str, list[dict]] = {}
     for r in summary:
         series.setdefault(r["label"], []).append(r)
     ticks = sorted({r["microbatches"] for r in summary})
-    # file -> panels of (title, y label, measured key, predicted keys (dashed, dotted))
+    repeats = max((r.get("repeats", 1) for r in summary), default=1)
+    # file -> panels of (title, y label, measured key, predicted key, textbook key, from zero)
     figures = {
-        "throughput.png": [("throughput", "samples / s", "samples_per_s", ())],
-        "speedup.png": [("speedup over GPipe at the same M", "x GPipe", "speedup_vs_gpipe", ())],
+        "throughput.png": [("throughput", "samples / s", "samples_per_s", None, None, True)],
+        "speedup.png": [
+            ("speedup over GPipe at the same M", "x GPipe", "speedup_vs_gpipe", None, None, True)
+        ],
         "bubble.png": [
-            ("bubble: measured (solid), predicted from measured costs (dashed), textbook "
-             "(dotted)", "idle fraction", "bubble_measured",
-             ("bubble_predicted", "bubble_textbook")),
+            ("bubble: the idle fraction of the pipeline phase", "idle fraction",
+             "bubble_measured", "bubble_predicted", "bubble_textbook", True),
         ],
         "memory.png": [
-            ("peak activations in flight, one stage (dashed: predicted)", "micro-batches",
-             "peak_inflight", ("peak_inflight_predicted",)),
-            ("peak activation memory, one rank (measured)", "MiB", "peak_activation_mib", ()),
+            ("peak activations in flight, one stage", "micro-batches", "peak_inflight",
+             "peak_inflight_predicted", None, True),
+            ("peak activation memory, one rank (measured)", "MiB", "peak_activation_mib", None,
+             None, True),
         ],
     }  # fmt: skip
     paths = []
     for filename, panels in figures.items():
-        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 6.2), squeeze=False)
         for ax, panel in zip(axes[0], panels, strict=True):
-            _draw_panel(ax, series, ticks, *panel)
-        if title:
-            fig.suptitle(title, fontsize=10)
+            _draw_panel(ax, series, ticks, repeats, *panel)
+        heading = "\n".join(t for t in (title, caveat) if t)
+        if heading:
+            fig.suptitle(heading, fontsize=10, color="#b00000" if caveat else "black")
         fig.tight_layout()
         path = directory / filename
         fig.savefig(path, dpi=100)
@@ -73,9 +81,15 @@ def write_plots(summary: list[dict], directory: Path, title: str = "") -> list[P
     return paths
 
 
-def _draw_panel(ax, series, ticks, title, ylabel, measured, predicted) -> None:
-    """One panel: each series' measured medians with min-max bars, and its predictions."""
+def _draw_panel(
+    ax, series, ticks, repeats, title, ylabel, measured, predicted, textbook, zero
+) -> None:
+    """One panel: each series' measured medians with min-max bars, its prediction dashed on
+    top, the textbook values dotted (one line per distinct set), a legend naming every style."""
+    from matplotlib.lines import Line2D
+
     centre = (len(series) - 1) / 2
+    textbooks: dict[tuple, list[str]] = {}  # values -> the schedules that share them
     for i, (label, points) in enumerate(series.items()):
         ys = [p[measured] for p in points]
         if all(y is None for y in ys):
@@ -84,23 +98,40 @@ def _draw_panel(ax, series, ticks, title, ylabel, measured, predicted) -> None:
         ms = [p["microbatches"] * shift for p in points]
         style = {"color": f"C{i}", "marker": MARKERS[i % len(MARKERS)], "ms": 6}
         spread = [p.get(f"{measured}_range") for p in points]
-        if all(s is not None for s in spread):
+        if repeats > 1 and all(s is not None for s in spread):
             lows = [y - lo for y, (lo, _) in zip(ys, spread, strict=True)]
             highs = [hi - y for y, (_, hi) in zip(ys, spread, strict=True)]
-            err = [lows, highs]
-            ax.errorbar(ms, ys, yerr=err, ls="-", capsize=3, label=label, **style)
+            ax.errorbar(ms, ys, yerr=[lows, highs], ls="-", capsize=3, label=label, **style)
         else:
             ax.plot(ms, ys, ls="-", label=label, **style)
-        for key, ls in zip(predicted, ("--", ":"), strict=False):
-            ax.plot(ms, [p[key] for p in points], ls=ls, mfc="none", alpha=0.8, **style)
+        if predicted:
+            ax.plot(ms, [p[predicted] for p in points], ls="--", mfc="white", zorder=3, **style)
+        if textbook:
+            key = tuple((p["microbatches"], round(p[textbook], 6)) for p in points)
+            textbooks.setdefault(key, []).append(label)
+    handles, labels = ax.get_legend_handles_labels()
+    for key, names in textbooks.items():
+        (line,) = ax.plot([m for m, _ in key], [y for _, y in key], ls=":", color="black", lw=1.2)
+        handles.append(line)
+        labels.append(f"textbook: {' = '.join(names)}")
+    spread = f", bars: fastest to slowest of {repeats} repeats" if repeats > 1 else ""
+    styles = [("-", "o", f"measured (median{spread})")]
+    if predicted:
+        styles.append(("--", "o", "predicted (dashed, open)"))
+    for ls, marker, text in styles:
+        handles.append(Line2D([], [], color="grey", ls=ls, marker=marker, mfc="white"))
+        labels.append(text)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, labels=[str(m) for m in ticks])
     ax.minorticks_off()
     ax.set_xlabel("micro-batches per step (M)")
     ax.set_ylabel(ylabel)
+    if zero:
+        ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # under the axes: a legend inside would sit on the lines it names
+    ax.legend(handles, labels, fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
 
 
 # ---------------------------------------------------------------- the command
