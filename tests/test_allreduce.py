@@ -155,9 +155,18 @@ def test_bench_allreduce_segment_option() -> None:
 def test_bench_allreduce_transport_option() -> None:
     """--transport mpi sends the lossy rings' segments as messages; a bad name is exit 2."""
     argv = "-m mpihybrid bench allreduce --sizes 64K --codecs int8 --repeats 1".split()
-    proc = run_mpi(2, *argv, "--transport", "mpi", timeout=60)
+    proc = run_mpi(2, *argv, "--transport", "mpi", "--json", timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [line.split()[3] for line in proc.stdout.splitlines() if " ring " in line] == ["int8"]
+    doc = json.loads(proc.stdout)
+    assert doc["ranks"] == 2 and doc["transport"] == "mpi"
+    assert [(r["impl"], r["codec"]) for r in doc["rows"] if r["impl"] == "ring"] == [
+        ("ring", "int8")
+    ]
+    # a size no node holds: one line and exit 2 on every rank, before any buffer (was a
+    # MemoryError traceback per rank)
+    proc = run_mpi(2, "-m", "mpihybrid", "bench", "allreduce", "--sizes", "64G", timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "choose a smaller size" in lines[0]
     proc = run_mpi(2, *argv, "--transport", "shm", timeout=60)
     assert proc.returncode == 2
     assert "--transport" in proc.stderr and "Traceback" not in proc.stderr

@@ -538,3 +538,21 @@ def test_reduce_encode_is_the_three_steps_it_fuses(name: str, kernels: str, feed
             assert_same_bits(fused_res, steps_res, f"{tag} new residual")
     with pytest.raises(ValueError, match="out"):
         codec.reduce_encode(incoming, x, np.zeros(3, np.uint8))
+
+
+def test_bench_codecs_json_and_a_size_no_node_holds() -> None:
+    import json
+
+    args = ["bench", "codecs", "--size", "4K", "--repeats", "1", "--codecs", "fp32", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["size_bytes"] == 4096 and doc["repeats"] == 1
+    assert [r["operation"] for r in doc["rows"]] == list(CODEC_OPERATIONS)
+    assert all(r["fast"] > 0 and r["numpy"] > 0 for r in doc["rows"])
+    result = CliRunner().invoke(main, ["bench", "codecs", "--size", "64P"])
+    assert result.exit_code == 2 and "bad size" in result.output  # P: no such unit
+    result = CliRunner().invoke(main, ["bench", "codecs", "--size", "64G"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output  # was a MemoryError traceback
+    assert "needs about 512.0 GiB" in lines[0] and "choose a smaller size" in lines[0]

@@ -221,6 +221,25 @@ def format_codec_table(rows: list[dict]) -> str:
     return "\n".join(text_table(list(table[0]), [list(r) for r in table[1:]], labels=2))
 
 
+def memory_needed(kind: str, size: int, codecs: int, ranks_on_node: int = 1) -> int:
+    """Bytes a node needs for `bench codecs` or `bench allreduce` at `size` bytes of float32:
+    codecs holds the input, residual, decoded and sum vectors, two wires and the references'
+    temporaries (~8 sizes); allreduce per rank the input, its copy, MPI's result and every
+    codec's ring (residual and wire: ~2 sizes each), for every rank of the node."""
+    if kind == "codecs":
+        return 8 * size
+    return (3 + 2 * codecs) * size * ranks_on_node
+
+
+def check_memory(what: str, needed: int, available: int | None) -> None:
+    """ValueError (one line) when the node's MemAvailable cannot hold `needed` bytes."""
+    if available is not None and needed > available:
+        raise ValueError(
+            f"{what} needs about {human_bytes(needed, 1)} of memory, the node has "
+            f"{human_bytes(available, 1)} available: choose a smaller size"
+        )
+
+
 def parse_size(text: str) -> int:
     """'4096', '4K', '16M', '1G' (binary units) -> bytes."""
     text = text.strip().upper().removesuffix("IB").removesuffix("B")

@@ -380,13 +380,16 @@ def bench() -> None:
     help="auto: a lossy ring on one node reads its neighbours' shared memory; mpi: messages.",
 )
 @click.option("--quiet", is_flag=True, help="No progress line per size (none when not a tty).")
-def bench_allreduce(sizes, codecs, repeats, segment_kb, transport, quiet) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON instead.")
+def bench_allreduce(sizes, codecs, repeats, segment_kb, transport, quiet, as_json) -> None:
     """Hand-written ring vs MPI's own Allreduce: time, algbw, busbw, bytes on the wire."""
     from mpi4py import MPI
 
     from mpihybrid.cli.bench import bench_allreduce as run
-    from mpihybrid.cli.bench import format_table, parse_size
+    from mpihybrid.cli.bench import check_memory, format_table, memory_needed, parse_size
     from mpihybrid.comm.codecs import CODECS
+    from mpihybrid.comm.device import local_rank
+    from mpihybrid.train.memory import mem_available
 
     rank = MPI.COMM_WORLD.rank
     try:
@@ -401,6 +404,13 @@ def bench_allreduce(sizes, codecs, repeats, segment_kb, transport, quiet) -> Non
     if unknown:
         _fail(f"unknown codec {unknown[0]!r}; choose from {', '.join(CODECS)}", rank)
     segment = {} if segment_kb is None else {"segment": 256 * segment_kb}
+    _, on_node = local_rank(MPI.COMM_WORLD)
+    needed = memory_needed("allreduce", max(size_list), len(codec_list), on_node)
+    try:  # every rank reads the same node's figure: all agree
+        check_memory(f"--sizes up to {max(size_list):,} bytes on {on_node} ranks", needed,
+                     mem_available())  # fmt: skip
+    except ValueError as exc:
+        _fail(str(exc), rank)
     from mpihybrid.cli.progress import progress_echo
 
     progress = progress_echo(rank, quiet)
@@ -409,21 +419,31 @@ def bench_allreduce(sizes, codecs, repeats, segment_kb, transport, quiet) -> Non
         transport=transport, **segment,
     )  # fmt: skip
     if MPI.COMM_WORLD.rank == 0:
-        click.echo(format_table(rows))
+        if as_json:
+            import json
+
+            doc = {"ranks": MPI.COMM_WORLD.size, "repeats": repeats, "transport": transport,
+                   "rows": rows}  # fmt: skip
+            click.echo(json.dumps(doc, indent=2))
+        else:
+            click.echo(format_table(rows))
 
 
 @bench.command("codecs")
 @click.option("--size", default="16M", show_default=True, help="float32 bytes (K/M/G suffixes).")
 @click.option("--codecs", default=None, help="Comma list of codecs (default: every codec).")
 @click.option("--repeats", type=int, default=5, show_default=True)
-def bench_codecs(size, codecs, repeats) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON instead.")
+def bench_codecs(size, codecs, repeats, as_json) -> None:
     """GB/s per core of each codec operation: numba kernels beside the numpy references."""
     from mpi4py import MPI
 
     from mpihybrid import _numba
     from mpihybrid.cli.bench import bench_codecs as run
-    from mpihybrid.cli.bench import format_codec_table, parse_size
+    from mpihybrid.cli.bench import check_memory, format_codec_table, memory_needed, parse_size
     from mpihybrid.comm.codecs import CODECS
+    from mpihybrid.comm.device import local_rank
+    from mpihybrid.train.memory import mem_available
     from mpihybrid.units import human_bytes
 
     rank = MPI.COMM_WORLD.rank
@@ -439,8 +459,20 @@ def bench_codecs(size, codecs, repeats) -> None:
     unknown = [c for c in codec_list if c not in CODECS]
     if unknown:
         _fail(f"unknown codec {unknown[0]!r}; choose from {', '.join(CODECS)}", rank)
+    _, on_node = local_rank(MPI.COMM_WORLD)
+    try:
+        needed = memory_needed("codecs", nbytes, len(codec_list)) * on_node
+        check_memory(f"--size {size} on {on_node} ranks", needed, mem_available())
+    except ValueError as exc:
+        _fail(str(exc), rank)
     rows = run(nbytes, codec_list, repeats=repeats)
-    if rank == 0:
+    if rank == 0 and as_json:
+        import json
+
+        doc = {"size_bytes": nbytes // 4 * 4, "repeats": repeats, "fast": _numba.describe(),
+               "unit": "GB/s of float32 per CPU second of one core", "rows": rows}  # fmt: skip
+        click.echo(json.dumps(doc, indent=2))
+    elif rank == 0:
         click.echo(
             f"codecs on {human_bytes(nbytes // 4 * 4, 1)} of float32, median of {repeats}; "
             f"GB/s = float32 bytes / CPU time of one core; fast = {_numba.describe()}"
