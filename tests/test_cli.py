@@ -74,3 +74,19 @@ def test_bench_allreduce_rejects_an_unknown_codec():
     assert proc.stderr.strip().splitlines() == [
         "mpihybrid: error: unknown codec 'int4'; choose from fp32, fp16, bf16, int8"
     ]
+
+
+def test_a_bad_kernel_choice_is_one_line_and_exit_2():
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    env = {**os.environ, "MPIHYBRID_KERNELS": "bogus", "PYTHONPATH": str(ROOT)}
+    for args in (["--help"], ["bench", "codecs"]):
+        proc = subprocess.run([sys.executable, "-m", "mpihybrid", *args], capture_output=True,
+                              text=True, env=env, timeout=60)  # fmt: skip
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr  # was a traceback
+        assert "MPIHYBRID_KERNELS='bogus': choose one of auto, numpy, numba" in lines[0]

@@ -62,6 +62,10 @@ class LazyGroup(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         """Under mpiexec every rank parses the same command line: only rank 0 shows a usage
         error (all exit 2)."""
+        try:  # MPIHYBRID_KERNELS is read when the kernels' switch is imported: a bad value
+            from mpihybrid import _numba  # noqa: F401  (or numba asked for, not there) is usage
+        except ImportError as exc:
+            _fail(str(exc), _launcher_rank())
         if not standalone_mode or _launcher_rank() == 0:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
