@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 CHOICES = ("auto", "numpy", "numba")
 CHOICE = os.environ.get("MPIHYBRID_KERNELS", "auto").strip().lower() or "auto"
@@ -54,3 +55,25 @@ def describe() -> str:
     if ENABLED:
         return f"numba {numba.__version__}"
     return "numpy (numba not installed)" if numba is None else "numpy (MPIHYBRID_KERNELS=numpy)"
+
+
+# the modules whose kernels a training run compiles on its first step
+KERNEL_MODULES = ("mpihybrid.nn.kernels", "mpihybrid.comm.codec_kernels")
+
+
+def kernels_cached() -> bool:
+    """Whether numba's disk cache holds compiled kernels of every KERNEL_MODULES module (its
+    index files, beside the source or under NUMBA_CACHE_DIR): if not, the first step compiles
+    them, for about half a minute."""
+    import importlib.util
+
+    roots = [Path(os.environ["NUMBA_CACHE_DIR"])] if os.environ.get("NUMBA_CACHE_DIR") else []
+    for name in KERNEL_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            continue
+        source = Path(spec.origin)
+        places = [source.parent / "__pycache__", *roots]
+        if not any(next(p.rglob(f"{source.stem}.*.nbi"), None) for p in places if p.is_dir()):
+            return False
+    return True

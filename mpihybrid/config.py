@@ -94,6 +94,7 @@ class TrainConfig:
     seed: int = 0  # parameter initialisation
     eval_every: int = 0  # held-out loss every this many steps and after the last (0 = never)
     eval_batches: int = 4  # held-out loss over this many global batches of held-out samples
+    log_every: int = 1  # rank 0's step line every this many steps and at the last (0 = none)
     # ZeRO-1: each replica keeps the optimizer state of its chunk of every bucket only,
     # updates that chunk and all-gathers the weights (in comm.param_codec)
     shard_optimizer: bool = False
@@ -315,6 +316,7 @@ def validate(job: Job) -> None:
         ("train.microbatches", t.microbatches, 1),
         ("train.virtual_stages", t.virtual_stages, 1),
         ("train.eval_every", t.eval_every, 0),
+        ("train.log_every", t.log_every, 0),
         ("train.eval_batches", t.eval_batches, 1),
         ("comm.block", c.block, 1),
         ("comm.bucket_kb", c.bucket_kb, 1),

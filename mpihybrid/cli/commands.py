@@ -170,7 +170,8 @@ def _run_training(job, world, quiet: bool, resume_from, debug: bool):
     from mpihybrid.train.loop import train as run_training
 
     try:
-        return run_training(job, world, quiet=quiet, resume_from=resume_from)
+        peak = _calibrated_gemm_flops() if job.grid.device == "cpu" else None
+        return run_training(job, world, quiet=quiet, resume_from=resume_from, peak_flops=peak)
     except Preempted as exc:
         if world.rank == 0:
             click.echo(str(exc))
@@ -185,6 +186,19 @@ def _run_training(job, world, quiet: bool, resume_from, debug: bool):
         sys.exit(EXIT_USAGE)
     except Exception as exc:
         abort_job(world, exc, "training", debug)
+
+
+def _calibrated_gemm_flops() -> float | None:
+    """One core's GEMM rate from this machine's calibrated cluster file (what `predict
+    --calibrate` writes to the user's directory), for the step line's roofline share; None
+    when there is none (the installed local.toml was fitted on another machine)."""
+    from mpihybrid.predict.cluster import ClusterError, load_cluster, user_dir
+
+    path = user_dir() / "local.toml"
+    try:
+        return load_cluster(path).device.gemm_flops if path.is_file() else None
+    except (ClusterError, OSError):
+        return None
 
 
 def _debug_env() -> bool:

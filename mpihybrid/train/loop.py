@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid import __version__
+from mpihybrid import __version__, _numba
 from mpihybrid.comm.buckets import GradientComm
 from mpihybrid.comm.codecs import get_codec
 from mpihybrid.comm.device import (
@@ -30,8 +30,8 @@ from mpihybrid.comm.device import (
 )
 from mpihybrid.comm.grid import ProcessGrid
 from mpihybrid.config import Job, to_toml
-from mpihybrid.nn.data import build_task, heldout, replica_microbatches
-from mpihybrid.nn.model import boundary_shapes, build_stage
+from mpihybrid.nn.data import build_task, heldout, replica_microbatches, task_dims
+from mpihybrid.nn.model import block_costs, boundary_shapes, build_blocks, build_stage
 from mpihybrid.nn.optim import ShardedOptimizer, build_optimizer
 from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
@@ -47,6 +47,7 @@ from mpihybrid.trace.recorder import (
 from mpihybrid.trace.stream import TraceStream
 from mpihybrid.train import checkpoint
 from mpihybrid.train.memory import peak_rss_bytes
+from mpihybrid.units import human_bytes
 
 log = logging.getLogger("mpihybrid")
 
@@ -86,8 +87,12 @@ def train(
     collect_params: bool = False,
     resume_from: str | list[str] | None = None,
     backend: Backend | None = None,
+    peak_flops: float | None = None,
 ) -> Summary | None:
     """Run the job on every rank of `world`; rank 0 gets the Summary, the others None.
+
+    peak_flops: one rank's GEMM rate (FLOP/s, e.g. the local cluster file's), for the roofline
+    share in the step line (train.log_every); None leaves it out.
 
     resume_from: complete checkpoint directories to continue from, newest first (or one): the
     newest intact one is loaded (checkpoint.restore_all).
@@ -117,8 +122,12 @@ def train(
             )
 
         offset = clock_offset(world)
+        run.peak_flops = peak_flops
+        if not quiet and world.rank == 0 and _numba.ENABLED and not _numba.kernels_cached():
+            log.info("compiling kernels (numba): the first step takes a while; cached after it")
         world.Barrier()
         t_start = Recorder.clock()
+        run.log_from = (run.start, t_start, 0.0)
         # Rank 0's clock at the start, for traces relative to the run's start.
         t_origin = world.bcast(t_start + offset if world.rank == 0 else None, root=0)
         _begin_trace(run, offset - t_origin, resumed=resume_from is not None)
@@ -165,6 +174,9 @@ class _Run:
     evals: list = field(default_factory=list)  # held-out losses so far (heldout_loss)
     eval_set: tuple | None = None  # my replica's held-out samples (read at the first eval)
     eval_s: float = 0.0  # seconds spent in held-out evaluations (left out of the runtime)
+    # the step line counts from (step, rank 0's clock, eval_s) of the line before
+    log_from: tuple[int, float, float] = (0, 0.0, 0.0)
+    peak_flops: float | None = None  # one rank's GEMM rate, for the step line's roofline %
 
 
 def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
@@ -320,12 +332,8 @@ def _train_step(
     run.accuracies.append(float(sums[1] / max(sums[2], 1)))
     finite = bool(np.isfinite(sums[0])) and not sums[5]
     _trace_step(job, run, step, asked=sums[4] > 0, stopping=bool(sums[3]) or not finite)
-    if not quiet and world.rank == 0:
-        log.info(
-            "step %d/%d  loss %.4f  train acc %.3f  %.1f ms",
-            step + 1, t.steps, run.losses[-1], run.accuracies[-1],
-            1e3 * (Recorder.clock() - t_step),
-        )  # fmt: skip
+    if not quiet and t.log_every and ((step + 1) % t.log_every == 0 or step == t.steps - 1):
+        _log_step(job, world, run, step)  # collective: the peak memory over the ranks
     if not finite:  # before any checkpoint: never one of these weights
         _stop_nonfinite(world, job, step, float(sums[0]), bad)
     if t.eval_every and ((step + 1) % t.eval_every == 0 or step == t.steps - 1):
@@ -342,6 +350,49 @@ def _train_step(
             raise TrainingStopped(step + 1, str(exc)) from None
         if sums[3]:
             raise Preempted(step + 1, path)
+
+
+def _log_step(job: Job, world: MPI.Comm, run: _Run, step: int) -> None:
+    """Rank 0's step line, as torchtitan's metrics line: loss, accuracy, then over the steps
+    since the last line: ms per step, throughput (tokens/s for token data), the share of the
+    GEMM roofline (with peak_flops), every rank's peak memory, and the time left at that pace."""
+    peak = world.allreduce(peak_rss_bytes(), op=MPI.MAX)
+    if world.rank != 0:
+        return
+    t = job.train
+    first, since, evals = run.log_from
+    now = Recorder.clock()
+    run.log_from = (step + 1, now, run.eval_s)
+    steps = step + 1 - first
+    per_step = (now - since - (run.eval_s - evals)) / max(steps, 1)  # evaluations left out
+    tokens = job.data.seq_len if job.model.kind == "gpt" else 1
+    rows_per_s = t.global_batch * tokens / per_step if per_step > 0 else 0.0
+    unit = "tokens/s" if tokens > 1 else "samples/s"
+    parts = [
+        f"step {step + 1}/{t.steps}",
+        f"loss {run.losses[-1]:.4f}",
+        f"acc {run.accuracies[-1]:.3f}",
+        f"{1e3 * per_step:.1f} ms/step",
+        f"{rows_per_s:,.0f} {unit}",
+    ]
+    if run.peak_flops:
+        flops = sum(block_costs(build_blocks(job.model, *task_dims(job.data))))
+        parts.append(f"roofline {100 * flops * rows_per_s / (world.size * run.peak_flops):.0f}%")
+    parts.append(f"peak mem {human_bytes(peak)}")
+    left = (t.steps - step - 1) * per_step
+    if left > 0:
+        parts.append(f"left {_duration(left)}")
+    log.info("%s", "  ".join(parts))
+
+
+def _duration(seconds: float) -> str:
+    """12.3 s, 4 min 05 s, 2 h 03 min."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
 
 
 def _eval_step(job: Job, world: MPI.Comm, run: _Run, step: int, quiet: bool) -> None:
