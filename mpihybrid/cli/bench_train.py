@@ -171,7 +171,9 @@ def _time_split(
         split.append(
             {
                 "rank": rank,
-                "parts": _parts(rank, compute, wall, seconds, profiles.get(rank, {})),
+                "parts": _parts(
+                    rank, compute, _rank_wall(events, first, rank), seconds, profiles.get(rank, {})
+                ),
                 "gemm": matmul / wall,
                 "elementwise": (compute - matmul) / wall,
                 "optimizer": seconds(rank, ("optimizer",)) / wall,
@@ -183,6 +185,17 @@ def _time_split(
     return split
 
 
+def _rank_wall(events: np.ndarray, first: int, rank: int) -> float:
+    """The rank's own wall time over the measured steps (its clock, its step rows)."""
+    rows = events[(events["kind"] == KIND["step"]) & (events["rank"] == rank)]
+    rows = rows[rows["step"] >= first]
+    return float(rows["end"].max() - rows["start"].min())
+
+
+# the order the time split prints its pieces in
+_PARTS = ("GEMM (Linear)", "attention", "GELU", "LayerNorm", "embedding", "loss", "glue")
+
+
 def _parts(rank: int, compute: float, wall: float, seconds, profile: dict) -> dict[str, float]:
     """The rank's main thread over the measured steps, fractions of wall adding up to 1: its
     F/B/W time cut by op as the rank's chunks' profile (profile_chunk: Linear GEMMs, attention,
@@ -190,7 +203,8 @@ def _parts(rank: int, compute: float, wall: float, seconds, profile: dict) -> di
     the bubble, and the copies); the wait for the gradient buckets (exposed all-reduce and the
     optimizer updates left to it); runtime: the rest (Python between actions, step metrics)."""
     total = sum(profile.values())
-    parts = {k: compute * v / total / wall for k, v in profile.items()} if total else {}
+    keys = [k for k in _PARTS if k in profile] + [k for k in profile if k not in _PARTS]
+    parts = {k: compute * profile[k] / total / wall for k in keys} if total else {}
     if not total:
         parts["compute"] = compute / wall
     parts["send"] = seconds(rank, ("send",)) / wall
@@ -500,13 +514,21 @@ def format_bench(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _order(key: str) -> int:
+    return _PARTS.index(key) if key in _PARTS else 0
+
+
 def _format_parts(split: list[dict]) -> list[str]:
     """The time split as a table: one row per piece, one column per rank, columns add to 100."""
     keys = list(dict.fromkeys(k for t in split for k in t["parts"]))
-    head = "  ".join(f"{'rank ' + str(t['rank']):>7}" for t in split)
-    lines = [f"time split     % of each rank's wall (adds up to 100)   {'':<14}{head}"]
+    tail = ("send", "recv (bubble)", "gradient wait", "runtime")
+    ops = sorted((k for k in keys if k not in tail), key=lambda k: (k not in _PARTS, _order(k)))
+    keys = ops + [k for k in tail if k in keys]
+    head = "".join(f"{'rank ' + str(t['rank']):>9}" for t in split)
+    title = "time split (% of each rank's wall; adds up to 100)"
+    lines = [f"{title:<55}{head}"]
     for k in keys:
-        cells = "  ".join(f"{100 * t['parts'].get(k, 0.0):7.1f}" for t in split)
+        cells = "".join(f"{100 * t['parts'].get(k, 0.0):9.1f}" for t in split)
         lines.append(f"  {k:<53}{cells}")
     return lines
 
