@@ -42,8 +42,11 @@ TINY = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200, help="steps; the first tenth warm up")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: needs at least 2 (one to warm up, one to time)")
+    warmup = max(1, args.steps // 10)  # the first steps compile and fault memory in
     world = MPI.COMM_WORLD
     pp, m = world.Get_size(), args.microbatches
     job = load_job(
@@ -72,10 +75,10 @@ def main() -> None:
         runtime.run_step(step, batches)
         return time.perf_counter() - start
 
-    times = [runtime_step(step) for step in range(args.steps)][10:]
+    times = [runtime_step(step) for step in range(args.steps)][warmup:]
     if pp > 1:
         ev = recorder.events
-        ev = ev[(ev["step"] >= 10) & (ev["kind"] != KIND["step"])]
+        ev = ev[(ev["step"] >= warmup) & (ev["kind"] != KIND["step"])]
         compute = ev[(ev["kind"] == KIND["forward"]) | (ev["kind"] == KIND["backward"])]
         inside = float((compute["end"] - compute["start"]).sum()) / len(times)
         per_action = (statistics.median(times) - inside) / len(actions)
@@ -99,7 +102,7 @@ def main() -> None:
             stage.backward(loss_fn.backward(lcache, 1.0 / m), cache, need_dx=False)
         return time.perf_counter() - start
 
-    plain = statistics.median([plain_step() for _ in range(args.steps)][10:])
+    plain = statistics.median([plain_step() for _ in range(args.steps)][warmup:])
     ran = statistics.median(times)
     print(
         f"pp=1, M={m}: {len(actions)} actions per step; runtime {1e6 * ran:.0f} us, "

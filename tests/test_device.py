@@ -158,6 +158,7 @@ def test_detect_cuda_aware_trusts_the_library_before_hints(
     assert device.detect_cuda_aware() is expected
 
 
+@pytest.mark.gpu
 def test_cupy_gpu_round_trip():
     cupy = pytest.importorskip("cupy", reason="CuPy not installed")
     try:

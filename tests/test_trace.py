@@ -150,21 +150,6 @@ def test_round_trip_without_events(tmp_path):
     assert len(trace.events) == 0 and trace.steps == {} and trace.config == ""
 
 
-def test_to_pandas_names_kinds(tmp_path):
-    path = tmp_path / "run.h5"
-    events = write_sample(path)
-    trace = load(path)
-    try:
-        import pandas  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="needs pandas"):
-            trace.to_pandas()
-        return
-    frame = trace.to_pandas()
-    assert len(frame) == len(events)
-    assert list(frame["kind"]) == [KINDS[k] for k in events["kind"]]
-
-
 def test_rejects_reserved_attrs_and_foreign_rows(tmp_path):
     path = tmp_path / "run.h5"
     events = sample_events(8)

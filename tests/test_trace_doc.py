@@ -95,4 +95,3 @@ def test_every_written_attribute_and_dataset_is_documented(fresh):
     assert set(fresh.steps) == set(steps)
     for name, kind in steps.items():
         assert fresh.steps[name].dtype == np.dtype(kind), name
-    assert "Trace.to_pandas" in DOC or "to_pandas()" in DOC

@@ -282,16 +282,6 @@ class Trace:
         which keep one "step" row per rank and step)."""
         return bool(np.any(self.events["kind"] != KIND["step"]))
 
-    def to_pandas(self):
-        """The events as a pandas DataFrame, with `kind` as names (needs pandas)."""
-        try:
-            import pandas as pd
-        except ImportError as err:
-            raise ImportError("Trace.to_pandas() needs pandas: pip install pandas") from err
-        frame = pd.DataFrame({name: self.events[name] for name in EVENT_DTYPE.names})
-        frame["kind"] = pd.Categorical.from_codes(self.events["kind"], categories=list(KINDS))
-        return frame
-
 
 def load(path: str | os.PathLike) -> Trace:
     """Read a trace written by write_trace; TraceError with one sentence if it cannot."""

@@ -1,0 +1,18 @@
+"""The benchmark scripts run at their smallest sizes (figures are never asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+
+def test_runtime_overhead_runs_two_steps_and_refuses_one():
+    script = [sys.executable, "benchmarks/runtime_overhead.py", "--microbatches", "2"]
+    proc = subprocess.run([*script, "--steps", "2"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "per action" in proc.stdout, proc.stderr[-2000:]  # crashed
+    proc = subprocess.run([*script, "--steps", "1"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "needs at least 2" in proc.stderr
