@@ -90,3 +90,13 @@ def test_a_bad_kernel_choice_is_one_line_and_exit_2():
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr  # was a traceback
         assert "MPIHYBRID_KERNELS='bogus': choose one of auto, numpy, numba" in lines[0]
+
+
+def test_schedule_show_names_a_whole_backward_and_has_a_legend():
+    args = ["schedule", "show", "--schedule", "1f1b", "--pp", "2", "-m", "2"]
+    result = CliRunner().invoke(main, [*args, "--early-grad-send"])
+    rank0 = [line.split()[2] for line in result.output.splitlines() if line.startswith("step ")]
+    assert rank0 == ["F0", "F1", "-", "BW0", "~", "-", "BW1", "~"]  # was "B0 B0"
+    assert "BW a whole backward (B and W in one action) and ~ its second step" in result.output
+    plain = CliRunner().invoke(main, args).output
+    assert "F forward, B backward, - idle" in plain and "BW" not in plain

@@ -158,7 +158,10 @@ def test_timeline_ascii_is_the_grid_of_what_ran(trace_path):
         for mb in range(M):
             split = cells.count(f"{s}W{mb}") == 1
             assert cells.count(f"{s}F{mb}") == 1
-            assert cells.count(f"{s}B{mb}") == (2 if any_w and not split else 1)
+            whole = cells.count(f"{s}BW{mb}")  # B and W in one action: BW, then ~
+            assert cells.count(f"{s}B{mb}") + whole == 1
+            assert whole == (1 if any_w and not split else 0)
+    assert cells.count("~") == sum(c[1:3] == "BW" for c in cells)
     # gradients leave before W: every stage but the first splits its backward
     assert any_w and all(f"{s}W0" in cells for s in range(1, PP * V))
 

@@ -172,7 +172,9 @@ def render_grid(
     max_rows: int | None = None,
     result: SimResult | None = None,
 ) -> str:
-    """ASCII step x rank grid of a unit-cost run: `F0`, `B3`, `W1`, `-` idle; `1F0` when v > 1.
+    """ASCII step x rank grid of a unit-cost run: `F0`, `B3`, `W1`, `-` idle; `1F0` when v > 1;
+    where other backwards are split, a whole one (its B and W in one action) is `BW2` on its
+    first step and `~` on its second (grid_legend).
 
     A grid wider than max_ranks shows the first and last max_ranks // 2 ranks with a `...`
     column between; longer than max_rows, the first and last max_rows // 2 rows with a line
@@ -183,12 +185,14 @@ def render_grid(
         half = max(max_ranks // 2, 1)
         ranks = ranks[:half] + [None] + ranks[-half:]  # None: the column of ranks left out
     chunks = _num_stages(actions, virtual_stages) > len(actions)
+    split = any(a.kind == "W" for acts in actions.values() for a in acts)
     running = {}
     for a, t0 in result.start.items():
-        for t in range(math.floor(t0), math.ceil(result.end[a])):
-            running[(stage_rank(a.stage, len(actions)), t)] = (
-                str(a) if chunks else str(a)[len(str(a.stage)) :]
-            )
+        label = str(a) if chunks else str(a)[len(str(a.stage)) :]
+        if split and a.kind == "B" and not _has_w(actions, a):
+            label = label.replace("B", "BW", 1)  # a whole backward: B and W in one action
+        for i, t in enumerate(range(math.floor(t0), math.ceil(result.end[a]))):
+            running[(stage_rank(a.stage, len(actions)), t)] = label if i == 0 else "~"
     steps = math.ceil(result.makespan)
     digits = len(str(max(steps - 1, 0)))
     width = max(
@@ -213,6 +217,26 @@ def render_grid(
     return "\n".join(lines)
 
 
+def _has_w(actions: dict[int, list[Action]], b: Action) -> bool:
+    """Whether the backward `b` is split: a W of its stage and micro-batch exists."""
+    return any(
+        a.kind == "W" and a.stage == b.stage and a.microbatch == b.microbatch
+        for acts in actions.values()
+        for a in acts
+    )
+
+
+def grid_legend(actions: dict[int, list[Action]], v: int) -> str:
+    """What render_grid's cells mean, for these actions."""
+    if any(a.kind == "W" for acts in actions.values() for a in acts):
+        kinds = ("F forward, B backward (input gradient), W weight gradient, BW a whole "
+                 "backward (B and W in one action) and ~ its second step")  # fmt: skip
+    else:
+        kinds = "F forward, B backward"
+    chunk = ", a leading digit the model chunk" if v > 1 else ""
+    return f"{kinds}, - idle; the number is the micro-batch{chunk}"
+
+
 GRID_RANKS = 8  # describe(): ranks shown before the grid is summarised
 GRID_ROWS = 64  # ... and rows
 
@@ -235,6 +259,7 @@ def describe(
     if grid != "none":
         limits = (None, None) if grid == "full" else (GRID_RANKS, GRID_ROWS)
         lines.append(render_grid(actions, v, *limits, result=result))
+        lines.append(grid_legend(actions, v))
     lines += [
         f"bubble: predicted {BUBBLE_FORMULAS[name]} = {bubble_formula(name, pp, m, v):.3f}, "
         f"simulated {result.bubble_fraction:.3f}",
