@@ -1,26 +1,21 @@
-"""Progress lines: rank 0, on a terminal, not --quiet; nothing otherwise."""
+"""Progress lines: rank 0's stderr unless --quiet; never stdout, never another rank."""
 
 from __future__ import annotations
 
-import io
+import click
+from click.testing import CliRunner
 
 from mpihybrid.cli import progress
 
 
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
+def test_progress_goes_to_rank_0s_stderr_unless_quiet():
+    @click.command()
+    @click.option("--rank", type=int, default=0)
+    @click.option("--quiet", is_flag=True)
+    def run(rank, quiet):
+        progress.progress_echo(rank, quiet)("[1/3] repeat 1")
+        click.echo("result")
 
-
-def test_progress_only_on_a_terminal_from_rank_0_without_quiet(monkeypatch):
-    terminal = _Terminal()
-    monkeypatch.setattr(progress.sys, "stderr", terminal)
-    progress.progress_echo(0, quiet=False)("[1/3] repeat 1")
-    progress.progress_echo(0, quiet=True)("quiet")
-    progress.progress_echo(1, quiet=False)("rank 1")
-    assert terminal.getvalue() == "[1/3] repeat 1\n"
-    pipe = io.StringIO()  # isatty() is False: a pipe, a batch log
-    monkeypatch.setattr(progress.sys, "stderr", pipe)
-    monkeypatch.setattr(progress, "LAUNCHERS", ("no-such-launcher",))
-    progress.progress_echo(0, quiet=False)("piped")
-    assert pipe.getvalue() == ""
+    for args, err in (([], "[1/3] repeat 1\n"), (["--quiet"], ""), (["--rank", "1"], "")):
+        result = CliRunner().invoke(run, args)
+        assert result.stdout == "result\n" and result.stderr == err, args

@@ -397,7 +397,7 @@ def bench() -> None:
     show_default=True,
     help="auto: a lossy ring on one node reads its neighbours' shared memory; mpi: messages.",
 )
-@click.option("--quiet", is_flag=True, help="No progress line per size (none when not a tty).")
+@click.option("--quiet", is_flag=True, help="No progress line per size on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON instead.")
 def bench_allreduce(sizes, codecs, repeats, segment_kb, transport, quiet, as_json) -> None:
     """Hand-written ring vs MPI's own Allreduce: time, algbw, busbw, bytes on the wire."""
@@ -519,7 +519,7 @@ def bench_codecs(size, codecs, repeats, as_json) -> None:
     "print the throughput ratio repeat by repeat.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-@click.option("--quiet", is_flag=True, help="No progress line per repeat (none when not a tty).")
+@click.option("--quiet", is_flag=True, help="No progress line per repeat on stderr.")
 def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json, quiet) -> None:
     """Training throughput of JOB_FILE: tokens/s, busy fractions, FLOPs, roofline, memory."""
     from mpi4py import MPI

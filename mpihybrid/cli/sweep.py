@@ -434,7 +434,7 @@ def _csv_value(value):
     is_flag=True,
     help="Keep the job's global batch in every cell (micro-batches shrink as M grows).",
 )
-@click.option("--quiet", is_flag=True, help="No progress line per run (none when not a tty).")
+@click.option("--quiet", is_flag=True, help="No progress line per run on stderr.")
 def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup_steps,
           output, plots, overwrite, traces, fixed_global_batch, quiet) -> None:  # fmt: skip
     """Train JOB_FILE under every schedule x M x repeat in one launch; CSV, table, plots.
