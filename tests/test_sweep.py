@@ -341,3 +341,20 @@ def test_a_sweep_too_big_to_run_is_refused_before_any_cell_is_built():
         check_size(5, 400_000_000, 1, 30)
     with pytest.raises(ConfigError, match=r"train.steps\(1,000,000\)"):
         check_size(1, 2, 1, 1_000_000)
+
+
+def test_token_jobs_show_tokens_per_second():
+    def row(repeat, step_ms):
+        return {
+            "schedule": "1f1b", "virtual_stages": 1, "microbatches": 4, "repeat": repeat,
+            "step_ms": step_ms, "samples_per_s": 8000 / step_ms,
+            "tokens_per_s": 64 * 8000 / step_ms, "bubble_measured": 0.1,
+            "bubble_predicted": 0.1, "bubble_textbook": 0.2, "peak_inflight": 2,
+            "peak_inflight_predicted": 2, "peak_activation_mib": 1.0, "speedup_vs_gpipe": None,
+        }  # fmt: skip
+
+    rows = [row(0, 100.0), row(1, 200.0), row(2, 50.0)]
+    add_speedups(rows)
+    lines = format_table(rows).splitlines()
+    assert "tokens/s" in lines[0] and "samples/s" not in lines[0]
+    assert lines[2].split()[3] == "5,120"  # the median repeat: 64 tokens x 80 sequences/s

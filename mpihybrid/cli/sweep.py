@@ -45,6 +45,7 @@ COLUMNS = (
     "measured_steps",
     "step_ms",
     "samples_per_s",
+    "tokens_per_s",  # token data (gpt): samples_per_s x data.seq_len; empty otherwise
     "bubble_measured",
     "bubble_predicted",
     "bubble_textbook",
@@ -211,6 +212,9 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
         "measured_steps": t.steps - warmup_steps,
         "step_ms": 1e3 * step_s,
         "samples_per_s": t.global_batch / step_s,
+        "tokens_per_s": (
+            t.global_batch * job.data.seq_len / step_s if job.model.kind == "gpt" else None
+        ),
         "bubble_measured": float(bubble["measured"]),
         "bubble_predicted": float(bubble["predicted"]),
         "bubble_textbook": bubble_formula(name, g.pp, m, v),
@@ -313,6 +317,8 @@ def medians(rows: list[dict]) -> list[dict]:
         med = dict(group[0], repeats=len(group), label=row_label(group[0]))
         for key in ("step_ms", "samples_per_s", "bubble_measured", "bubble_predicted"):
             med[key] = statistics.median(r[key] for r in group)
+        tokens = [r["tokens_per_s"] for r in group if r.get("tokens_per_s") is not None]
+        med["tokens_per_s"] = statistics.median(tokens) if tokens else None
         med["peak_inflight"] = max(r["peak_inflight"] for r in group)
         med["peak_activation_mib"] = max(r["peak_activation_mib"] for r in group)
         speedups = [r["speedup_vs_gpipe"] for r in group if r["speedup_vs_gpipe"] is not None]
@@ -332,10 +338,12 @@ def schedule_order(name: str) -> int:
 
 def format_table(rows: list[dict]) -> str:
     """Medians over repeats, one line per (M, schedule)."""
-    header = ("M", "schedule", "step ms", "samples/s", "bubble", "predicted", "textbook",
-              "error", "peak", "pred", "act MiB", "vs gpipe")  # fmt: skip
+    summary = medians(rows)
+    tokens = any(r.get("tokens_per_s") is not None for r in summary)  # token data: tokens/s
+    header = ("M", "schedule", "step ms", "tokens/s" if tokens else "samples/s", "bubble",
+              "predicted", "textbook", "error", "peak", "pred", "act MiB", "vs gpipe")  # fmt: skip
     table = [header]
-    for r in medians(rows):
+    for r in summary:
         predicted = r["bubble_predicted"]
         error = (r["bubble_measured"] - predicted) / predicted if predicted > 0 else None
         speedup = r["speedup_vs_gpipe"]
@@ -344,7 +352,7 @@ def format_table(rows: list[dict]) -> str:
                 str(r["microbatches"]),
                 row_label(r),
                 f"{r['step_ms']:.1f}",
-                f"{r['samples_per_s']:.0f}",
+                f"{r['tokens_per_s'] if tokens else r['samples_per_s']:,.0f}",
                 f"{r['bubble_measured']:.3f}",
                 f"{r['bubble_predicted']:.3f}",
                 f"{r['bubble_textbook']:.3f}",

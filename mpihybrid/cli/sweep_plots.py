@@ -48,9 +48,12 @@ def write_plots(
         series.setdefault(r["label"], []).append(r)
     ticks = sorted({r["microbatches"] for r in summary})
     repeats = max((r.get("repeats", 1) for r in summary), default=1)
+    tokens = any(r.get("tokens_per_s") is not None for r in summary)
     # file -> panels of (title, y label, measured key, predicted key, textbook key, from zero)
     figures = {
-        "throughput.png": [("throughput", "samples / s", "samples_per_s", None, None, True)],
+        "throughput.png": [("throughput", "tokens / s", "tokens_per_s", None, None, True)]
+        if tokens
+        else [("throughput", "samples / s", "samples_per_s", None, None, True)],
         "speedup.png": [
             ("speedup over GPipe at the same M", "x GPipe", "speedup_vs_gpipe", None, None, True)
         ],
