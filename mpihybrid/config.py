@@ -113,6 +113,9 @@ class CommConfig:
     bucket_kb: int = 4096  # a bucket holds whole layers of at least this many KiB of gradient
     segment_kb: int = 2048  # the ring sends a chunk in messages of this many KiB of float32
     param_codec: str = ""  # train.shard_optimizer's weight all-gather: fp32 | bf16 | int8 ("" fp32)
+    # a rank that makes no progress (no action ends, no message arrives) this long aborts the job,
+    # saying what it waits on and writing its flight record; 0 = never
+    timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,7 @@ def validate(job: Job) -> None:
         ("comm.block", c.block, 1),
         ("comm.bucket_kb", c.bucket_kb, 1),
         ("comm.segment_kb", c.segment_kb, 1),
+        ("comm.timeout_s", c.timeout_s, 0),
         ("checkpoint.every", job.checkpoint.every, 0),
         ("trace.flush_steps", job.trace.flush_steps, 0),
         ("trace.flush_seconds", job.trace.flush_seconds, 0),

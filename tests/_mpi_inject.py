@@ -8,6 +8,10 @@ MODE:
     commit    rank 0's rename of a checkpoint directory fails (EIO) while the others wait
     enospc    rank 1 finds the disk full writing the checkpoint of step 4
     kill      rank 1 is killed (SIGKILL, as the OS's OOM killer does) in its third forward
+    int-one   rank 1 alone gets SIGINT in its third forward
+    exit-one  rank 1 alone raises SystemExit(0) in its third forward (a library calling exit)
+    usr1-end  every rank sends itself SIGUSR1 and SIGTERM in the held-out evaluation, after the
+              last step
 """
 
 from __future__ import annotations
@@ -50,6 +54,25 @@ if MODE == "usr1":
         os.kill(os.getpid(), signal.SIGUSR1)
 
     on_third_forward(twice)
+elif MODE == "int-one" and RANK == 1:
+    on_third_forward(lambda: os.kill(os.getpid(), signal.SIGINT))
+elif MODE == "exit-one" and RANK == 1:
+
+    def leave() -> None:
+        raise SystemExit(0)
+
+    on_third_forward(leave)
+elif MODE == "usr1-end":
+    from mpihybrid.train import loop
+
+    original_evaluate = loop._evaluate
+
+    def evaluate(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original_evaluate(*args, **kwargs)
+
+    loop._evaluate = evaluate
 elif MODE == "kill" and RANK == 1:
     on_third_forward(lambda: os.kill(os.getpid(), signal.SIGKILL))
 elif MODE == "nan-grad" and RANK == 0:

@@ -57,6 +57,7 @@ class LazyGroup(click.Group):
         "predict": "mpihybrid.cli.predict:predict",
         "data": "mpihybrid.cli.text:data",
         "generate": "mpihybrid.cli.text:generate",
+        "why": "mpihybrid.cli.why:why",
     }
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -117,7 +118,14 @@ def main() -> None:
     help=f"On a failure, print the full traceback, not one line (also {DEBUG_ENV}=1).",
 )
 def train(job_file, overrides, trace_path, overwrite, quiet, resume, debug) -> None:
-    """Train JOB_FILE (TOML; the embedded default job when omitted) on every rank of mpiexec."""
+    """Train JOB_FILE (TOML; the embedded default job when omitted) on every rank of mpiexec.
+
+    Ctrl-C (or SIGINT to mpiexec) stops every rank at the next step boundary, trace written,
+    exit 130 (twice: at once); SIGUSR1/SIGTERM checkpoint there and exit 3. A rank that makes
+    no progress for comm.timeout_s ends the job saying what it waits on (`mpihybrid why`)."""
+    from mpihybrid.train.watchdog import StopSignals
+
+    StopSignals.install()  # before MPI starts: no moment of the run takes a signal's default
     from mpi4py import MPI
 
     from mpihybrid.config import ConfigError, load_job
@@ -162,29 +170,24 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, debug) -> N
 
 def _run_training(job, world, quiet: bool, resume_from, debug: bool):
     """train() with every way it can end mapped to one line and an exit code: 3 preempted,
-    2 a checkpoint or device refused before training, 1 a run that stopped (all ranks agreed)
-    or a rank that failed alone (then the whole job is aborted)."""
+    130 interrupted, 143 terminated, 2 a checkpoint or device refused before training, 1 a run
+    that stopped (all ranks agreed) or a rank that failed alone (then the whole job is aborted:
+    an exception, but also a KeyboardInterrupt or a SystemExit on one rank)."""
     from mpihybrid.comm.device import DeviceError
     from mpihybrid.train.checkpoint import CheckpointError
-    from mpihybrid.train.loop import Preempted, TrainingStopped
+    from mpihybrid.train.loop import StopRequested
     from mpihybrid.train.loop import train as run_training
 
     try:
         peak = _calibrated_gemm_flops() if job.grid.device == "cpu" else None
         return run_training(job, world, quiet=quiet, resume_from=resume_from, peak_flops=peak)
-    except Preempted as exc:
-        if world.rank == 0:
-            click.echo(str(exc))
-        sys.exit(EXIT_PREEMPTED)
-    except TrainingStopped as exc:  # every rank alike, at a step boundary
-        if world.rank == 0:
-            click.echo(f"mpihybrid: error: {exc}", err=True)
-        sys.exit(EXIT_FAILED)
+    except StopRequested as exc:  # every rank alike, at a step boundary
+        exit_stopped(world, exc)
     except (CheckpointError, DeviceError) as exc:  # on every rank alike, before any training
         if world.rank == 0:
             click.echo(f"mpihybrid: error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
-    except Exception as exc:
+    except BaseException as exc:
         abort_job(world, exc, "training", debug)
 
 
@@ -199,6 +202,18 @@ def _calibrated_gemm_flops() -> float | None:
         return load_cluster(path).device.gemm_flops if path.is_file() else None
     except (ClusterError, OSError):
         return None
+
+
+def exit_stopped(world, exc) -> NoReturn:
+    """Every rank stopped together (train.loop.StopRequested): rank 0 says why, all exit with
+    the stop's code (a preemption's line on stdout, where the SLURM log expects it)."""
+    if world.rank == 0:
+        if exc.exit_code == EXIT_PREEMPTED:
+            click.echo(str(exc))
+        else:
+            failed = exc.exit_code == EXIT_FAILED
+            click.echo(f"mpihybrid: {'error: ' if failed else ''}{exc}", err=True)
+    sys.exit(exc.exit_code)
 
 
 def _debug_env() -> bool:
@@ -543,10 +558,13 @@ def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json, q
     from mpihybrid.cli.bench_train import bench_train as run
     from mpihybrid.cli.bench_train import format_bench
     from mpihybrid.cli.progress import progress_echo
+    from mpihybrid.train.loop import StopRequested
 
     try:
         result = run(job, world, warmup, steps, repeats, other, progress_echo(world.rank, quiet))
-    except Exception as exc:
+    except StopRequested as exc:
+        exit_stopped(world, exc)
+    except BaseException as exc:
         abort_job(world, exc, "benchmark", _debug_env())
     if result is not None:
         click.echo(json.dumps(result, indent=2) if as_json else format_bench(result))

@@ -472,6 +472,9 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
         error = str(exc)
     exit_on_any_error(world, error)
 
+    from mpihybrid.cli.commands import exit_stopped
+    from mpihybrid.train.loop import StopRequested
+
     for note in notes:
         echo(f"note: {note}")
     echo(plan_text(cells, repeats))
@@ -494,7 +497,9 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
                 title = _plot_title(job_file, cells[0][1], fixed_global_batch)
                 for path in write_plots(medians(rows), Path(plots), title, caveat):
                     echo(f"plot -> {path}")
-    except Exception:
+    except StopRequested as exc:  # a signal: every rank stopped at the same step boundary
+        exit_stopped(world, exc)
+    except BaseException:
         # One rank failing must end the whole job, never leave the others waiting.
         sys.stderr.write(f"[rank {world.rank}] sweep failed:\n{traceback.format_exc()}")
         sys.stderr.flush()

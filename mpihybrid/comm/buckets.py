@@ -194,6 +194,12 @@ class Reducer:
             self.owner.submit(self, self.submitted)
             self.submitted += 1
 
+    def close(self) -> None:
+        """Free the rings' shared windows (collective over dp_comm: every replica of the stage
+        calls it at a normal end)."""
+        for ring in self.rings:
+            ring.close()
+
     def run_bucket(self, i: int, wait: Callable[[MPI.Request], None]) -> BucketEvent:
         """Reduce bucket i (each request through `wait`), then update its parameters."""
         start, times = time.perf_counter(), []

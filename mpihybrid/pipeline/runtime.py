@@ -24,7 +24,7 @@ from mpi4py import MPI
 from mpihybrid.comm.device import CPU, Backend
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.pipeline.liveness import Liveness
-from mpihybrid.pipeline.schedules import Action, stage_rank
+from mpihybrid.pipeline.schedules import Action, message_key, stage_rank
 from mpihybrid.trace.recorder import KIND, Recorder
 
 # b = micro-batch size; shapes of the tensors crossing each stage boundary come from the model
@@ -63,11 +63,13 @@ class PipelineRuntime:
         peer_ranks: list[int] | None = None,  # what the trace calls pp rank p; None: p itself
         grads_final: Callable[[int, int], None] | None = None,
         poll: Callable[[], None] | None = None,
+        flight=None,
     ):
         """grads_final(stage, lo): called during a stage's last weight-gradient action of the
         step, after each layer: the stage's gradients at flat offsets >= lo are final (the
         gradient buckets start on it). poll(): called between actions and while a receive is
-        pending (rings that make progress by polling)."""
+        pending (rings that make progress by polling). flight: the rank's FlightRecorder
+        (train.watchdog), told where each action begins and ends."""
         self.comm = pp_comm
         self.pp_rank, self.pp_size = pp_comm.Get_rank(), pp_comm.Get_size()
         self.stages, self.actions = stages, actions
@@ -101,6 +103,13 @@ class PipelineRuntime:
         unknown = [a for a in actions if a.kind not in self._run]
         if unknown:
             raise ValueError(f"unknown action {unknown[0]}")
+        self.flight = flight
+        # what the flight record says of each action: kind, stage, mb, peer (world rank), tag
+        self.flight_rows = [
+            (a.kind, a.stage, a.microbatch, self.peer_ranks[a.peer] if a.peer >= 0 else -1,
+             tag_for(*message_key(a), num_microbatches) if a.peer >= 0 else -1)
+            for a in actions
+        ]  # fmt: skip
         # One preallocated receive buffer per RECV action, reused every step.
         self.recv_buffers: dict[tuple[str, int, int], np.ndarray] = {}
         for a in actions:
@@ -123,13 +132,22 @@ class PipelineRuntime:
         """Run my action list once over `batches` (my replica's M micro-batches)."""
         state = _Step(step, batches, self._post_receives(), Liveness(self.split_backward))
         run, clock = self._run, Recorder.clock
-        poll = self.poll
-        for a in self.actions:
+        poll, flight, rows = self.poll, self.flight, self.flight_rows
+        for j, a in enumerate(self.actions):
+            if flight is not None:
+                kind, stage, mb, peer, tag = rows[j]
+                i = flight.begin(kind, step + 1, stage, mb, peer, tag)
             run[a.kind](a, state, clock())
+            if flight is not None:
+                flight.end(i)
             if poll is not None:
                 poll()
         t0 = Recorder.clock()
+        if flight is not None:
+            i = flight.begin("send wait", step + 1)
         MPI.Request.Waitall(state.send_requests)
+        if flight is not None:
+            flight.end(i)
         if state.send_requests:
             self.recorder.record(KIND["send"], step, -1, -1, t0, Recorder.clock())
         assert not (state.pending_recv or state.caches or state.wcaches), "action list left work"

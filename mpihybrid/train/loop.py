@@ -11,9 +11,9 @@ import logging
 import math
 import os
 import platform
-import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +47,13 @@ from mpihybrid.trace.recorder import (
 from mpihybrid.trace.stream import TraceStream
 from mpihybrid.train import checkpoint
 from mpihybrid.train.memory import peak_rss_bytes
+from mpihybrid.train.watchdog import (
+    EXIT_INTERRUPTED,
+    FlightRecorder,
+    StopSignals,
+    Watchdog,
+    record_dir,
+)
 from mpihybrid.units import human_bytes
 
 log = logging.getLogger("mpihybrid")
@@ -96,10 +103,13 @@ def train(
 
     resume_from: complete checkpoint directories to continue from, newest first (or one): the
     newest intact one is loaded (checkpoint.restore_all).
-    Raises Preempted on every rank after writing a checkpoint when a rank got SIGUSR1/SIGTERM,
-    TrainingStopped on every rank when the run cannot go on (a non-finite loss or gradient, a
-    checkpoint the file system refused). Any other exception carries `.step`, the step (from 1)
-    this rank was in, for the one line the CLI prints.
+    Raises a StopRequested on every rank alike at an agreed step boundary: Preempted after
+    writing a checkpoint when a rank got SIGUSR1/SIGTERM, Interrupted (SIGINT), Terminated
+    (SIGTERM without a checkpoint.dir), TrainingStopped when the run cannot go on (a non-finite
+    loss or gradient, a checkpoint the file system refused). A rank that cannot reach that
+    boundary, or makes no progress for comm.timeout_s, ends the job (train.watchdog). Any other
+    exception carries `.step`, the step (from 1) this rank was in, for the one line the CLI
+    prints; every abnormal end writes this rank's flight record.
 
     collect_params: also bring replica 0's final parameters of every stage to rank 0
     (Summary.params, in stage order) -- what the equivalence tests compare.
@@ -112,14 +122,29 @@ def train(
         backend = select_backend(job.grid.device, job.comm.cuda_aware, world)
     if backend.xp is not np and not quiet:
         log.info("rank %d: %s", world.rank, backend.describe())  # which GPU, which MPI path
-    # the handlers first: a signal that comes while the model is built still counts
-    preempt = _PreemptionFlag(enabled=bool(job.checkpoint.dir))
+    # the handlers first (the CLI installs them before MPI starts): a signal that comes while the
+    # model is built still counts; they stay until the process exits
+    main_thread = threading.current_thread() is threading.main_thread()
+    signals = StopSignals.install() if main_thread else None
+    flight = FlightRecorder(world.rank, world_size=world.Get_size())
+    dog = Watchdog(
+        flight, signals, job.comm.timeout_s, world.Abort,
+        lambda: record_dir(job.trace.path, job.checkpoint.dir),
+        usr1_stops=bool(job.checkpoint.dir),
+    ).start()  # fmt: skip
+    run = None
     try:
+        i = flight.begin("build")
         run = _build(job, world, backend)
+        flight.pp_rank, flight.dp_rank = run.grid.pp_rank, run.grid.dp_rank
+        run.flight, run.signals, run.watchdog = flight, signals, dog
+        run.runtime.flight = flight
         if resume_from is not None:
             run.start, run.losses, run.accuracies = checkpoint.restore_all(
                 world, run.grid.dp_rank, job, resume_from, run.stages, run.optimizers, run.rings
             )
+        flight.end(i)
+        _stop_before_training(job, world, run)
 
         offset = clock_offset(world)
         run.peak_flops = peak_flops
@@ -131,24 +156,39 @@ def train(
         # Rank 0's clock at the start, for traces relative to the run's start.
         t_origin = world.bcast(t_start + offset if world.rank == 0 else None, root=0)
         _begin_trace(run, offset - t_origin, resumed=resume_from is not None)
+        dog.at_boundary()
         # overflow and nan are checked once per step (the loss, each gradient): no numpy warnings
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             for step in range(run.start, job.train.steps):
                 try:
-                    _train_step(job, world, run, step, preempt, quiet)
-                except (Preempted, TrainingStopped):
+                    _train_step(job, world, run, step, quiet)
+                except StopRequested:
                     raise
-                except Exception as exc:
+                except BaseException as exc:  # SystemExit and KeyboardInterrupt on one rank too
                     exc.step = step + 1  # for the one line the CLI prints
                     raise
+        dog.settle()  # the steps are done: a signal now is absorbed, the end is written
+        runtime_s = Recorder.clock() - t_start - run.eval_s  # the steps, not the evaluations
+        run.peak_rss = peak_rss_bytes()  # the steps' peak, before evaluation allocates its own
+        summary = _finish(job, world, run, runtime_s, collect_params)
+    except BaseException as exc:
+        dog.settle()
+        flight.write(record_dir(job.trace.path, job.checkpoint.dir), _ended_by(exc))
+        if isinstance(exc, StopRequested) and run is not None:
+            _release(run)  # every rank stopped at the same boundary: collectives are safe
+        raise
     finally:
-        preempt.restore()
-    runtime_s = Recorder.clock() - t_start - run.eval_s  # the steps' time, not the evaluations'
-    run.peak_rss = peak_rss_bytes()  # the steps' peak, before evaluation allocates its own
-    summary = _finish(job, world, run, runtime_s, collect_params)
+        dog.stop()
     if summary is not None:
         summary.start = run.start
     return summary
+
+
+def _ended_by(exc: BaseException) -> str:
+    """The flight record's reason for an abnormal end."""
+    if isinstance(exc, StopRequested):
+        return str(exc)
+    return f"error: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
 @dataclass
@@ -177,6 +217,10 @@ class _Run:
     # the step line counts from (step, rank 0's clock, eval_s) of the line before
     log_from: tuple[int, float, float] = (0, 0.0, 0.0)
     peak_flops: float | None = None  # one rank's GEMM rate, for the step line's roofline %
+    usr1_warned: bool = False  # said once: SIGUSR1 came but there is no checkpoint.dir
+    flight: FlightRecorder | None = None  # this rank's last actions and waits
+    signals: StopSignals | None = None  # None: not the main thread (no signal handlers)
+    watchdog: Watchdog | None = None
 
 
 def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
@@ -222,6 +266,7 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
         peer_ranks, grads_final=lambda s, lo: rings[s].ready_from(lo),
         poll=gradcomm.poll if gradcomm.progress == "poll" else None,
     )  # fmt: skip
+    # the flight recorder is made before the build; train() hands it to the runtime after
     return _Run(
         grid=grid,
         task=task,
@@ -298,11 +343,9 @@ def warn_oversubscribed(hosts: list[tuple[str, int]]) -> None:
         _oversubscription_told = True
 
 
-def _train_step(
-    job: Job, world: MPI.Comm, run: _Run, step: int, preempt: _PreemptionFlag, quiet: bool
-) -> None:
+def _train_step(job: Job, world: MPI.Comm, run: _Run, step: int, quiet: bool) -> None:
     """One step on this rank: pipeline, all-reduce, optimizer, metrics; a checkpoint when due
-    (Preempted after it when a rank was told to stop)."""
+    (and a StopRequested after it when a rank was told to stop)."""
     g, t = job.grid, job.train
     grid, backend, rec = run.grid, run.backend, run.recorder
     t_step = Recorder.clock()
@@ -315,7 +358,11 @@ def _train_step(
         batches = [(backend.asarray(bx), backend.asarray(by)) for bx, by in batches]
     _begin_updates(run)
     result = run.runtime.run_step(step, batches)
+    # the ring waits on its predecessor most directly (with dp = 1 there is no ring)
+    source = grid.world_rank_of(grid.pp_rank, (grid.dp_rank - 1) % grid.dp_size, g.order)
+    i = run.flight.begin("grad_wait", step + 1, peer=source if grid.dp_size > 1 else -1)
     _reduce_and_update(run, step)
+    run.flight.end(i)
     rec.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
     for s, n in result.peak_inflight.items():
         run.peak_inflight[s] = max(run.peak_inflight[s], n)
@@ -323,33 +370,98 @@ def _train_step(
     # any gradient is not finite (agreed here, at a step boundary, never inside a handler).
     bad = _nonfinite_stages(run)
     mine = np.array(
-        [result.loss_sum, result.correct, result.samples, preempt.requested, run.trace.asks(),
-         len(bad), preempt.ignored]
+        [result.loss_sum, result.correct, result.samples, run.trace.asks(), len(bad),
+         *_signal_counts(run.signals)]
     )  # fmt: skip
     sums = np.empty_like(mine)
+    i = run.flight.begin("metrics allreduce", step + 1)
     world.Allreduce(mine, sums, op=MPI.SUM)
+    run.flight.end(i)
+    run.watchdog.at_boundary()
     run.losses.append(float(sums[0] / (g.dp * t.microbatches)))
     run.accuracies.append(float(sums[1] / max(sums[2], 1)))
-    finite = bool(np.isfinite(sums[0])) and not sums[5]
-    _trace_step(job, run, step, asked=sums[4] > 0, stopping=bool(sums[3]) or not finite)
+    finite = bool(np.isfinite(sums[0])) and not sums[4]
+    stop = _agreed_stop(job, sums[5:])
+    if stop is not None or not finite:
+        run.watchdog.settle()
+    _trace_step(job, run, step, asked=sums[3] > 0, stopping=stop is not None or not finite)
     if not quiet and t.log_every and ((step + 1) % t.log_every == 0 or step == t.steps - 1):
         _log_step(job, world, run, step)  # collective: the peak memory over the ranks
     if not finite:  # before any checkpoint: never one of these weights
         _stop_nonfinite(world, job, step, float(sums[0]), bad)
     if t.eval_every and ((step + 1) % t.eval_every == 0 or step == t.steps - 1):
+        i = run.flight.begin("held-out loss", step + 1)
         _eval_step(job, world, run, step, quiet)
-    preempt.warn_ignored(world.rank, bool(sums[6]))
+        run.flight.end(i)
+    if sums[5] and not job.checkpoint.dir and not run.usr1_warned:
+        run.usr1_warned = True
+        if world.rank == 0:
+            log.warning(
+                "preemption signal received but checkpoint.dir is not set: cannot "
+                "checkpoint; training goes on until it ends or is killed"
+            )
     every = job.checkpoint.every
-    if sums[3] or (every and (step + 1) % every == 0):
-        try:
-            path = checkpoint.save_all(
-                world, grid.dp_rank, job, step + 1, run.stages, run.optimizers, run.rings,
-                run.losses, run.accuracies,
-            )  # fmt: skip
-        except checkpoint.CheckpointError as exc:  # every rank alike
-            raise TrainingStopped(step + 1, str(exc)) from None
-        if sums[3]:
-            raise Preempted(step + 1, path)
+    path = None
+    if stop == "preempt" or (every and (step + 1) % every == 0):
+        path = _save_checkpoint(job, world, run, step)
+    if stop is not None:
+        raise _stop_exception(stop, step + 1, path)
+
+
+def _signal_counts(signals: StopSignals | None) -> list[int]:
+    """SIGUSR1, SIGTERM and SIGINT as this rank's handler saw them (the step's vector)."""
+    return [0, 0, 0] if signals is None else [signals.usr1, signals.term, signals.interrupts]
+
+
+def _agreed_stop(job: Job, counts: np.ndarray) -> str | None:
+    """What the signals of all ranks (summed) ask for: "interrupt" (SIGINT: stop, exit 130),
+    "preempt" (SIGUSR1 or SIGTERM with a checkpoint.dir: checkpoint, exit 3), "terminate"
+    (SIGTERM with nowhere to checkpoint: stop, exit 143), or None (SIGUSR1 without a
+    checkpoint.dir is only warned about)."""
+    usr1, term, interrupts = (int(c) for c in counts)
+    has_dir = bool(job.checkpoint.dir)
+    if has_dir and (usr1 or term):
+        return "preempt" if not interrupts else "interrupt"
+    if interrupts:
+        return "interrupt"
+    return "terminate" if term else None
+
+
+def _stop_exception(stop: str, step: int, path: str | None) -> StopRequested:
+    if stop == "interrupt":
+        saved = f"; checkpoint written to {path}" if path else " (no checkpoint written)"
+        return Interrupted(step, f"interrupted at step {step}{saved}")
+    if stop == "terminate":
+        return Terminated(
+            step, f"terminated by SIGTERM at step {step} (no checkpoint.dir: nothing to resume "
+            "from)"
+        )  # fmt: skip
+    return Preempted(step, path)
+
+
+def _save_checkpoint(job: Job, world: MPI.Comm, run: _Run, step: int) -> str:
+    """Collective: every rank's part of the checkpoint after `step` (0-based)."""
+    i = run.flight.begin("checkpoint", step + 1)
+    try:
+        path = checkpoint.save_all(
+            world, run.grid.dp_rank, job, step + 1, run.stages, run.optimizers, run.rings,
+            run.losses, run.accuracies,
+        )  # fmt: skip
+    except checkpoint.CheckpointError as exc:  # every rank alike
+        raise TrainingStopped(step + 1, str(exc)) from None
+    run.flight.end(i)
+    return path
+
+
+def _stop_before_training(job: Job, world: MPI.Comm, run: _Run) -> None:
+    """Collective, once the model is built: a stop signal that came during start-up ends the run
+    now, before any step (nothing new to checkpoint)."""
+    counts = np.array(_signal_counts(run.signals))
+    world.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+    stop = _agreed_stop(job, counts)
+    if stop is not None:
+        run.watchdog.settle()
+        raise _stop_exception(stop, run.start, None)
 
 
 def _log_step(job: Job, world: MPI.Comm, run: _Run, step: int) -> None:
@@ -531,15 +643,22 @@ def _finish(
     flush), then rank 0 builds the Summary."""
     g, t = job.grid, job.train
     grid, stages, num_stages = run.grid, run.stages, g.pp * t.virtual_stages
+    flight = run.flight
+    i = flight.begin("evaluate")
     test_accuracy = _evaluate(world, grid, stages, num_stages, run.task, job.model, run.backend)
+    flight.end(i)
+    i = flight.begin("replica check")
     replica_diff = _replica_check(world, grid, stages)
     bytes_sent = _bytes_sent(world, run.runtime, run.rings)
     peaks = world.gather(run.peak_inflight, root=0)
     peak_rss = world.gather(run.peak_rss, root=0)
+    flight.end(i)
+    _checkpoint_if_signalled(job, world, run)
     # the rows since the last flush (every row when no trace file is written), on rank 0
+    i = flight.begin("trace flush")
     events = run.trace.flush(_end_attrs(runtime_s, test_accuracy, peak_rss), finished=True)
-    run.gradcomm.close()
-    grid.free()  # a sweep calls train() many times in one process
+    flight.end(i)
+    _release(run)
     params = gather_parameters(world, grid, stages, num_stages) if collect else None
     if world.rank != 0:
         return None
@@ -565,6 +684,34 @@ def _finish(
     return summary
 
 
+def _release(run: _Run) -> None:
+    """Collective, at a normal end or an agreed stop: the communication thread, the rings'
+    shared windows and the grid's communicators. A window left to MPI_Finalize fails it on some
+    fabrics (MPICH over OFI: "fabricclose failed ... Device or resource busy", exit 15); a sweep
+    calls train() many times in one process."""
+    run.gradcomm.close()
+    for s in sorted(run.rings):
+        run.rings[s].close()
+    run.grid.free()
+
+
+def _checkpoint_if_signalled(job: Job, world: MPI.Comm, run: _Run) -> None:
+    """Collective: a preemption signal that came after the last step's boundary still gets the
+    final checkpoint (when there is a checkpoint.dir and the last step has none); the run then
+    finishes its report and trace and exits 0, since nothing is left to requeue."""
+    counts = np.array(_signal_counts(run.signals))
+    world.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+    usr1, term, _ = counts
+    every, steps = job.checkpoint.every, job.train.steps
+    if not (usr1 or term) or steps == run.start:
+        return
+    saved = ""
+    if job.checkpoint.dir and not (every and steps % every == 0):
+        saved = f"; final checkpoint written to {_save_checkpoint(job, world, run, steps - 1)}"
+    if world.rank == 0:
+        log.warning("a stop signal came after the last step: the run finishes%s", saved)
+
+
 def _last_grid(events: np.ndarray, pp: int, v: int, step: int) -> str:
     # a trace window that leaves out the last step leaves nothing to draw
     return grid_as_run(events, pp, v, step) if np.any(events["step"] == step) else ""
@@ -577,60 +724,47 @@ def _end_attrs(runtime_s: float, test_accuracy: float, peak_rss: list[int] | Non
     return attrs if peak_rss is None else {**attrs, "peak_rss_bytes": [int(b) for b in peak_rss]}
 
 
-class TrainingStopped(Exception):
-    """Every rank stopped together at a step boundary: the run cannot go on (a non-finite loss
-    or gradient, a checkpoint the file system refused). The message is one line for the user."""
+class StopRequested(Exception):
+    """Every rank stopped together at a step boundary they agreed on; `exit_code` is the CLI's
+    and the message is one line for the user."""
+
+    exit_code = 1
 
     def __init__(self, step: int, message: str):
         super().__init__(message)
         self.step = step
 
 
-class Preempted(Exception):
-    """Every rank stopped at a step boundary after a signal, with a checkpoint written."""
-
-    def __init__(self, step: int, path: str):
-        super().__init__(f"preempted at step {step}: checkpoint written to {path}")
-        self.step, self.path = step, path
+class TrainingStopped(StopRequested):
+    """The run cannot go on: a non-finite loss or gradient, a checkpoint the file system
+    refused."""
 
 
-class _PreemptionFlag:
-    """SIGUSR1 (SLURM's advance warning) or SIGTERM only set a flag; the loop acts on it.
+class Preempted(StopRequested):
+    """A preemption signal (SIGUSR1, SIGTERM): a checkpoint was written (or, before the first
+    step, nothing new was there to write); requeue and resume."""
 
-    Without checkpoint.dir there is nowhere to write: SIGUSR1 is noted and the loop warns once
-    (MPICH's own handler would swallow it silently); SIGTERM keeps its default and ends the run.
-    """
+    exit_code = 3
 
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.requested = 0  # a signal asked for a checkpoint and a stop
-        self.ignored = 0  # SIGUSR1 came, but there is no checkpoint.dir to write to
-        self.warned = False
-        self.previous = {}
-        for sig in self.SIGNALS if enabled else (signal.SIGUSR1,):
-            self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.enabled:
-            self.requested = 1
+    def __init__(self, step: int, path: str | None):
+        if path:
+            text = f"preempted at step {step}: checkpoint written to {path}"
         else:
-            self.ignored = 1
+            text = f"preempted before step {step + 1}: no step had run, nothing new to write"
+        super().__init__(step, text)
+        self.path = path
 
-    def warn_ignored(self, rank: int, any_rank: bool) -> None:
-        """Once per run, on rank 0, when any rank got SIGUSR1 without checkpoint.dir."""
-        if any_rank and not self.warned:
-            self.warned = True
-            if rank == 0:
-                log.warning(
-                    "preemption signal received but checkpoint.dir is not set: cannot "
-                    "checkpoint; training goes on until it ends or is killed"
-                )
 
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+class Interrupted(StopRequested):
+    """SIGINT (Ctrl-C, or a signal to mpiexec): stopped at the next step boundary."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
+class Terminated(StopRequested):
+    """SIGTERM with no checkpoint.dir: stopped at the next step boundary, nothing saved."""
+
+    exit_code = 143
 
 
 EVAL_LOGITS = 1 << 22  # logits held at once by the evaluation (16 MiB of float32)

@@ -4,7 +4,8 @@ before a run compares with the node's MemAvailable.
     parts = rank_memory(job, stage_work(job), actions, ring_shared=False)["parts"]
     need = rank_estimate(job, pp_rank)     # bytes by part, from the job alone
     check_fits(job, world)                 # collective: ConfigError on every rank when a node's
-                                           # ranks together need more than its MemAvailable
+                                           # ranks together need more than its MemAvailable or
+                                           # their memory cgroup's limit (SLURM --mem) allows
 
 Counted from the job and the layers' own cost declarations (nn/cost.py): parameters, gradients,
 optimizer state, the error-feedback residual and the ring's buffers; the activations in flight by
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 import socket
+from pathlib import Path
 
 from mpi4py import MPI
 
@@ -147,6 +149,93 @@ def mem_available() -> int | None:
     return None
 
 
+UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value < UNLIMITED else None
+
+
+def cgroup_headroom(
+    root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup"
+) -> tuple[int, str] | None:
+    """The bytes this process's memory cgroup (what SLURM's --mem and containers set) still lets
+    its processes use, the tightest of the cgroup and its parents, and words naming that limit;
+    None where no limit is set or cgroups cannot be read. cgroup v2 (memory.max, memory.current)
+    and v1 (memory.limit_in_bytes, memory.usage_in_bytes)."""
+    try:
+        lines = Path(self_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    base = Path(root)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "" and (base / "cgroup.controllers").exists():  # v2, unified
+            mount, limit_name, usage_name = base, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # v1
+            mount, limit_name, usage_name = (
+                base / "memory",
+                "memory.limit_in_bytes",
+                ("memory.usage_in_bytes"),
+            )
+        else:
+            continue
+        here = mount / rel.lstrip("/")
+        if not here.is_dir():  # a container sees its own cgroup at the mount's root
+            here = mount
+        best = None
+        node = here
+        while True:
+            limit, usage = _read_int(node / limit_name), _read_int(node / usage_name)
+            if limit is not None:
+                room = max(limit - (usage or 0), 0)
+                if best is None or room < best[0]:
+                    words = (
+                        f"the memory cgroup's limit ({node / limit_name}: {human_bytes(limit)}, "
+                        f"{human_bytes(usage or 0)} in use)"
+                    )
+                    best = (room, words)
+            if node == mount or mount not in node.parents:
+                break
+            node = node.parent
+        if best is not None:
+            return best
+    return None
+
+
+def address_space_limit() -> int | None:
+    """RLIMIT_AS (`ulimit -v`) of this process in bytes, None when unlimited."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _vm_size() -> int:
+    """This process's mapped address space now (VmSize), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set in bytes (VmHWM of /proc/self/status; where there is no
     such file, getrusage's ru_maxrss, which cannot be reset)."""
@@ -174,11 +263,17 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def check_fits(job: Job, world: MPI.Comm, available: int | None = None) -> None:
+def check_fits(
+    job: Job,
+    world: MPI.Comm,
+    available: int | None = None,
+    cgroup: tuple[int, str] | None | bool = True,
+) -> None:
     """Collective: every rank estimates its own need; the ranks of each node add theirs up and
-    compare with the node's MemAvailable. ConfigError on every rank (the same message) when a
-    node cannot hold its ranks. `available`: the bytes to compare with (tests); None reads
-    /proc/meminfo."""
+    compare with what the node lets them have: MemAvailable, or less where the job's memory
+    cgroup (SLURM's --mem) leaves less; each rank's need also against its RLIMIT_AS. ConfigError
+    on every rank (the same message) when a node cannot hold its ranks. `available`, `cgroup`:
+    what to compare with (tests); None / True read /proc/meminfo and the cgroup."""
     g = job.grid
     rank = world.Get_rank()
     pp_rank = rank % g.pp if g.order == "pipeline-inner" else rank // g.dp
@@ -191,13 +286,26 @@ def check_fits(job: Job, world: MPI.Comm, available: int | None = None) -> None:
     finally:
         node.Free()
     available = mem_available() if available is None else available
+    limit_words = f"{human_bytes(available)} is available" if available is not None else ""
+    room = cgroup_headroom() if cgroup is True else cgroup or None
+    if room is not None and (available is None or room[0] < available):
+        available, limit_words = room[0], f"{room[1]} leaves {human_bytes(room[0])}"
     error = None
+    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in need.items() if v)
     if available is not None and node_need > available:
-        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in need.items() if v)
         error = (
             f"the job needs about {human_bytes(node_need)} of memory on {socket.gethostname()} "
-            f"({ranks} ranks; rank {rank}: {parts}) but {human_bytes(available)} is available"
+            f"({ranks} ranks; rank {rank}: {parts}) but {limit_words}"
         )
+    address_space = address_space_limit()
+    if error is None and address_space is not None and need:
+        mapped = _vm_size()
+        if mapped + sum(need.values()) > address_space:
+            error = (
+                f"rank {rank} needs about {human_bytes(sum(need.values()))} more memory ({parts}) "
+                f"and already maps {human_bytes(mapped)}, past its address-space limit "
+                f"RLIMIT_AS (ulimit -v) {human_bytes(address_space)}"
+            )
     first = next((e for e in world.allgather(error) if e is not None), None)
     if first is not None:
         raise ConfigError(first)
