@@ -88,8 +88,9 @@ def test_why_prints_the_verdict_and_refuses_a_run_without_records(tmp_path):
 
 def test_record_dir_follows_the_trace_then_the_checkpoints():
     assert record_dir("runs/a.h5", "ck") == Path("runs/a.flight")
-    assert record_dir("", "ck") == Path("ck/flight")
-    assert record_dir("", "") == Path("mpihybrid-flight")
+    assert record_dir("", "runs/ck/") == Path("runs/ck.flight")  # beside, never inside
+    tmp = record_dir("", "", "20261124-0600-42")
+    assert tmp.name == "mpihybrid-flight-20261124-0600-42" and tmp.parent.is_dir()
 
 
 class Ended(Exception):

@@ -53,6 +53,7 @@ from mpihybrid.train.watchdog import (
     StopSignals,
     Watchdog,
     record_dir,
+    run_id,
 )
 from mpihybrid.units import human_bytes
 
@@ -127,9 +128,9 @@ def train(
     main_thread = threading.current_thread() is threading.main_thread()
     signals = StopSignals.install() if main_thread else None
     flight = FlightRecorder(world.rank, world_size=world.Get_size())
+    flight_dir = record_dir(job.trace.path, job.checkpoint.dir, world.bcast(run_id(), root=0))
     dog = Watchdog(
-        flight, signals, job.comm.timeout_s, world.Abort,
-        lambda: record_dir(job.trace.path, job.checkpoint.dir),
+        flight, signals, job.comm.timeout_s, world.Abort, lambda: flight_dir,
         usr1_stops=bool(job.checkpoint.dir),
     ).start()  # fmt: skip
     run = None
@@ -173,7 +174,7 @@ def train(
         summary = _finish(job, world, run, runtime_s, collect_params)
     except BaseException as exc:
         dog.settle()
-        flight.write(record_dir(job.trace.path, job.checkpoint.dir), _ended_by(exc))
+        flight.write(flight_dir, _ended_by(exc))
         if isinstance(exc, StopRequested) and run is not None:
             _release(run)  # every rank stopped at the same boundary: collectives are safe
         raise

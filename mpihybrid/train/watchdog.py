@@ -27,6 +27,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -338,15 +339,23 @@ class Watchdog:
         self.exit(code)  # MPI_Abort returns under some MPIs (the PyPI MPICH)
 
 
-def record_dir(trace_path: str, checkpoint_dir: str) -> Path:
-    """Where a run's flight records go: beside its trace (RUN.h5 -> RUN.flight/), else in its
-    checkpoint directory, else mpihybrid-flight/ in the working directory."""
+def record_dir(trace_path: str, checkpoint_dir: str, run_id: str = "") -> Path:
+    """Where a run's flight records go: beside its trace (RUN.h5 -> RUN.flight/), else beside its
+    checkpoint directory (DIR -> DIR.flight/: never inside it, where only checkpoints live), else
+    a directory of the run's own in the temporary directory (the watchdog's line names it)."""
     if trace_path:
         p = Path(trace_path)
         return p.with_name(p.stem + ".flight")
     if checkpoint_dir:
-        return Path(checkpoint_dir) / "flight"
-    return Path("mpihybrid-flight")
+        p = Path(checkpoint_dir)
+        return p.with_name(p.name + ".flight")
+    return Path(tempfile.gettempdir()) / f"mpihybrid-flight-{run_id or os.getpid()}"
+
+
+def run_id() -> str:
+    """A name for this run's records when it has no trace or checkpoint directory: the start
+    time and rank 0's process id (rank 0 broadcasts it, so every rank writes to one place)."""
+    return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
 
 
 def read_records(path: str | Path) -> tuple[Path, dict[int, tuple[dict, np.ndarray]]]:
