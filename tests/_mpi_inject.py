@@ -12,6 +12,8 @@ MODE:
     exit-one  rank 1 alone raises SystemExit(0) in its third forward (a library calling exit)
     usr1-end  every rank sends itself SIGUSR1 and SIGTERM in the held-out evaluation, after the
               last step
+    usr1-ckpt every rank sends itself SIGUSR1 and SIGTERM inside every checkpoint it writes
+    usr1-build rank 1 sends itself SIGUSR1 while the model is being built, before any step
 """
 
 from __future__ import annotations
@@ -73,6 +75,27 @@ elif MODE == "usr1-end":
         return original_evaluate(*args, **kwargs)
 
     loop._evaluate = evaluate
+elif MODE == "usr1-ckpt":
+    from mpihybrid.train import loop
+
+    original_save = checkpoint.save_all
+
+    def save_all(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original_save(*args, **kwargs)
+
+    loop.checkpoint.save_all = save_all
+elif MODE == "usr1-build" and RANK == 1:
+    from mpihybrid.train import loop
+
+    original_build = loop._build
+
+    def build(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return original_build(*args, **kwargs)
+
+    loop._build = build
 elif MODE == "kill" and RANK == 1:
     on_third_forward(lambda: os.kill(os.getpid(), signal.SIGKILL))
 elif MODE == "nan-grad" and RANK == 0:

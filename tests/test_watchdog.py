@@ -284,6 +284,28 @@ def test_signals_after_the_last_step_finish_the_run_with_a_final_checkpoint(tmp_
 
 
 @pytest.mark.mpi
+def test_signals_while_a_checkpoint_is_written_are_absorbed(tmp_path):
+    """Once a second SIGUSR1/SIGTERM during the checkpoint gave exit 15 or 10 instead of 3."""
+    ckpt = tmp_path / "ck"
+    proc = run_mpi(2, "tests/_mpi_inject.py", "usr1-ckpt", "train", "--quiet", *TINY,
+                   "--set", "train.steps=6", "--set", f"checkpoint.dir={ckpt}",
+                   "--set", "checkpoint.every=2", timeout=60)  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert "preempted at step 3: checkpoint written to" in proc.stdout
+    assert checkpoint.read_manifest(checkpoint.latest(ckpt))["step"] == 3
+
+
+@pytest.mark.mpi
+def test_a_signal_while_the_model_is_built_stops_before_any_step(tmp_path):
+    ckpt = tmp_path / "ck"
+    proc = run_mpi(2, "tests/_mpi_inject.py", "usr1-build", "train", "--quiet", *TINY,
+                   "--set", "train.steps=6", "--set", f"checkpoint.dir={ckpt}")  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert "preempted before step 1: no step had run, nothing new to write" in proc.stdout
+    assert checkpoint.complete(ckpt) == []
+
+
+@pytest.mark.mpi
 def test_a_ring_over_shared_memory_finalizes_under_the_ofi_netmod():
     """MPICH over OFI (what crosses nodes on a cluster) failed MPI_Finalize ("fabricclose ...
     busy", exit 15) after a lossy ring's shared windows were left to it."""
