@@ -24,7 +24,7 @@ from mpihybrid.nn.data import build_task, microbatches
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.nn.model import boundary_shapes, build_stage
 from mpihybrid.pipeline.runtime import PipelineRuntime
-from mpihybrid.pipeline.schedules import build_schedule, lower, stage_rank
+from mpihybrid.pipeline.schedules import Placement, build_schedule, lower
 from mpihybrid.trace.recorder import KIND, Recorder
 
 TINY = [
@@ -57,15 +57,15 @@ def main() -> None:
         pp,
     )
     task = build_task(job.data)
+    placement = Placement.loop(pp)
     stages = {
         s: build_stage(job.model, task.in_features, task.num_classes, s, pp, 0)
-        for s in range(pp)
-        if stage_rank(s, pp, 1) == world.rank
+        for s in placement.stages_of(world.rank)
     }
-    actions = lower(build_schedule("1f1b", pp, m, 1), pp, 1)[world.rank]
+    actions = lower(build_schedule("1f1b", pp, m, 1), placement)[world.rank]
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, pp, 1)
     recorder = Recorder(world.rank, 0, capacity=(len(actions) + 8) * (args.steps + 1))
-    runtime = PipelineRuntime(world, stages, actions, pp, m, shapes, recorder)
+    runtime = PipelineRuntime(world, stages, actions, placement, m, shapes, recorder)
     x, y = task.global_batch(0, m)
     batches = microbatches(x, y, 0, 1, m)
 

@@ -20,7 +20,7 @@ from typing import Any
 from mpihybrid.comm.buckets import PROGRESS
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
-from mpihybrid.pipeline.schedules import SCHEDULES, ScheduleError, check_config
+from mpihybrid.pipeline.schedules import ScheduleError, check_config, get_spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -84,7 +84,7 @@ class TrainConfig:
     )
     microbatches: int = 4  # M, per replica per step
     schedule: str = "1f1b"
-    virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b)
+    virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b; a V schedule sets its 2)
     early_grad_send: bool = True  # a backward sends its input gradient before the weight gradient
     optimizer: str = "sgd"
     lr: float = 0.01
@@ -266,7 +266,21 @@ def resolve(job: Job, world_size: int) -> Job:
     if g.pp * dp != world_size:
         raise ConfigError(f"pp({g.pp}) * dp({dp}) = {g.pp * dp} != world size {world_size}")
     job = dataclasses.replace(job, grid=dataclasses.replace(g, dp=dp))
+    job = _schedule_chunks(job)
     validate(job)
+    return job
+
+
+def _schedule_chunks(job: Job) -> Job:
+    """A schedule whose spec fixes its chunks per rank (zb-v, dualpipev: 2; a CSV: its rows')
+    sets train.virtual_stages when the job leaves it at 1; any other value is checked later."""
+    t = job.train
+    try:
+        fixed = get_spec(t.schedule).chunks
+    except ScheduleError as exc:
+        raise ConfigError(f"train.schedule = {t.schedule!r}: {exc}") from None
+    if fixed > 1 and t.virtual_stages == 1:
+        return dataclasses.replace(job, train=dataclasses.replace(t, virtual_stages=fixed))
     return job
 
 
@@ -285,7 +299,10 @@ def _check_names(job: Job) -> None:
     _one_of("model.kind", m.kind, tuple(DATA_FOR_MODEL))
     _one_of("model.activation", m.activation, ("relu", "gelu"))
     _one_of("data.kind", d.kind, DATA_FOR_MODEL[m.kind])
-    _one_of("train.schedule", t.schedule, SCHEDULES)
+    try:
+        get_spec(t.schedule)  # a registered name, or csv:PATH of a readable schedule
+    except ScheduleError as exc:
+        raise ConfigError(f"train.schedule = {t.schedule!r}: {exc}") from None
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
     _one_of("comm.codec", c.codec, CODECS)
     _one_of("comm.overlap", c.overlap, PROGRESS)

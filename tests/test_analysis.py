@@ -13,7 +13,7 @@ from mpihybrid.analysis.metrics import analyze, bubble_summary, match_messages
 from mpihybrid.analysis.report import format_analysis
 from mpihybrid.config import load_job
 from mpihybrid.nn.model import build_stage
-from mpihybrid.pipeline.schedules import build_schedule, lower, stage_rank
+from mpihybrid.pipeline.schedules import Placement, build_schedule, lower, placement_of
 from mpihybrid.pipeline.simulate import Costs, bubble_formula, peak_inflight, simulate
 from mpihybrid.trace.file import Trace, load
 from mpihybrid.trace.recorder import EVENT_DTYPE, KIND
@@ -90,7 +90,7 @@ def test_bytes_equal_what_the_ranks_counted(run):
 @pytest.mark.mpi
 def test_event_counts_are_what_the_schedule_implies(run):
     trace, result, _ = run
-    lowered = lower(build_schedule(SCHEDULE, PP, M), PP)
+    lowered = lower(build_schedule(SCHEDULE, PP, M), Placement.loop(PP))
     per_step = {k: sum(a.kind == k for acts in lowered.values() for a in acts) for k in
                 ("F", "B", "W", "SEND_F", "SEND_B", "RECV_F", "RECV_B")}  # fmt: skip
     world = PP * DP
@@ -126,7 +126,7 @@ def test_peak_activations_match_the_runtime_and_schedule(run):
     _, result, counted = run
     peaks = [s["peak_inflight"] for s in result["stages"]]
     assert peaks == [counted["peak_inflight"][str(s)] for s in range(PP)]
-    assert peaks == peak_inflight(build_schedule(SCHEDULE, PP, M), PP)
+    assert peaks == peak_inflight(build_schedule(SCHEDULE, PP, M), Placement.loop(PP))
     assert all(s["peak_activation_bytes"] > 0 for s in result["stages"])
 
 
@@ -233,12 +233,13 @@ def test_trace_laid_out_by_the_simulator_measures_what_it_predicts(name, pp, m, 
     # events placed exactly where simulate() puts them: measured == predicted == formula
     actions = build_schedule(name, pp, m, v)
     weight = 1.0 if name == "zb-h1" else 0.0
-    sim = simulate(actions, Costs(1.0, 1.0, weight), v)
+    placement = placement_of(name, pp, v)
+    sim = simulate(actions, placement, Costs(1.0, 1.0, weight))
     code = {"F": "forward", "B": "backward", "W": "weight"}
     spec = []
     for step, origin in ((0, 0.0), (1, 1000.0), (2, 2000.0)):
         for a, t in sim.start.items():
-            rank = stage_rank(a.stage, pp)
+            rank = placement.rank_of(a.stage)
             spec.append((rank, a.stage, 0, code[a.kind], step, a.microbatch, origin + t,
                          origin + sim.end[a]))  # fmt: skip
     events = rows(spec)

@@ -9,12 +9,13 @@ import pytest
 from mpihybrid.pipeline.schedules import (
     SCHEDULES,
     Action,
+    Placement,
     ScheduleError,
     build_schedule,
     check_config,
     dry_run,
     lower,
-    stage_rank,
+    placement_of,
     validate,
 )
 from mpihybrid.pipeline.simulate import (
@@ -45,9 +46,15 @@ def test_action_prints_like_torch_pipelining():
     assert str(Action(2, "RECV_B", 3, peer=3)) == "2RECV_B3"
 
 
-def test_stage_rank_is_megatron_placement():
-    assert [stage_rank(s, 4, 2) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert [stage_rank(s, 3, 1) for s in range(3)] == [0, 1, 2]
+def test_placements_loop_and_v():
+    assert Placement.loop(4, 2).stage_ranks == (0, 1, 2, 3, 0, 1, 2, 3)
+    assert Placement.loop(3).stage_ranks == (0, 1, 2)
+    v = Placement.v(4)
+    assert v.stage_ranks == (0, 1, 2, 3, 3, 2, 1, 0)  # rank r holds r and 2p-1-r
+    assert [v.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert (v.chunks, v.num_stages, v.chunk_of(7), v.chunk_of(3)) == (2, 8, 1, 0)
+    assert not v.crosses(3, 4) and v.crosses(4, 5)  # the turn of the V stays on rank 3
+    assert placement_of("interleaved-1f1b", 4, 2) == Placement.loop(4, 2)
 
 
 @pytest.mark.parametrize("pp", range(1, 9))
@@ -57,15 +64,16 @@ def test_every_schedule_validates_and_dry_runs(name, pp):
         compute = build_schedule(name, pp, m, v)
         per_mb = 3 if name == "zb-h1" else 2  # F, B (, W)
         assert sum(len(a) for a in compute.values()) == pp * v * m * per_mb
-        lowered = lower(compute, pp, v)
+        placement = placement_of(name, pp, v)
+        lowered = lower(compute, placement)
         sends = sum(a.kind.startswith("SEND") for acts in lowered.values() for a in acts)
         assert sends == (2 * (pp * v - 1) * m if pp > 1 else 0)
-        validate(lowered, pp, m, v)
-        dry_run(lowered, pp, synchronous=False)
+        validate(lowered, placement, m)
+        dry_run(lowered, placement, synchronous=False)
 
 
 def test_lowering_places_send_after_producer_and_recv_before_consumer():
-    lowered = lower(build_schedule("1f1b", 2, 2), 2)
+    lowered = lower(build_schedule("1f1b", 2, 2), Placement.loop(2))
     assert [str(a) for a in lowered[0]] == [
         "0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1",
     ]  # fmt: skip
@@ -80,7 +88,7 @@ def test_early_grad_send_splits_only_backwards_whose_gradient_crosses_ranks():
     compute = build_schedule("1f1b", 2, 2, early_grad_send=True)
     assert compute[0] == build_schedule("1f1b", 2, 2)[0]  # stage 0 sends no gradient
     assert [str(a) for a in compute[1]] == ["1F0", "1B0", "1W0", "1F1", "1B1", "1W1"]
-    assert [str(a) for a in lower(compute, 2)[1]] == [
+    assert [str(a) for a in lower(compute, Placement.loop(2))[1]] == [
         "1RECV_F0", "1F0", "1B0", "1SEND_B0", "1W0", "1RECV_F1", "1F1", "1B1", "1SEND_B1", "1W1",
     ]  # fmt: skip
     # zero-bubble lists are split already; one rank hands its gradients over locally
@@ -99,18 +107,20 @@ def test_early_grad_send_keeps_order_and_memory_and_never_slows(name):
                 assert [a for a in early[rank] if a.kind != "W"] == [
                     a for a in plain[rank] if a.kind != "W"
                 ]
-            dry_run(lower(early, pp, v), pp, synchronous=False)
-            before, after = simulate(plain, EQUAL, v), simulate(early, EQUAL, v)
+            placement = placement_of(name, pp, v)
+            dry_run(lower(early, placement), placement, synchronous=False)
+            before, after = simulate(plain, placement, EQUAL), simulate(early, placement, EQUAL)
             assert after.peak_inflight == before.peak_inflight
             assert after.makespan <= before.makespan
     # 1F1B at pp=2, M=4 with F = B = W: the last stage's W no longer delays stage 0's B
-    assert simulate(build_schedule("1f1b", 2, 4), EQUAL).makespan == 15
-    assert simulate(build_schedule("1f1b", 2, 4, early_grad_send=True), EQUAL).makespan == 14
+    two = Placement.loop(2)
+    assert simulate(build_schedule("1f1b", 2, 4), two, EQUAL).makespan == 15
+    assert simulate(build_schedule("1f1b", 2, 4, early_grad_send=True), two, EQUAL).makespan == 14
 
 
 def test_stages_on_one_rank_hand_over_locally():
     compute = build_schedule("interleaved-1f1b", 1, 3, 3)
-    assert lower(compute, 1, 3) == compute
+    assert lower(compute, Placement.loop(1, 3)) == compute
 
 
 def test_rendezvous_sends():
@@ -118,13 +128,14 @@ def test_rendezvous_sends():
     for pp in range(1, 6):
         for m in (1, 2, 5):
             for name in ("naive", "gpipe"):
-                dry_run(lower(build_schedule(name, pp, m), pp), pp, synchronous=True)
+                placement = Placement.loop(pp)
+                dry_run(lower(build_schedule(name, pp, m), placement), placement, synchronous=True)
     # 1F1B's warmup sends meet a neighbour that is itself sending: the runtime must post its
     # receives before it sends (buffered semantics), which is what the buffered dry run checks
-    lowered = lower(build_schedule("1f1b", 4, 8), 4)
-    dry_run(lowered, 4, synchronous=False)
+    lowered = lower(build_schedule("1f1b", 4, 8), Placement.loop(4))
+    dry_run(lowered, Placement.loop(4), synchronous=False)
     with pytest.raises(ScheduleError, match="deadlock with rendezvous sends"):
-        dry_run(lowered, 4, synchronous=True)
+        dry_run(lowered, Placement.loop(4), synchronous=True)
 
 
 # ---------------------------------------------------------------- mutated lists are rejected
@@ -160,7 +171,7 @@ def _swap(i: int, j: int):
 def test_mutated_lists_are_rejected_with_the_cell_marked(name, rank, edit, cell, rule):
     actions = _mutated(name, 3, 4, rank, edit)
     with pytest.raises(ScheduleError) as err:
-        validate(actions, 3, 4)
+        validate(actions, Placement.loop(3), 4)
     text = str(err.value)
     assert rule in text
     marked = next(line for line in text.splitlines() if "<-- ERROR HERE" in line)
@@ -168,16 +179,17 @@ def test_mutated_lists_are_rejected_with_the_cell_marked(name, rank, edit, cell,
 
 
 def test_mutated_messages_are_rejected():
-    lowered = lower(build_schedule("1f1b", 3, 4), 3)
+    three = Placement.loop(3)
+    lowered = lower(build_schedule("1f1b", 3, 4), three)
     no_recv = {**lowered, 1: [a for a in lowered[1] if str(a) != "1RECV_F2"]}
     with pytest.raises(ScheduleError, match="has no matching RECV"):
-        validate(no_recv, 3, 4)
+        validate(no_recv, three, 4)
     with pytest.raises(ScheduleError, match="ERROR HERE") as err:
-        dry_run(no_recv, 3, synchronous=False)
+        dry_run(no_recv, three, synchronous=False)
     assert "1F2 waits for the output of F of stage 0 micro-batch 2" in str(err.value)
     wrong_peer = {**lowered, 0: lowered[0][:1] + [Action(0, "SEND_F", 0, 2)] + lowered[0][2:]}
     with pytest.raises(ScheduleError, match="needs peer = rank of stage 1, got 2"):
-        validate(wrong_peer, 3, 4)
+        validate(wrong_peer, three, 4)
 
 
 # ---------------------------------------------------------------- simulator
@@ -190,15 +202,15 @@ def test_simulator_matches_closed_forms_on_equal_costs(name):
             actions = build_schedule(name, pp, m, v)
             expected = bubble_formula(name, pp, m, v)
             for costs in (EQUAL, Costs(1.0, 1.0, 0.0)) if name != "zb-h1" else (EQUAL,):
-                got = simulate(actions, costs, v).bubble_fraction
+                got = simulate(actions, placement_of(name, pp, v), costs).bubble_fraction
                 assert got == pytest.approx(expected, abs=1e-12), (pp, m, v, costs)
 
 
 def test_zb_h1_idles_a_third_of_1f1b():
     for pp in range(2, 9):
         for m in range(pp, 17):
-            zb = simulate(build_schedule("zb-h1", pp, m), EQUAL)
-            one_f_one_b = simulate(build_schedule("1f1b", pp, m), EQUAL)
+            zb = simulate(build_schedule("zb-h1", pp, m), Placement.loop(pp), EQUAL)
+            one_f_one_b = simulate(build_schedule("1f1b", pp, m), Placement.loop(pp), EQUAL)
             assert sum(zb.idle) == pytest.approx(sum(one_f_one_b.idle) / 3)
 
 
@@ -207,9 +219,11 @@ def test_bubble_ordering(pp):
     for m in (pp, 2 * pp):
         bubble = {
             name: simulate(
-                build_schedule(name, pp, m, 2 if "inter" in name else 1), EQUAL
+                build_schedule(name, pp, m, 2 if "inter" in name else 1),
+                placement_of(name, pp, 2 if "inter" in name else 1),
+                EQUAL,
             ).bubble_fraction
-            for name in SCHEDULES
+            for name in ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
         }
         assert bubble["naive"] > bubble["gpipe"] > bubble["interleaved-1f1b"] > bubble["zb-h1"]
         assert bubble["gpipe"] == pytest.approx(bubble["1f1b"])
@@ -218,17 +232,18 @@ def test_bubble_ordering(pp):
 def test_peak_activations_in_flight():
     for pp in range(1, 9):
         for m in range(1, 17):
-            one_f_one_b = simulate(build_schedule("1f1b", pp, m)).peak_inflight
+            loop = Placement.loop(pp)
+            one_f_one_b = simulate(build_schedule("1f1b", pp, m), loop).peak_inflight
             assert one_f_one_b == [min(pp - s, m) for s in range(pp)]
-            assert simulate(build_schedule("gpipe", pp, m)).peak_inflight[0] == m
-            assert simulate(build_schedule("naive", pp, m)).peak_inflight == [1] * pp
-            zb = simulate(build_schedule("zb-h1", pp, m)).peak_inflight
+            assert simulate(build_schedule("gpipe", pp, m), loop).peak_inflight[0] == m
+            assert simulate(build_schedule("naive", pp, m), loop).peak_inflight == [1] * pp
+            zb = simulate(build_schedule("zb-h1", pp, m), loop).peak_inflight
             assert max(zb) <= max(one_f_one_b)
 
 
 def test_simulator_timings_with_per_stage_costs_and_latency():
     costs = Costs(forward=[1.0, 2.0], backward=[3.0, 4.0], weight=0.5, send=0.5)
-    result = simulate(build_schedule("gpipe", 2, 1), costs)
+    result = simulate(build_schedule("gpipe", 2, 1), Placement.loop(2), costs)
     # 0F0 [0,1] -> 1F0 [1.5,3.5] -> 1B0 [3.5,8] -> 0B0 [8.5,12]; an unsplit B also pays W
     assert result.start[Action(1, "F", 0)] == 1.5
     assert result.start[Action(0, "B", 0)] == 8.5
@@ -236,7 +251,7 @@ def test_simulator_timings_with_per_stage_costs_and_latency():
     assert result.busy == [4.5, 6.5]
     assert result.idle == [7.5, 5.5]
     assert result.bubble_fraction == pytest.approx(13 / 24)
-    split = simulate(build_schedule("zb-h1", 1, 1), Costs(1.0, 2.0, 3.0))
+    split = simulate(build_schedule("zb-h1", 1, 1), Placement.loop(1), Costs(1.0, 2.0, 3.0))
     assert (split.start[Action(0, "W", 0)], split.makespan) == (3.0, 6.0)
 
 
@@ -263,7 +278,7 @@ def test_illegal_configs_name_the_rule(name, pp, m, v, rule):
 
 
 def test_render_grid_of_a_unit_cost_run():
-    assert render_grid(build_schedule("gpipe", 2, 2)) == "\n".join(
+    assert render_grid(build_schedule("gpipe", 2, 2), Placement.loop(2)) == "\n".join(
         [
             "        rank 0  rank 1",
             "step 0: F0      -",
@@ -274,7 +289,7 @@ def test_render_grid_of_a_unit_cost_run():
             "step 5: B1      -",
         ]
     )
-    interleaved = render_grid(build_schedule("interleaved-1f1b", 2, 2, 2), 2)
+    interleaved = render_grid(build_schedule("interleaved-1f1b", 2, 2, 2), Placement.loop(2, 2))
     assert "3F0" in interleaved and "0B1" in interleaved
 
 

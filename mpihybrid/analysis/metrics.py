@@ -211,7 +211,7 @@ def bubble_summary(
     cross-rank dependency.
     Returns {"measured", "predicted", "per_rank": {rank: measured}, "costs", "steps"}.
     """
-    from mpihybrid.pipeline.schedules import build_schedule
+    from mpihybrid.pipeline.schedules import build_schedule, placement_of
     from mpihybrid.pipeline.simulate import Costs, simulate
 
     compute = events[np.isin(events["kind"], list(COMPUTE))]
@@ -236,7 +236,7 @@ def bubble_summary(
     costs = stage_costs(compute, num_stages)
     costs["send"] = message_latency(events[np.isin(events["step"], steps)])
     actions = build_schedule(schedule, pp, num_microbatches, virtual_stages, early_grad_send)
-    sim = simulate(actions, Costs(**costs), virtual_stages)
+    sim = simulate(actions, placement_of(schedule, pp, virtual_stages), Costs(**costs))
     return {
         "measured": measured,
         "predicted": float(sim.bubble_fraction),
@@ -341,7 +341,7 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     all-reduce bandwidth and activations come from the window too. Bytes and event counts are
     totals over every traced step ("traced_steps"). Linear in the events (grouped, not masked).
     """
-    from mpihybrid.pipeline.simulate import BUBBLE_FORMULAS, bubble_formula
+    from mpihybrid.pipeline.simulate import bubble_formula, bubble_text
 
     ev, attrs = trace.events, trace.attrs
     config = flat_config(trace)
@@ -362,7 +362,7 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     ranks = _rank_rows(window)
     bubble = bubble_summary(ev, schedule, pp, m, v, skip_steps, early)
     bubble["formula"] = bubble_formula(schedule, pp, m, v)
-    bubble["formula_text"] = BUBBLE_FORMULAS[schedule]
+    bubble["formula_text"] = bubble_text(schedule)
     for row in ranks:
         row["bubble"] = bubble["per_rank"].get(row["rank"])
 
@@ -520,12 +520,13 @@ def _stage_rows(
 ) -> list[dict]:
     """Per stage: seconds in each SPLIT column, mean F/B/W, activations in flight measured and
     predicted by the schedule."""
-    from mpihybrid.pipeline.schedules import build_schedule
+    from mpihybrid.pipeline.schedules import build_schedule, placement_of
     from mpihybrid.pipeline.simulate import peak_inflight
 
     num_stages = pp * v
     peak_count, peak_bytes = _peak_activations(ev, num_stages)
-    predicted_peak = peak_inflight(build_schedule(schedule, pp, m, v, early), num_stages)
+    placement = placement_of(schedule, pp, v)
+    predicted_peak = peak_inflight(build_schedule(schedule, pp, m, v, early), placement)
     per_stage = {}
     for name in SPLIT:
         rows = of[name][(of[name]["stage"] >= 0) & (of[name]["stage"] < num_stages)]

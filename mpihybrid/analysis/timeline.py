@@ -20,7 +20,7 @@ import numpy as np
 
 from mpihybrid.files import write_atomic
 from mpihybrid.pipeline.as_run import compute_rows, grid_as_run
-from mpihybrid.pipeline.schedules import stage_rank
+from mpihybrid.pipeline.placement import Placement
 from mpihybrid.trace.file import Trace
 from mpihybrid.trace.recorder import COMPUTE, KIND
 
@@ -89,12 +89,12 @@ def steps_text(steps: range) -> str:
     return f"steps {steps.start + 1}-{steps[-1] + 1}"
 
 
-def _rank_labels(events: np.ndarray, pp: int) -> dict[int, str]:
+def _rank_labels(events: np.ndarray, placement: Placement) -> dict[int, str]:
     labels = {}
     for rank in np.unique(events["rank"]):
         rows = events[events["rank"] == rank]
         stages = rows["stage"][rows["stage"] >= 0]
-        pp_rank = f"pp{stage_rank(int(stages[0]), pp)} " if len(stages) else ""
+        pp_rank = f"pp{placement.rank_of(int(stages[0]))} " if len(stages) else ""
         labels[int(rank)] = f"rank {rank} ({pp_rank}dp{rows['replica'][0]})"
     return labels
 
@@ -132,7 +132,7 @@ def render_png(traces: Trace | list[Trace], steps: range | list[range], labels=N
     drawn = [_drawn_rows(t, s) for t, s in zip(traces, spans, strict=True)]
     if sum(len(r) for r in drawn) > MAX_BARS:
         raise ValueError(f"the traces hold more than the {MAX_BARS:,} bars a timeline draws")
-    ranks_of = [sorted(_rank_labels(t.events, int(t.attrs.get("pp", 1)))) for t in traces]
+    ranks_of = [sorted(_rank_labels(t.events, Placement.from_attrs(t.attrs))) for t in traces]
     # one time axis: the longest drawn span sets it, every panel starts at its first step
     origin = [float(r["start"].min()) if len(r) else 0.0 for r in drawn]
     length = max((float(r["end"].max()) - o for r, o in zip(drawn, origin, strict=True)
@@ -260,8 +260,7 @@ def write_png(
 def ascii_timeline(trace: Trace, step: int, replica: int = 0) -> str:
     """The step x rank grid of what replica `replica` ran in `step`: each pp rank's F/B/W in
     the order they started, drawn by simulate.render_grid (one grid step per action)."""
-    pp = int(trace.attrs.get("pp", 1))
-    v = int(trace.attrs.get("virtual_stages", 1))
+    placement = Placement.from_attrs(trace.attrs)
     if not trace.has_actions:
         raise ValueError(
             "the trace holds one row per rank and step (trace.events = false), not the order of "
@@ -270,7 +269,7 @@ def ascii_timeline(trace: Trace, step: int, replica: int = 0) -> str:
     rows = compute_rows(trace.events, step, replica)
     if not len(rows):
         raise ValueError(f"no F/B/W events for step {step + 1}, replica {replica}")
-    world = {stage_rank(int(e["stage"]), pp, v): int(e["rank"]) for e in rows}
+    world = {placement.rank_of(int(e["stage"])): int(e["rank"]) for e in rows}
     ranks = ", ".join(f"{p} = world {world[p]}" for p in sorted(world))
     head = f"step {step + 1}, replica {replica}: F/B/W in the order they started (pp rank {ranks})"
-    return head + "\n" + grid_as_run(trace.events, pp, v, step, replica)
+    return head + "\n" + grid_as_run(trace.events, placement, step, replica)

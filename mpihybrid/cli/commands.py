@@ -328,7 +328,7 @@ def schedule() -> None:
     "name",
     default="1f1b",
     show_default=True,
-    help=" | ".join(SCHEDULES),
+    help=" | ".join(SCHEDULES) + " | csv:PATH (torch's compute-only CSV)",
 )
 @click.option("--pp", type=int, default=4, show_default=True, help="Pipeline stages.")
 @click.option("--microbatches", "-m", type=int, default=8, show_default=True)
@@ -337,7 +337,7 @@ def schedule() -> None:
     "-v",
     type=int,
     default=None,
-    help="Model chunks per rank (interleaved-1f1b; default 2).",
+    help="Model chunks per rank (interleaved-1f1b; default 2; a V schedule runs 2).",
 )
 @click.option("--all", "show_all", is_flag=True, help="Compare every schedule in one table.")
 @click.option(
@@ -355,12 +355,12 @@ def schedule() -> None:
 )
 def schedule_show(name, pp, microbatches, virtual, show_all, early_grad_send, grid) -> None:
     """Print a schedule's step x rank grid, predicted bubble and peak activations."""
-    from mpihybrid.pipeline.schedules import ScheduleError
+    from mpihybrid.pipeline.schedules import ScheduleError, chunks_for
     from mpihybrid.pipeline.simulate import compare, describe
 
-    v = virtual if virtual is not None else (2 if show_all or name == "interleaved-1f1b" else 1)
-    _check_schedule_size(pp, microbatches, v)
     try:
+        v = virtual if virtual is not None else (2 if show_all else chunks_for(name))
+        _check_schedule_size(pp, microbatches, v)
         if show_all:
             click.echo(compare(pp, microbatches, v, early_grad_send))
         else:

@@ -28,7 +28,7 @@ import numpy as np
 from mpihybrid.config import ConfigError, Job, load_job, resolve
 from mpihybrid.files import write_atomic
 from mpihybrid.pipeline.liveness import replay_rows
-from mpihybrid.pipeline.schedules import SCHEDULES
+from mpihybrid.pipeline.schedules import SCHEDULES, ScheduleError, chunks_for, get_spec
 from mpihybrid.trace.recorder import step_times
 from mpihybrid.units import table as text_table
 
@@ -79,10 +79,10 @@ def parse_schedules(text: str) -> list[str]:
         return list(SCHEDULES)
     names = [n.strip() for n in text.split(",")]
     for name in names:
-        if name not in SCHEDULES:
-            raise ConfigError(
-                f"--schedules: unknown schedule {name!r}; choose all or from {', '.join(SCHEDULES)}"
-            )
+        try:
+            get_spec(name)
+        except ScheduleError as exc:
+            raise ConfigError(f"--schedules: {exc}") from None
     if len(set(names)) != len(names):
         raise ConfigError(f"--schedules {text!r}: a schedule is named twice")
     return names
@@ -166,7 +166,7 @@ def plan(
     cells, notes = [], []
     for m in microbatches:
         for name in schedules:
-            cell = Cell(name, m, virtual if name == "interleaved-1f1b" else 1)
+            cell = Cell(name, m, chunks_for(name, virtual))
             try:
                 cells.append((cell, cell_job(job, cell, world_size, fixed_batch)))
             except ConfigError as exc:
@@ -188,7 +188,7 @@ def peak_activation_bytes(events: np.ndarray, step: int) -> int:
 def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> dict:
     """One CSV row from a finished run's Summary."""
     from mpihybrid.analysis.metrics import bubble_summary
-    from mpihybrid.pipeline.schedules import build_schedule
+    from mpihybrid.pipeline.schedules import build_schedule, placement_of
     from mpihybrid.pipeline.simulate import bubble_formula, peak_inflight
 
     g, t = job.grid, job.train
@@ -198,7 +198,9 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
     early = t.early_grad_send
     bubble = bubble_summary(summary.events, name, g.pp, m, v, warmup_steps, early)
     costs = bubble["costs"]
-    predicted_peaks = peak_inflight(build_schedule(name, g.pp, m, v, early), g.pp * v)
+    placement = placement_of(name, g.pp, v)
+    actions = build_schedule(name, g.pp, m, v, early)
+    predicted_peaks = peak_inflight(actions, placement)
     measured_peaks = [summary.peak_inflight[s] for s in sorted(summary.peak_inflight)]
     return {
         "schedule": name,
@@ -333,7 +335,7 @@ def medians(rows: list[dict]) -> list[dict]:
 
 
 def schedule_order(name: str) -> int:
-    return SCHEDULES.index(name)
+    return SCHEDULES.index(name) if name in SCHEDULES else len(SCHEDULES)  # csv: last
 
 
 def format_table(rows: list[dict]) -> str:

@@ -24,7 +24,8 @@ from mpi4py import MPI
 from mpihybrid.comm.device import CPU, Backend
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.pipeline.liveness import Liveness
-from mpihybrid.pipeline.schedules import Action, message_key, stage_rank
+from mpihybrid.pipeline.placement import Placement
+from mpihybrid.pipeline.schedules import Action, message_key
 from mpihybrid.trace.recorder import KIND, Recorder
 
 # b = micro-batch size; shapes of the tensors crossing each stage boundary come from the model
@@ -54,7 +55,7 @@ class PipelineRuntime:
         pp_comm: MPI.Comm,
         stages: dict,  # global stage index -> Stage, for the chunks this rank owns
         actions: list[Action],
-        num_stages: int,
+        placement: Placement,
         num_microbatches: int,
         boundary_shapes: list[tuple[int, ...]],  # input shape of stage s, for s in 0..num_stages-1
         recorder: Recorder,
@@ -73,8 +74,8 @@ class PipelineRuntime:
         self.comm = pp_comm
         self.pp_rank, self.pp_size = pp_comm.Get_rank(), pp_comm.Get_size()
         self.stages, self.actions = stages, actions
-        self.num_stages, self.num_microbatches = num_stages, num_microbatches
-        self.v = num_stages // self.pp_size
+        self.placement, self.num_microbatches = placement, num_microbatches
+        self.num_stages = num_stages = placement.num_stages
         self.recorder = recorder
         self.backend = backend
         self.isend = pp_comm.Issend if sync_sends else pp_comm.Isend
@@ -124,9 +125,7 @@ class PipelineRuntime:
             )
 
     def _is_local(self, stage: int) -> bool:
-        return (
-            0 <= stage < self.num_stages and stage_rank(stage, self.pp_size, self.v) == self.pp_rank
-        )
+        return 0 <= stage < self.num_stages and self.placement.rank_of(stage) == self.pp_rank
 
     def run_step(self, step: int, batches: list[tuple[np.ndarray, np.ndarray]]) -> StepResult:
         """Run my action list once over `batches` (my replica's M micro-batches)."""
@@ -166,7 +165,7 @@ class PipelineRuntime:
             src_stage = stage - 1 if kind == "F" else stage + 1
             pending[key] = self.comm.Irecv(
                 [self.backend.mpi_recv_buffer(buf, key), MPI.FLOAT],
-                source=stage_rank(src_stage, self.pp_size, self.v),
+                source=self.placement.rank_of(src_stage),
                 tag=tag_for(kind, src_stage, mb, self.num_microbatches),
             )
         return pending
@@ -269,20 +268,18 @@ class _Step:
 def forward_only(
     pp_comm: MPI.Comm,
     stages: dict,
-    num_stages: int,
+    placement: Placement,
     x: np.ndarray,
     boundary_shapes: list[tuple[int, ...]],
     backend: Backend = CPU,
 ) -> np.ndarray | None:
     """Push one batch through the whole pipeline (evaluation); the last stage's rank gets logits."""
-    pp_rank, pp_size = pp_comm.Get_rank(), pp_comm.Get_size()
-    v = num_stages // pp_size
+    pp_rank, num_stages = pp_comm.Get_rank(), placement.num_stages
     for s in range(num_stages):
-        owner = stage_rank(s, pp_size, v)
-        if owner != pp_rank:
+        if placement.rank_of(s) != pp_rank:
             continue
         if s > 0:
-            prev = stage_rank(s - 1, pp_size, v)
+            prev = placement.rank_of(s - 1)
             if prev != pp_rank:
                 x = backend.empty(boundary_shapes[s], np.float32)
                 key = ("eval", s, x.shape)  # a staging buffer per boundary and piece size
@@ -290,10 +287,9 @@ def forward_only(
                 backend.finish_recv(x, key)
         x, _ = stages[s].forward(x)
         if s < num_stages - 1:
-            nxt = stage_rank(s + 1, pp_size, v)
+            nxt = placement.rank_of(s + 1)
             if nxt != pp_rank:
                 x = backend.xp.ascontiguousarray(x)
                 wire = backend.mpi_send_buffer(x, ("eval", s + 1, x.shape))
                 pp_comm.Send([wire, MPI.FLOAT], dest=nxt, tag=s + 1)
-    last_owner = stage_rank(num_stages - 1, pp_size, v)
-    return x if pp_rank == last_owner else None
+    return x if pp_rank == placement.rank_of(num_stages - 1) else None

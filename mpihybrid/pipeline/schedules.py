@@ -1,50 +1,35 @@
 """Pipeline schedules as data: which rank runs which forward and backward, in which order.
 
-A schedule is `{pp_rank: [Action, ...]}`; the runtime executes each list in order and decides
-nothing itself. All of it is pure Python (no MPI): schedules are built, validated, dry-run for
-deadlocks, simulated and drawn without starting a process:
+A schedule is `{pp_rank: [Action, ...]}` plus its Placement (which rank holds each stage); the
+runtime executes each list in order and decides nothing itself. All of it is pure Python (no
+MPI): schedules are built, validated, dry-run for deadlocks, simulated and drawn without starting
+a process:
 
-    mpihybrid schedule show --schedule 1f1b --pp 4 --microbatches 8
+    mpihybrid schedule show --schedule zb-v --pp 4 --microbatches 8
 
-p = pp (pipeline ranks), v = virtual stages (model chunks) per rank, m = num_microbatches,
-s = global stage 0 .. p*v-1 (Megatron placement: stage s lives on pp rank s % p), mb = micro-batch.
+Every schedule is one registered ScheduleSpec (SPECS): its builder, its placement (loop or V),
+chunks per rank, the fewest micro-batches it accepts, its bubble formula, whether it splits B
+and W. `csv:PATH` names a schedule read from torch's CSV format (csv_schedule.py).
+
+p = pp (pipeline ranks), v = model chunks (stages) per rank, m = num_microbatches,
+s = global stage 0 .. p*v-1, mb = micro-batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-COMPUTE_KINDS = ("F", "B", "W")
-COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+from mpihybrid.pipeline.actions import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    Action,
+    ScheduleError,
+    message_key,
+)
+from mpihybrid.pipeline.placement import Placement
 
-
-class ScheduleError(ValueError):
-    """An illegal schedule configuration, an invalid action list or a deadlock."""
-
-
-@dataclass(frozen=True)
-class Action:
-    stage: int  # global stage = model chunk index, 0 .. p*v-1
-    kind: str  # compute: F, B, W; communication: SEND_F, RECV_F, SEND_B, RECV_B
-    microbatch: int
-    peer: int = -1  # pp rank on the other side (communication actions only)
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
-
-
-def stage_rank(stage: int, pp: int, v: int = 1) -> int:
-    """The pp rank that owns `stage`: chunk c of rank r is stage c*pp + r."""
-    return stage % pp
-
-
-def message_key(action: Action) -> tuple[str, int, int]:
-    """("F" or "B", sending stage, microbatch): identical for a SEND and its matching RECV."""
-    direction = action.kind[-1]
-    if action.kind.startswith("SEND"):
-        return direction, action.stage, action.microbatch
-    return direction, action.stage + (-1 if direction == "F" else 1), action.microbatch
+__all__ = ["Action", "COMM_KINDS", "COMPUTE_KINDS", "ScheduleError", "message_key", "Placement"]
 
 
 # ---------------------------------------------------------------- generators (one rank each)
@@ -121,29 +106,123 @@ def _interleaved(pp: int, m: int, v: int, rank: int) -> list[Action]:
     return actions
 
 
+# ---------------------------------------------------------------- the registry
+
+
+def _each_rank(make: Callable[[int, int, int], list[Action]]):
+    """A builder from a one-rank generator make(pp, m, rank)."""
+    return lambda pp, m, v: {r: make(pp, m, r) for r in range(pp)}
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    name: str
+    build: Callable[[int, int, int], dict[int, list[Action]]]  # (pp, m, v) -> compute lists
+    placement: str  # loop: stage s on rank s % p; v: rank r holds r and 2p-1-r; rows: a CSV's
+    chunks: int  # model chunks per rank; 0: train.virtual_stages (>= 2) chooses
+    min_microbatches: Callable[[int, int], int]  # (pp, v) -> the fewest m it accepts
+    bubble_text: str  # closed-form idle fraction, F = B = W
+    bubble: Callable[[int, int, int], float]  # (p, m, v) -> that fraction
+    splits_backward: bool  # B (input gradient) and W (weight gradient) are separate actions
+    memory_text: str  # the paper's activation memory per rank, in one stage's micro-batches
+    note: str = ""
+    m_multiple_of_pp: bool = False  # interleaved: m % p == 0
+    placement_of: Callable[[int, int], Placement] | None = None  # rows: the file's placement
+
+    def make_placement(self, pp: int, v: int) -> Placement:
+        if self.placement_of is not None:
+            return self.placement_of(pp, v)
+        return Placement.v(pp, v) if self.placement == "v" else Placement.loop(pp, v)
+
+
+def _zb_h1_bubble(p: int, m: int, v: int) -> float:
+    # m < p: the first gradient reaches rank 0 after 2p-1 steps and rank 0 still has 2m steps of
+    # B and W to run, so the makespan is 2m+2p-1 rather than 3m+p-1
+    d = max(0, p - m)
+    return (p - 1 + d) / (3 * m + p - 1 + d)
+
+
+def _one(pp: int, v: int) -> int:
+    return 1
+
+
+SPECS: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec(
+            "naive", _each_rank(_naive), "loop", 1, _one, "(p-1)/p",
+            lambda p, m, v: (p - 1) / p, False, "1",
+        ),
+        ScheduleSpec(
+            "gpipe", _each_rank(_gpipe), "loop", 1, _one, "(p-1)/(m+p-1)",
+            lambda p, m, v: (p - 1) / (m + p - 1), False, "m",
+        ),
+        ScheduleSpec(
+            "1f1b", _each_rank(_one_f_one_b), "loop", 1, _one, "(p-1)/(m+p-1)",
+            lambda p, m, v: (p - 1) / (m + p - 1), False, "p",
+        ),
+        ScheduleSpec(
+            "interleaved-1f1b",
+            lambda pp, m, v: {r: _interleaved(pp, m, v, r) for r in range(pp)},
+            "loop", 0, lambda pp, v: pp, "(p-1)/(v*m+p-1)",
+            lambda p, m, v: (p - 1) / (v * m + p - 1), False, "p(1+(p-1)/(pv))",
+            m_multiple_of_pp=True,
+        ),
+        ScheduleSpec(
+            "zb-h1", _each_rank(_zb_h1), "loop", 1, _one, "(p-1+d)/(3m+p-1+d), d=max(0,p-m)",
+            _zb_h1_bubble, True, "p",
+        ),
+    )
+}  # fmt: skip
+SCHEDULES = tuple(SPECS)
+
+
+def get_spec(name: str) -> ScheduleSpec:
+    """The registered spec of `name`, or for `csv:PATH` the spec of that file's schedule."""
+    if name.startswith("csv:"):
+        from mpihybrid.pipeline.csv_schedule import csv_spec
+
+        return csv_spec(name)
+    if name not in SPECS:
+        raise ScheduleError(
+            f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)} or csv:PATH"
+        )
+    return SPECS[name]
+
+
+def chunks_for(name: str, virtual_stages: int | None = None) -> int:
+    """Model chunks per rank `name` runs: fixed by its spec (1, or 2 for a V), else
+    virtual_stages (default 2)."""
+    spec = get_spec(name)
+    return spec.chunks or (virtual_stages if virtual_stages is not None else 2)
+
+
+def placement_of(name: str, pp: int, virtual_stages: int = 1) -> Placement:
+    """Which pp rank holds each global stage when `name` runs (check_config first)."""
+    return get_spec(name).make_placement(pp, virtual_stages)
+
+
 def check_config(name: str, pp: int, num_microbatches: int, virtual_stages: int) -> None:
     """Raise ScheduleError naming the broken rule and its values; return None when legal."""
     m, v = num_microbatches, virtual_stages
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    spec = get_spec(name)
     if pp < 1:
         raise ScheduleError(f"{name}: pp must be >= 1, got pp={pp}")
     if m < 1:
         raise ScheduleError(f"{name}: num_microbatches must be >= 1, got {m}")
-    if name == "interleaved-1f1b":
-        if v < 2:
-            raise ScheduleError(
-                f"interleaved-1f1b needs virtual_stages >= 2 model chunks per rank, got {v}"
-            )
-        if m % pp:
-            raise ScheduleError(
-                f"interleaved-1f1b needs num_microbatches % pp == 0: {m} % {pp} = {m % pp}"
-            )
-    elif v != 1:
+    if spec.chunks == 0 and v < 2:
+        raise ScheduleError(f"{name} needs virtual_stages >= 2 model chunks per rank, got {v}")
+    if spec.chunks and v != spec.chunks:
+        runs = "one model chunk" if spec.chunks == 1 else f"{spec.chunks} model chunks"
         raise ScheduleError(
-            f"{name} runs one model chunk per rank: virtual_stages must be 1, got {v} "
-            f"(interleaved-1f1b runs several)"
+            f"{name} runs {runs} per rank: virtual_stages must be {spec.chunks}, got {v}"
+            + (" (interleaved-1f1b runs several)" if spec.chunks == 1 else "")
         )
+    fewest = spec.min_microbatches(pp, v)
+    if m < fewest:
+        raise ScheduleError(f"{name} needs num_microbatches >= {fewest} at pp={pp}, got {m}")
+    if spec.m_multiple_of_pp and m % pp:
+        raise ScheduleError(f"{name} needs num_microbatches % pp == 0: {m} % {pp} = {m % pp}")
 
 
 def build_schedule(
@@ -153,26 +232,27 @@ def build_schedule(
     virtual_stages: int = 1,
     early_grad_send: bool = False,
 ) -> dict[int, list[Action]]:
-    """The compute actions (F, B, W) of every pp rank, checked by validate().
+    """The compute actions (F, B, W) of every pp rank, checked by validate() against the
+    schedule's placement (placement_of).
 
     early_grad_send: split the backwards whose gradient crosses ranks (send_grads_early), as
     training runs them by default; without it, the schedule as its paper draws it.
     """
     check_config(name, pp, num_microbatches, virtual_stages)
-    m = num_microbatches
-    if name == "interleaved-1f1b":
-        actions = {r: _interleaved(pp, m, virtual_stages, r) for r in range(pp)}
-    else:
-        make = {"naive": _naive, "gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}[name]
-        actions = {r: make(pp, m, r) for r in range(pp)}
+    spec = get_spec(name)
+    placement = spec.make_placement(pp, virtual_stages)
+    actions = spec.build(pp, num_microbatches, virtual_stages)
     if early_grad_send:
-        actions = send_grads_early(actions, pp, virtual_stages)
-    validate(actions, pp, m, virtual_stages)
+        actions = send_grads_early(actions, placement)
+    validate(actions, placement, num_microbatches)
     return actions
 
 
+# ---------------------------------------------------------------- lowering
+
+
 def send_grads_early(
-    compute: dict[int, list[Action]], pp: int, virtual_stages: int = 1
+    compute: dict[int, list[Action]], placement: Placement
 ) -> dict[int, list[Action]]:
     """Every whole backward whose input gradient goes to another rank becomes B then W.
 
@@ -187,18 +267,16 @@ def send_grads_early(
         out[rank] = []
         for a in actions:
             out[rank].append(a)
-            crosses = a.stage > 0 and stage_rank(a.stage - 1, pp, virtual_stages) != rank
+            crosses = placement.crosses(a.stage, a.stage - 1)
             if a.kind == "B" and crosses and (a.stage, a.microbatch) not in split:
                 out[rank].append(Action(a.stage, "W", a.microbatch))
     return out
 
 
-def lower(
-    compute: dict[int, list[Action]], pp: int, virtual_stages: int = 1
-) -> dict[int, list[Action]]:
+def lower(compute: dict[int, list[Action]], placement: Placement) -> dict[int, list[Action]]:
     """Add the messages: SEND right after the F/B that produced a tensor, RECV right before the
     F/B that consumes it. Stages on the same rank hand tensors over locally (no message)."""
-    last = pp * virtual_stages - 1
+    last = placement.num_stages - 1
     lowered: dict[int, list[Action]] = {}
     for rank, actions in compute.items():
         out = lowered[rank] = []
@@ -206,8 +284,8 @@ def lower(
             if a.kind not in COMPUTE_KINDS:
                 raise ScheduleError(f"lower() takes compute actions only, got {a} on rank {rank}")
             s, mb = a.stage, a.microbatch
-            prev = stage_rank(s - 1, pp) if s > 0 else rank
-            nxt = stage_rank(s + 1, pp) if s < last else rank
+            prev = placement.rank_of(s - 1) if s > 0 else rank
+            nxt = placement.rank_of(s + 1) if s < last else rank
             if a.kind == "F" and prev != rank:
                 out.append(Action(s, "RECV_F", mb, prev))
             if a.kind == "B" and nxt != rank:
@@ -246,7 +324,12 @@ def format_lists(actions: dict[int, list[Action]], mark: tuple[int, int] | None 
 
 
 def _fail(actions: dict[int, list[Action]], at: tuple[int, int], why: str) -> ScheduleError:
-    return ScheduleError(f"rank {at[0]} step {at[1]}: {why}\n{format_lists(actions, at)}")
+    """The first line names the rank, the step and the action (`<-- here`), the grid follows."""
+    acts = actions.get(at[0], [])
+    cell = str(acts[at[1]]) if at[1] < len(acts) else "end"
+    return ScheduleError(
+        f"rank {at[0]} step {at[1]} [{cell}] <-- here: {why}\n{format_lists(actions, at)}"
+    )
 
 
 def _run(
@@ -329,13 +412,11 @@ def _run(
     return {r: (pc[r], stuck[r]) for r in actions if current(r) is not None}
 
 
-def validate(
-    actions: dict[int, list[Action]], pp: int, num_microbatches: int, virtual_stages: int = 1
-) -> None:
+def validate(actions: dict[int, list[Action]], placement: Placement, num_microbatches: int) -> None:
     """Raise ScheduleError (with the grid, offending cell marked) unless every (stage, mb) gets
     exactly one F and one B on its own rank, F before B, at most one W after its B, messages pair
     up, and the cross-stage dependencies can be met in list order. Compute or lowered lists."""
-    m, num_stages = num_microbatches, pp * virtual_stages
+    m, num_stages, pp = num_microbatches, placement.num_stages, placement.pp
     if sorted(actions) != list(range(pp)):
         raise ScheduleError(f"expected one list per pp rank 0..{pp - 1}, got {sorted(actions)}")
     seen: dict[tuple[str, int, int], tuple[int, int]] = {}  # (kind, stage, mb) -> (rank, step)
@@ -348,11 +429,11 @@ def validate(
             if not (0 <= s < num_stages and 0 <= mb < m):
                 why = f"{a} is outside stages 0..{num_stages - 1} x micro-batches 0..{m - 1}"
                 raise _fail(actions, at, why)
-            if stage_rank(s, pp) != rank:
-                raise _fail(actions, at, f"stage {s} lives on rank {stage_rank(s, pp)}")
+            if placement.rank_of(s) != rank:
+                raise _fail(actions, at, f"stage {s} lives on rank {placement.rank_of(s)}")
             if a.kind in COMM_KINDS:
                 other = s + 1 if a.kind in ("SEND_F", "RECV_B") else s - 1
-                if not 0 <= other < num_stages or a.peer != stage_rank(other, pp):
+                if not 0 <= other < num_stages or a.peer != placement.rank_of(other):
                     why = f"{a.kind} of stage {s} needs peer = rank of stage {other}, got {a.peer}"
                     raise _fail(actions, at, why)
                 side = messages[a.kind[:4]]
@@ -367,7 +448,7 @@ def validate(
                 raise _fail(actions, at, f"{a} runs before its {before}")
             seen[(a.kind, s, mb)] = at
     for s in range(num_stages):
-        rank = stage_rank(s, pp)
+        rank = placement.rank_of(s)
         for mb in range(m):
             if ("F", s, mb) not in seen:
                 raise _fail(actions, (rank, len(actions[rank])), f"no F for stage {s} mb {mb}")
@@ -390,13 +471,13 @@ def _stuck(
     return _fail(actions, (rank, stuck[rank][0]), f"{what}: {why}")
 
 
-def dry_run(lowered: dict[int, list[Action]], pp: int, synchronous: bool = True) -> None:
+def dry_run(
+    lowered: dict[int, list[Action]], placement: Placement, synchronous: bool = True
+) -> None:
     """Execute the lowered lists in order with blocking receives and either rendezvous sends
     (synchronous: a send completes when its receiver reaches the RECV) or buffered sends; raise
     ScheduleError with the grid if the ranks deadlock or an action runs before its input."""
-    top = max((a.stage for acts in lowered.values() for a in acts), default=0)
-    num_stages = -(-(top + 1) // pp) * pp  # whole chunks per rank
-    stuck = _run(lowered, num_stages, per_rank=True, synchronous=synchronous)
+    stuck = _run(lowered, placement.num_stages, per_rank=True, synchronous=synchronous)
     if stuck:
         mode = "rendezvous" if synchronous else "buffered"
         raise _stuck(lowered, stuck, f"deadlock with {mode} sends")

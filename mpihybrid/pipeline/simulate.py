@@ -3,9 +3,9 @@
     mpihybrid schedule show --all --pp 4 --microbatches 8
 
 Each rank runs its compute actions in list order; an action starts once its rank is free and its
-inputs exist (+ `send` seconds when they come from another rank). Closed forms, F = B = W:
-naive (p-1)/p, GPipe and 1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)/(3m+p-1)
-when m >= p (bubble_formula has m < p).
+inputs exist (+ `send` seconds when they come from another rank, by the schedule's Placement).
+Closed forms, F = B = W, are each schedule's spec (schedules.SPECS): naive (p-1)/p, GPipe and
+1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)/(3m+p-1) when m >= p, ...
 """
 
 from __future__ import annotations
@@ -18,19 +18,14 @@ from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.schedules import (
     SCHEDULES,
     Action,
+    Placement,
     ScheduleError,
     build_schedule,
     check_config,
-    stage_rank,
+    chunks_for,
+    get_spec,
+    placement_of,
 )
-
-BUBBLE_FORMULAS = {
-    "naive": "(p-1)/p",
-    "gpipe": "(p-1)/(m+p-1)",
-    "1f1b": "(p-1)/(m+p-1)",
-    "interleaved-1f1b": "(p-1)/(v*m+p-1)",
-    "zb-h1": "(p-1+d)/(3m+p-1+d), d=max(0,p-m)",
-}
 
 
 @dataclass(frozen=True)
@@ -60,36 +55,43 @@ class SimResult:
     idle: list[float]  # per rank: makespan - busy
     bubble_fraction: float  # sum(idle) / (pp * makespan)
     peak_inflight: list[int]  # per stage
+    peak_per_rank: list[float]  # per rank, in micro-batches of a rank's share (peak_per_rank)
     start: dict[Action, float]
     end: dict[Action, float]
 
 
-def _num_stages(actions: dict[int, list[Action]], virtual_stages: int | None) -> int:
-    pp = len(actions)
-    if virtual_stages is not None:
-        return pp * virtual_stages
-    top = max((a.stage for acts in actions.values() for a in acts), default=0)
-    return -(-(top + 1) // pp) * pp
-
-
-def peak_inflight(actions: dict[int, list[Action]], num_stages: int) -> list[int]:
+def peak_inflight(actions: dict[int, list[Action]], placement: Placement) -> list[int]:
     """Most micro-batches alive at once per stage: from F to its last backward action (B, or W)."""
     split = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
     live = Liveness(split)
     for acts in actions.values():  # a stage lives on one rank: its own list orders it
         for a in acts:
             live.step(a.kind, a.stage, a.microbatch)
-    return [live.peak_count[s] for s in range(num_stages)]
+    return [live.peak_count[s] for s in range(placement.num_stages)]
+
+
+def peak_per_rank(actions: dict[int, list[Action]], placement: Placement) -> list[float]:
+    """Most activations alive at once on each rank, in micro-batches of a whole rank's share of
+    the model (a chunk's micro-batch counts 1/chunks): the paper's memory column, in units of
+    one 1F1B stage's micro-batch (1F1B: p on rank 0; GPipe: m; ZB-V: about p)."""
+    split = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
+    peaks = []
+    for rank in sorted(actions):
+        live = Liveness(split)
+        for a in actions[rank]:
+            live.step(a.kind, a.stage, a.microbatch, 1)
+        peaks.append(live.peak_total_bytes / placement.chunks)
+    return peaks
 
 
 def simulate(
-    actions: dict[int, list[Action]], costs: Costs | None = None, virtual_stages: int | None = None
+    actions: dict[int, list[Action]], placement: Placement, costs: Costs | None = None
 ) -> SimResult:
     """Run the compute actions of a (valid) schedule against `costs`; messages are not actions
     here, they add `costs.send` to every dependency that crosses ranks."""
     costs = costs or Costs()
     pp = len(actions)
-    last = _num_stages(actions, virtual_stages) - 1
+    last = placement.num_stages - 1
     compute = {r: [a for a in acts if a.kind in ("F", "B", "W")] for r, acts in actions.items()}
     split = {(a.stage, a.microbatch) for acts in compute.values() for a in acts if a.kind == "W"}
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
@@ -117,7 +119,7 @@ def simulate(
                 if any(k not in done for k in needed):
                     break
                 ready = [
-                    done[k] + (costs.send if stage_rank(k[1], pp) != r else 0.0) for k in needed
+                    done[k] + (costs.send if placement.rank_of(k[1]) != r else 0.0) for k in needed
                 ]
                 start[a] = max([clock[r], *ready])
                 duration = costs.of(a, (a.stage, a.microbatch) in split)
@@ -138,25 +140,21 @@ def simulate(
         busy=[busy[r] for r in compute],
         idle=idle,
         bubble_fraction=sum(idle) / (pp * makespan) if makespan else 0.0,
-        peak_inflight=peak_inflight(compute, last + 1),
+        peak_inflight=peak_inflight(compute, placement),
+        peak_per_rank=peak_per_rank(compute, placement),
         start=start,
         end=end,
     )
 
 
 def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
-    """Closed-form idle fraction with equal costs (F = B, and = W for zb-h1)."""
-    p = pp
-    # zb-h1 with m < p: the first gradient reaches rank 0 after 2p-1 steps and rank 0 still has
-    # 2m steps of B and W to run, so the makespan is 2m+2p-1 rather than 3m+p-1
-    zb_extra = max(0, p - m)
-    return {
-        "naive": (p - 1) / p,
-        "gpipe": (p - 1) / (m + p - 1),
-        "1f1b": (p - 1) / (m + p - 1),
-        "interleaved-1f1b": (p - 1) / (v * m + p - 1),
-        "zb-h1": (p - 1 + zb_extra) / (3 * m + p - 1 + zb_extra),
-    }[name]
+    """Closed-form idle fraction with equal costs (F = B, and = W where split): the spec's."""
+    return get_spec(name).bubble(pp, m, v)
+
+
+def bubble_text(name: str) -> str:
+    """The closed form as text, e.g. "(p-1)/(m+p-1)"."""
+    return get_spec(name).bubble_text
 
 
 def _unit_costs(actions: dict[int, list[Action]]) -> Costs:
@@ -167,24 +165,25 @@ def _unit_costs(actions: dict[int, list[Action]]) -> Costs:
 
 def render_grid(
     actions: dict[int, list[Action]],
-    virtual_stages: int | None = None,
+    placement: Placement,
     max_ranks: int | None = None,
     max_rows: int | None = None,
     result: SimResult | None = None,
 ) -> str:
-    """ASCII step x rank grid of a unit-cost run: `F0`, `B3`, `W1`, `-` idle; `1F0` when v > 1;
-    where other backwards are split, a whole one (its B and W in one action) is `BW2` on its
-    first step and `~` on its second (grid_legend).
+    """ASCII step x rank grid of a unit-cost run: `F0`, `B3`, `W1`, `-` idle; with several chunks
+    per rank, the stage tells them apart: `1F0`, `6B2`; where other backwards are split, a whole
+    one (its B and W in one action) is `BW2` on its first step and `~` on its second
+    (grid_legend).
 
     A grid wider than max_ranks shows the first and last max_ranks // 2 ranks with a `...`
     column between; longer than max_rows, the first and last max_rows // 2 rows with a line
     saying how many are left out. `result`: the unit-cost simulation, when already run."""
-    result = result or simulate(actions, _unit_costs(actions), virtual_stages)
+    result = result or simulate(actions, placement, _unit_costs(actions))
     ranks = sorted(actions)
     if max_ranks is not None and len(ranks) > max_ranks:
         half = max(max_ranks // 2, 1)
         ranks = ranks[:half] + [None] + ranks[-half:]  # None: the column of ranks left out
-    chunks = _num_stages(actions, virtual_stages) > len(actions)
+    chunks = placement.chunks > 1
     split = any(a.kind == "W" for acts in actions.values() for a in acts)
     running = {}
     for a, t0 in result.start.items():
@@ -192,7 +191,7 @@ def render_grid(
         if split and a.kind == "B" and not _has_w(actions, a):
             label = label.replace("B", "BW", 1)  # a whole backward: B and W in one action
         for i, t in enumerate(range(math.floor(t0), math.ceil(result.end[a]))):
-            running[(stage_rank(a.stage, len(actions)), t)] = label if i == 0 else "~"
+            running[(placement.rank_of(a.stage), t)] = label if i == 0 else "~"
     steps = math.ceil(result.makespan)
     digits = len(str(max(steps - 1, 0)))
     width = max(
@@ -246,49 +245,62 @@ def describe(
 ) -> str:
     """Grid + predicted and simulated bubble + peak activations per stage, for one schedule.
     grid: "full", "auto" (summarised past GRID_RANKS ranks or GRID_ROWS rows) or "none"."""
+    spec = get_spec(name)
     actions = build_schedule(name, pp, m, v, early_grad_send)
-    result = simulate(actions, _unit_costs(actions), v)
+    placement = placement_of(name, pp, v)
+    result = simulate(actions, placement, _unit_costs(actions))
     peaks = " ".join(f"s{s}:{n}" for s, n in enumerate(result.peak_inflight))
     if len(result.peak_inflight) > GRID_RANKS and grid != "full":
         most = max(result.peak_inflight)
         peaks = f"at most {most} (stage {result.peak_inflight.index(most)})"
     early = ", gradients sent before W" if early_grad_send else ""
+    where = " ".join(f"r{r}:{','.join(map(str, placement.stages_of(r)))}" for r in range(pp))
     lines = [
         f"{name}: pp={pp} num_microbatches={m} virtual_stages={v} (one step per action{early})"
     ]
     if grid != "none":
         limits = (None, None) if grid == "full" else (GRID_RANKS, GRID_ROWS)
-        lines.append(render_grid(actions, v, *limits, result=result))
-        lines.append(grid_legend(actions, v))
+        lines.append(render_grid(actions, placement, *limits, result=result))
+        lines.append(grid_legend(actions, placement.chunks))
+    if placement.chunks > 1:
+        lines.append(f"placement {placement.style}: stages per rank {where}")
+    if spec.note:
+        lines.append(spec.note)
     lines += [
-        f"bubble: predicted {BUBBLE_FORMULAS[name]} = {bubble_formula(name, pp, m, v):.3f}, "
+        f"bubble: predicted {spec.bubble_text} = {spec.bubble(pp, m, v):.3f}, "
         f"simulated {result.bubble_fraction:.3f}",
         f"peak activations in flight per stage: {peaks}",
+        f"peak activations per rank (micro-batches of a rank's share; paper: {spec.memory_text}):"
+        f" {max(result.peak_per_rank):g}",
     ]
     return "\n".join(lines)
 
 
 def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False) -> str:
-    """One row per schedule: closed form, simulated bubble (F = B = W = 1), peak activations;
-    early_grad_send simulates each as training runs it (B, send, then W)."""
+    """One row per schedule: placement, closed form, simulated bubble (F = B = W = 1), peak
+    activations per rank (vs the paper's memory column) and per stage; early_grad_send simulates
+    each as training runs it (B, send, then W)."""
     early = "; gradients sent before W" if early_grad_send else ""
     lines = [
         f"pp={pp} num_microbatches={m}; F = B = W = 1 (an unsplit backward costs B + W){early};",
-        "peak = most micro-batches alive on one stage (an interleaved stage is 1/v of a rank)",
-        f"{'schedule':<17} {'v':>2}  {'formula':<34} {'predicted':>9} {'simulated':>9}  peak",
+        "rank peak = most activations alive on a rank, in micro-batches of its share of the model"
+        " (paper = the zero-bubble paper's memory column); stage peak = most on one stage",
+        f"{'schedule':<17} {'v':>2} {'place':<5} {'formula':<34} {'predicted':>9} {'simulated':>9}"
+        f"  {'paper':<8} {'rank peak':>9}  stage peak",
     ]
     for name in SCHEDULES:
-        nv = v if name == "interleaved-1f1b" else 1
+        spec, nv = get_spec(name), chunks_for(name, v)
         try:
             check_config(name, pp, m, nv)
         except ScheduleError as exc:
-            lines.append(f"{name:<17} {nv:>2}  not legal: {exc}")
+            lines.append(f"{name:<17} {nv:>2} {spec.placement:<5} not legal: {exc}")
             continue
         actions = build_schedule(name, pp, m, nv, early_grad_send)
-        result = simulate(actions, Costs(1.0, 1.0, 1.0), nv)
-        predicted = bubble_formula(name, pp, m, nv)
+        result = simulate(actions, placement_of(name, pp, nv), Costs(1.0, 1.0, 1.0))
+        predicted = spec.bubble(pp, m, nv)
         lines.append(
-            f"{name:<17} {nv:>2}  {BUBBLE_FORMULAS[name]:<34} {predicted:>9.3f}"
-            f" {result.bubble_fraction:>9.3f}  {max(result.peak_inflight)}"
+            f"{name:<17} {nv:>2} {spec.placement:<5} {spec.bubble_text:<34} {predicted:>9.3f}"
+            f" {result.bubble_fraction:>9.3f}  {spec.memory_text:<8}"
+            f" {max(result.peak_per_rank):>9g}  {max(result.peak_inflight)}"
         )
     return "\n".join(lines)

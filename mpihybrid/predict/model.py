@@ -29,7 +29,7 @@ from mpihybrid.comm.buckets import bucket_ranges
 from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import Job
 from mpihybrid.nn.cost import FLOAT, ChunkWork, Cost, Gemm, stage_work
-from mpihybrid.pipeline.schedules import Action, build_schedule, stage_rank
+from mpihybrid.pipeline.schedules import Action, build_schedule, placement_of
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
 from mpihybrid.predict.cluster import Cluster, Device, Link, shared_cores
 from mpihybrid.train import memory
@@ -74,6 +74,11 @@ def optimizer_seconds(job: Job, params: int, cluster: Cluster) -> float:
 # placement: which ranks share a node
 
 
+def job_placement(job: Job):
+    """Which pp rank holds each chunk (the schedule's placement)."""
+    return placement_of(job.train.schedule, job.grid.pp, job.train.virtual_stages)
+
+
 def world_rank(job: Job, pp_rank: int, dp_rank: int) -> int:
     g = job.grid
     if g.order == "pipeline-inner":
@@ -96,13 +101,13 @@ def _crossing(edges: list[tuple[int, int]], cluster: Cluster) -> tuple[bool, int
 
 def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
     """The slowest pipeline hop (activation or its gradient) between neighbouring chunks."""
-    g, v = job.grid, job.train.virtual_stages
+    g, placement = job.grid, job_placement(job)
     worst = 0.0
     for c in range(1, len(work)):
         edges = [
             (
-                world_rank(job, stage_rank(c - 1, g.pp, v), d),
-                world_rank(job, stage_rank(c, g.pp, v), d),
+                world_rank(job, placement.rank_of(c - 1), d),
+                world_rank(job, placement.rank_of(c), d),
             )
             for d in range(g.dp)
         ]
@@ -131,7 +136,7 @@ def ring_seconds(job: Job, chunk: int, params: int, cluster: Cluster) -> tuple[f
     p = g.dp
     if p == 1 or params == 0:
         return 0.0, 0.0
-    crosses = _ring_crosses(job, stage_rank(chunk, g.pp, job.train.virtual_stages), cluster)
+    crosses = _ring_crosses(job, job_placement(job).rank_of(chunk), cluster)
     # every stage's ring runs at about the same time: count all of them on the node's way out
     all_edges = [
         (world_rank(job, r, d), world_rank(job, r, (d + 1) % p))
@@ -251,8 +256,7 @@ def step_work_seconds(job: Job, params: int, cluster: Cluster) -> float:
 
 def rank_memory(job: Job, work: list[ChunkWork], actions: list[Action], cluster: Cluster) -> dict:
     """Bytes one rank (its pp position's actions) holds at its peak on `cluster`, by part."""
-    g, t = job.grid, job.train
-    rank = stage_rank(min(a.stage for a in actions), g.pp, t.virtual_stages)
+    rank = job_placement(job).rank_of(min(a.stage for a in actions))
     d = cluster.device
     shared = shared_wire(True, _ring_crosses(job, rank, cluster), d)
     return memory.rank_memory(
@@ -281,7 +285,7 @@ def pipeline(job: Job, cluster: Cluster) -> tuple:
         weight=[action_seconds(w, "W", cluster) for w in work],
         send=message_seconds(job, work, cluster),
     )
-    return work, actions, costs, simulate(actions, costs, t.virtual_stages)
+    return work, actions, costs, simulate(actions, job_placement(job), costs)
 
 
 def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:

@@ -35,7 +35,7 @@ from mpihybrid.nn.model import block_costs, boundary_shapes, build_blocks, build
 from mpihybrid.nn.optim import ShardedOptimizer, build_optimizer
 from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
-from mpihybrid.pipeline.schedules import build_schedule, lower, stage_rank
+from mpihybrid.pipeline.schedules import build_schedule, lower, placement_of
 from mpihybrid.trace.file import TraceWriter
 from mpihybrid.trace.recorder import (
     KIND,
@@ -231,13 +231,13 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     grid = ProcessGrid.build(world, g.pp, g.dp, g.order)
     task = build_task(job.data)
     M, v = t.microbatches, t.virtual_stages
-    num_stages = g.pp * v
+    placement = placement_of(t.schedule, g.pp, v)
+    num_stages = placement.num_stages
     compute = build_schedule(t.schedule, g.pp, M, v, t.early_grad_send)
-    actions = lower(compute, g.pp, v)[grid.pp_rank]
+    actions = lower(compute, placement)[grid.pp_rank]
     stages = {
         s: build_stage(job.model, task.in_features, task.num_classes, s, num_stages, t.seed)
-        for s in range(num_stages)
-        if stage_rank(s, g.pp, v) == grid.pp_rank
+        for s in placement.stages_of(grid.pp_rank)
     }
     if not on_host:
         for st in stages.values():
@@ -263,7 +263,7 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     for st in stages.values():
         st.recompute = t.recompute == "full"
     runtime = PipelineRuntime(
-        grid.pp_comm, stages, actions, num_stages, M, shapes, recorder, c.sync_sends, backend,
+        grid.pp_comm, stages, actions, placement, M, shapes, recorder, c.sync_sends, backend,
         peer_ranks, grads_final=lambda s, lo: rings[s].ready_from(lo),
         poll=gradcomm.poll if gradcomm.progress == "poll" else None,
     )  # fmt: skip
@@ -529,7 +529,8 @@ def heldout_loss(job: Job, world: MPI.Comm, run: _Run) -> dict[str, float]:
     held-out samples (the same ones every time), every replica's pipeline running its share
     forward in pieces of at most EVAL_LOGITS logits; the same numbers on every rank."""
     g, t = job.grid, job.train
-    num_stages = g.pp * t.virtual_stages
+    placement = run.runtime.placement
+    num_stages = placement.num_stages
     if run.eval_set is None:
         x, y = heldout(run.task, t.eval_batches * t.global_batch)
         mine = np.array_split(np.arange(len(x)), g.dp)[run.grid.dp_rank]
@@ -542,7 +543,7 @@ def heldout_loss(job: Job, world: MPI.Comm, run: _Run) -> dict[str, float]:
             job.model, run.task.in_features, run.task.num_classes, num_stages, len(x[i : i + rows])
         )
         piece = x[i : i + rows] if run.backend.xp is np else run.backend.asarray(x[i : i + rows])
-        logits = forward_only(run.grid.pp_comm, run.stages, num_stages, piece, shapes, run.backend)
+        logits = forward_only(run.grid.pp_comm, run.stages, placement, piece, shapes, run.backend)
         if logits is not None:
             nats += cross_entropy_sum(run.backend.to_host(logits), y[i : i + rows])
             targets += y[i : i + rows].size
@@ -642,11 +643,12 @@ def _finish(
 ) -> Summary | None:
     """Collectives after the last step (evaluation, replica check, bytes, the trace's last
     flush), then rank 0 builds the Summary."""
-    g, t = job.grid, job.train
-    grid, stages, num_stages = run.grid, run.stages, g.pp * t.virtual_stages
+    t = job.train
+    grid, stages, placement = run.grid, run.stages, run.runtime.placement
+    num_stages = placement.num_stages
     flight = run.flight
     i = flight.begin("evaluate")
-    test_accuracy = _evaluate(world, grid, stages, num_stages, run.task, job.model, run.backend)
+    test_accuracy = _evaluate(world, grid, stages, placement, run.task, job.model, run.backend)
     flight.end(i)
     i = flight.begin("replica check")
     replica_diff = _replica_check(world, grid, stages)
@@ -675,7 +677,7 @@ def _finish(
         bytes_sent=bytes_sent,
         replica_max_diff=replica_diff,
         peak_inflight=dict(sorted({s: n for d in peaks for s, n in d.items()}.items())),
-        grid_as_run=_last_grid(events, g.pp, t.virtual_stages, t.steps - 1) if ran > 0 else "",
+        grid_as_run=_last_grid(events, placement, t.steps - 1) if ran > 0 else "",
         params=params,
         events=events,
         trace_path=job.trace.path,
@@ -713,9 +715,9 @@ def _checkpoint_if_signalled(job: Job, world: MPI.Comm, run: _Run) -> None:
         log.warning("a stop signal came after the last step: the run finishes%s", saved)
 
 
-def _last_grid(events: np.ndarray, pp: int, v: int, step: int) -> str:
+def _last_grid(events: np.ndarray, placement, step: int) -> str:
     # a trace window that leaves out the last step leaves nothing to draw
-    return grid_as_run(events, pp, v, step) if np.any(events["step"] == step) else ""
+    return grid_as_run(events, placement, step) if np.any(events["step"] == step) else ""
 
 
 def _end_attrs(runtime_s: float, test_accuracy: float, peak_rss: list[int] | None) -> dict:
@@ -771,10 +773,10 @@ class Terminated(StopRequested):
 EVAL_LOGITS = 1 << 22  # logits held at once by the evaluation (16 MiB of float32)
 
 
-def _evaluate(world, grid, stages, num_stages, task, model_cfg, backend) -> float:
+def _evaluate(world, grid, stages, placement, task, model_cfg, backend) -> float:
     """Held-out accuracy (gpt: of every next token), computed by replica 0's pipeline in
     pieces of at most EVAL_LOGITS logits; returned on world rank 0."""
-    accuracy = -1.0
+    accuracy, num_stages = -1.0, placement.num_stages
     if grid.dp_rank == 0:
         n = len(task.test_x)
         rows = max(1, EVAL_LOGITS // (task.test_y[0].size * task.num_classes))
@@ -785,11 +787,11 @@ def _evaluate(world, grid, stages, num_stages, task, model_cfg, backend) -> floa
                 model_cfg, task.in_features, task.num_classes, num_stages, len(x)
             )
             x = x if backend.xp is np else backend.asarray(x)
-            logits = forward_only(grid.pp_comm, stages, num_stages, x, shapes, backend)
+            logits = forward_only(grid.pp_comm, stages, placement, x, shapes, backend)
             if logits is not None:
                 predicted = backend.to_host(logits.argmax(axis=-1))
                 correct += int(np.count_nonzero(predicted == y))
-        if stage_rank(num_stages - 1, grid.pp_size, num_stages // grid.pp_size) == grid.pp_rank:
+        if placement.rank_of(num_stages - 1) == grid.pp_rank:
             accuracy = correct / task.test_y.size
     return float(world.allreduce(accuracy, op=MPI.MAX))
 
@@ -844,6 +846,10 @@ def _bytes_sent(world, runtime, rings) -> dict[str, int]:
     return total
 
 
+def _placement(job: Job):
+    return placement_of(job.train.schedule, job.grid.pp, job.train.virtual_stages)
+
+
 def layout_attrs(job: Job, world_size: int) -> dict:
     """The trace attributes that say how the run was laid out (what analysis reads back)."""
     return {
@@ -853,6 +859,7 @@ def layout_attrs(job: Job, world_size: int) -> dict:
         "schedule": job.train.schedule,
         "microbatches": job.train.microbatches,
         "virtual_stages": job.train.virtual_stages,
+        "stage_ranks": list(_placement(job).stage_ranks),  # pp rank of each stage
         "early_grad_send": job.train.early_grad_send,
         "codec": job.comm.codec,
         "device": job.grid.device,

@@ -29,7 +29,7 @@ from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import ConfigError, Job
 from mpihybrid.nn.cost import ChunkWork, stage_work
 from mpihybrid.pipeline.liveness import Liveness
-from mpihybrid.pipeline.schedules import Action, build_schedule, stage_rank
+from mpihybrid.pipeline.schedules import Action, build_schedule, placement_of
 from mpihybrid.units import human_bytes
 
 FLOAT = 4  # bytes of a float32
@@ -61,7 +61,8 @@ def rank_memory(
     device's, for `fits` (0: not compared)."""
     t, c, g = job.train, job.comm, job.grid
     mine = sorted({a.stage for a in actions})
-    rank = stage_rank(mine[0], g.pp, t.virtual_stages)
+    placement = placement_of(t.schedule, g.pp, t.virtual_stages)
+    rank = placement.rank_of(mine[0])
     params = sum(work[s].params for s in mine)
     codec = get_codec(c.codec, c.block)
     lossy = codec.lossy and g.dp > 1
@@ -86,9 +87,9 @@ def rank_memory(
     # every receive of a step is posted when it starts: one buffer per (direction, mb)
     last, recv = len(work) - 1, 0
     for s in mine:
-        if s > 0 and stage_rank(s - 1, g.pp, t.virtual_stages) != rank:
+        if s > 0 and placement.rank_of(s - 1) != rank:
             recv += t.microbatches * work[s].input_bytes  # activations from the previous chunk
-        if s < last and stage_rank(s + 1, g.pp, t.virtual_stages) != rank:
+        if s < last and placement.rank_of(s + 1) != rank:
             recv += t.microbatches * work[s + 1].input_bytes  # their gradients from the next
     per_param = {"adamw": 2, "sgd": 1 if t.momentum else 0}[t.optimizer]  # moments, velocity
     # train.shard_optimizer: state for the owned 1/dp; a lossy weight gather adds the owner's

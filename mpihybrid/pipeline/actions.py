@@ -1,0 +1,35 @@
+"""One action of a pipeline schedule, printed like torch.distributed.pipelining: `1F0`, `0B3`.
+
+s = global stage (model chunk) 0 .. num_stages-1, mb = micro-batch; where a stage lives is the
+schedule's Placement (placement.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMPUTE_KINDS = ("F", "B", "W")
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+class ScheduleError(ValueError):
+    """An illegal schedule configuration, an invalid action list or a deadlock."""
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int  # global stage = model chunk index, 0 .. num_stages-1
+    kind: str  # compute: F, B, W; communication: SEND_F, RECV_F, SEND_B, RECV_B
+    microbatch: int
+    peer: int = -1  # pp rank on the other side (communication actions only)
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+def message_key(action: Action) -> tuple[str, int, int]:
+    """("F" or "B", sending stage, microbatch): identical for a SEND and its matching RECV."""
+    direction = action.kind[-1]
+    if action.kind.startswith("SEND"):
+        return direction, action.stage, action.microbatch
+    return direction, action.stage + (-1 if direction == "F" else 1), action.microbatch
