@@ -20,7 +20,7 @@ from typing import Any
 from mpihybrid.comm.buckets import PROGRESS
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
-from mpihybrid.pipeline.schedules import ScheduleError, check_config, get_spec
+from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -385,9 +385,18 @@ def validate(job: Job) -> None:
         )
     try:
         check_config(t.schedule, g.pp, t.microbatches, t.virtual_stages)
+        if t.schedule.startswith("csv:"):  # its lists: every F/B/W once, no deadlock
+            build_schedule(t.schedule, g.pp, t.microbatches, t.virtual_stages)
     except ScheduleError as exc:
-        raise ConfigError(str(exc)) from None
-    _check_partition(m, g.pp, t.virtual_stages)
+        raise ConfigError(str(exc).splitlines()[0]) from None  # the grid stays out
+    try:
+        _check_partition(m, g.pp, t.virtual_stages)
+    except ConfigError as exc:
+        if get_spec(t.schedule).chunks > 1:  # virtual_stages came from the schedule
+            raise ConfigError(
+                f"{exc} ({t.schedule} runs {t.virtual_stages} chunks per rank)"
+            ) from None
+        raise
 
 
 def _check_finite(job: Job) -> None:

@@ -13,7 +13,9 @@ from mpihybrid.pipeline.schedules import (
     ScheduleError,
     build_schedule,
     check_config,
+    chunks_for,
     dry_run,
+    get_spec,
     lower,
     placement_of,
     validate,
@@ -31,11 +33,15 @@ EQUAL = Costs(forward=1.0, backward=1.0, weight=1.0)  # F = B = W; an unsplit B 
 
 
 def legal_configs(name: str, pp: int):
-    """(m, v) pairs over m = 1..16 (v = 2..3 for interleaved) that check_config accepts."""
+    """(m, v) pairs over m = 1..16 (v = 2..3 where the spec lets virtual_stages choose) that
+    check_config accepts."""
     for m in range(1, 17):
-        for v in (2, 3) if name == "interleaved-1f1b" else (1,):
-            if name != "interleaved-1f1b" or m % pp == 0:
-                yield m, v
+        for v in (2, 3) if get_spec(name).chunks == 0 else (chunks_for(name),):
+            try:
+                check_config(name, pp, m, v)
+            except ScheduleError:
+                continue
+            yield m, v
 
 
 def test_action_prints_like_torch_pipelining():
@@ -62,12 +68,15 @@ def test_placements_loop_and_v():
 def test_every_schedule_validates_and_dry_runs(name, pp):
     for m, v in legal_configs(name, pp):
         compute = build_schedule(name, pp, m, v)
-        per_mb = 3 if name == "zb-h1" else 2  # F, B (, W)
-        assert sum(len(a) for a in compute.values()) == pp * v * m * per_mb
+        kinds = [a.kind for acts in compute.values() for a in acts]
+        assert kinds.count("F") == kinds.count("B") == pp * v * m
+        if name in ("zb-h1", "zb-h2", "zb-v"):  # every backward split into B and W
+            assert kinds.count("W") == pp * v * m
         placement = placement_of(name, pp, v)
         lowered = lower(compute, placement)
         sends = sum(a.kind.startswith("SEND") for acts in lowered.values() for a in acts)
-        assert sends == (2 * (pp * v - 1) * m if pp > 1 else 0)
+        hops = sum(placement.crosses(s, s + 1) for s in range(pp * v - 1))  # a V's turn: none
+        assert sends == 2 * hops * m
         validate(lowered, placement, m)
         dry_run(lowered, placement, synchronous=False)
 
@@ -201,7 +210,7 @@ def test_simulator_matches_closed_forms_on_equal_costs(name):
         for m, v in legal_configs(name, pp):
             actions = build_schedule(name, pp, m, v)
             expected = bubble_formula(name, pp, m, v)
-            for costs in (EQUAL, Costs(1.0, 1.0, 0.0)) if name != "zb-h1" else (EQUAL,):
+            for costs in (EQUAL,) if get_spec(name).splits_backward else (EQUAL, Costs(1, 1, 0)):
                 got = simulate(actions, placement_of(name, pp, v), costs).bubble_fraction
                 assert got == pytest.approx(expected, abs=1e-12), (pp, m, v, costs)
 
@@ -265,6 +274,9 @@ def test_simulator_timings_with_per_stage_costs_and_latency():
         ("interleaved-1f1b", 2, 4, 1, "virtual_stages >= 2 model chunks per rank, got 1"),
         ("1f1b", 2, 4, 2, "virtual_stages must be 1, got 2"),
         ("zb-h1", 2, 4, 3, "virtual_stages must be 1, got 3"),
+        ("zb-v", 2, 4, 3, "zb-v runs 2 model chunks per rank: virtual_stages must be 2, got 3"),
+        ("dualpipev", 4, 6, 2, "dualpipev needs num_microbatches >= 8 at pp=4, got 6"),
+        ("csv:/nonexistent/zbv.csv", 2, 4, 2, "/nonexistent/zbv.csv"),
         ("pipedream", 2, 4, 1, "unknown schedule 'pipedream'"),
         ("gpipe", 0, 4, 1, "pp must be >= 1, got pp=0"),
         ("naive", 2, 0, 1, "num_microbatches must be >= 1, got 0"),

@@ -353,20 +353,39 @@ def schedule() -> None:
     show_default=True,
     help=f"auto: past {GRID_RANKS} ranks or {GRID_ROWS} rows, the first and last only.",
 )
-def schedule_show(name, pp, microbatches, virtual, show_all, early_grad_send, grid) -> None:
+@click.option(
+    "--csv",
+    "csv_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also write the schedule as torch.distributed.pipelining's compute-only CSV "
+    '(_dump_csv; train.schedule = "csv:FILE" reads it back).',
+)
+def schedule_show(name, pp, microbatches, virtual, show_all, early_grad_send, grid, csv_path):
     """Print a schedule's step x rank grid, predicted bubble and peak activations."""
-    from mpihybrid.pipeline.schedules import ScheduleError, chunks_for
+    from mpihybrid.pipeline.csv_schedule import dump_csv
+    from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, chunks_for, placement_of
     from mpihybrid.pipeline.simulate import compare, describe
 
+    if show_all and csv_path:
+        _fail("--csv writes one schedule: name it with --schedule instead of --all")
     try:
         v = virtual if virtual is not None else (2 if show_all else chunks_for(name))
         _check_schedule_size(pp, microbatches, v)
         if show_all:
             click.echo(compare(pp, microbatches, v, early_grad_send))
-        else:
-            click.echo(describe(name, pp, microbatches, v, early_grad_send, grid))
+            return
+        click.echo(describe(name, pp, microbatches, v, early_grad_send, grid))
+        if csv_path:
+            actions = build_schedule(name, pp, microbatches, v, early_grad_send)
+            text = dump_csv(actions, placement_of(name, pp, v))
+            with open(csv_path, "w", newline="") as fh:
+                fh.write(text)
+            click.echo(f"wrote {csv_path} (torch's compute-only CSV, a row per pp rank)")
     except ScheduleError as exc:
         _fail(str(exc).splitlines()[0])
+    except OSError as exc:
+        _fail(f"--csv {csv_path}: {exc.strerror}")
 
 
 # schedule show simulates in Python at about 20 us per action: these bound it to seconds

@@ -55,21 +55,25 @@ class Placement:
         missing = sorted(set(range(max(owner, default=-1) + 1)) - set(owner))
         if missing:
             raise ValueError(f"stage {missing[0]} has no action on any rank")
-        return cls(len(actions), tuple(owner[s] for s in range(len(owner))), "rows")
+        return cls.named(len(actions), tuple(owner[s] for s in range(len(owner))))
 
     @classmethod
     def from_attrs(cls, attrs) -> Placement:
         """A trace's (or checkpoint's) placement: its `stage_ranks`, or for files written before
         that attribute existed, the loop placement of its pp and virtual_stages."""
         pp = int(attrs.get("pp", 1))
-        loop = cls.loop(pp, int(attrs.get("virtual_stages", 1)))
         if "stage_ranks" not in attrs:
-            return loop
-        ranks = tuple(int(r) for r in attrs["stage_ranks"])
-        for known in (loop, cls.v(pp, len(ranks) // pp)):
-            if known.stage_ranks == ranks:
+            return cls.loop(pp, int(attrs.get("virtual_stages", 1)))
+        return cls.named(pp, tuple(int(r) for r in attrs["stage_ranks"]))
+
+    @classmethod
+    def named(cls, pp: int, stage_ranks: tuple[int, ...]) -> Placement:
+        """The placement of these ranks, styled loop or v when it is one of those, else rows."""
+        chunks = max(len(stage_ranks) // max(pp, 1), 1)
+        for known in (cls.loop(pp, chunks), cls.v(pp, chunks)):
+            if known.stage_ranks == stage_ranks:
                 return known
-        return cls(pp, ranks, "rows")
+        return cls(pp, stage_ranks, "rows")
 
     @property
     def num_stages(self) -> int:

@@ -28,6 +28,7 @@ from mpihybrid.pipeline.actions import (
     message_key,
 )
 from mpihybrid.pipeline.placement import Placement
+from mpihybrid.pipeline.v_schedules import dualpipev, zb_h2, zb_v
 
 __all__ = ["Action", "COMM_KINDS", "COMPUTE_KINDS", "ScheduleError", "message_key", "Placement"]
 
@@ -128,6 +129,7 @@ class ScheduleSpec:
     note: str = ""
     m_multiple_of_pp: bool = False  # interleaved: m % p == 0
     placement_of: Callable[[int, int], Placement] | None = None  # rows: the file's placement
+    check: Callable[[int, int, int], None] | None = None  # (pp, m, v): raise ScheduleError
 
     def make_placement(self, pp: int, v: int) -> Placement:
         if self.placement_of is not None:
@@ -140,6 +142,12 @@ def _zb_h1_bubble(p: int, m: int, v: int) -> float:
     # B and W to run, so the makespan is 2m+2p-1 rather than 3m+p-1
     d = max(0, p - m)
     return (p - 1 + d) / (3 * m + p - 1 + d)
+
+
+def _zb_v_bubble(p: int, m: int, v: int) -> float:
+    # per rank 6m unit actions (2 chunks x F, B, W); the makespan is 6m+p-1 once m >= (3p-1)/2,
+    # before that the first gradient's round trip, 4m+4p-2
+    return 1.0 - 6 * m / max(6 * m + p - 1, 4 * m + 4 * p - 2)
 
 
 def _one(pp: int, v: int) -> int:
@@ -171,6 +179,22 @@ SPECS: dict[str, ScheduleSpec] = {
         ScheduleSpec(
             "zb-h1", _each_rank(_zb_h1), "loop", 1, _one, "(p-1+d)/(3m+p-1+d), d=max(0,p-m)",
             _zb_h1_bubble, True, "p",
+        ),
+        ScheduleSpec(
+            "zb-h2", zb_h2, "loop", 1, _one, "zb-h1's: a step ends in a flush",
+            _zb_h1_bubble, True, "2p-1",
+            note="zb-h2: its zero bubble needs a step's tail to overlap the next step's head; "
+            "every step here ends with a world Allreduce, so one step idles like zb-h1",
+        ),
+        ScheduleSpec(
+            "zb-v", zb_v, "v", 2, _one, "(p-1)/(6m+p-1) when m >= (3p-1)/2", _zb_v_bubble,
+            True, "p",
+        ),
+        ScheduleSpec(
+            "dualpipev", dualpipev, "v", 2, lambda pp, v: 2 * pp, "(p-1)/(6m+p-1)", _zb_v_bubble,
+            True, "p+1",
+            note="dualpipev: each overlapped F&B pair runs as F then B on a CPU rank (one "
+            "core's compute; DualPipe overlaps them on two CUDA streams)",
         ),
     )
 }  # fmt: skip
@@ -218,6 +242,8 @@ def check_config(name: str, pp: int, num_microbatches: int, virtual_stages: int)
             f"{name} runs {runs} per rank: virtual_stages must be {spec.chunks}, got {v}"
             + (" (interleaved-1f1b runs several)" if spec.chunks == 1 else "")
         )
+    if spec.check is not None:
+        spec.check(pp, m, v)
     fewest = spec.min_microbatches(pp, v)
     if m < fewest:
         raise ScheduleError(f"{name} needs num_microbatches >= {fewest} at pp={pp}, got {m}")
@@ -244,7 +270,10 @@ def build_schedule(
     actions = spec.build(pp, num_microbatches, virtual_stages)
     if early_grad_send:
         actions = send_grads_early(actions, placement)
-    validate(actions, placement, num_microbatches)
+    try:
+        validate(actions, placement, num_microbatches)
+    except ScheduleError as exc:
+        raise ScheduleError(f"{name}: {exc}") from None
     return actions
 
 

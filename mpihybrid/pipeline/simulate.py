@@ -157,8 +157,9 @@ def bubble_text(name: str) -> str:
     return get_spec(name).bubble_text
 
 
-def _unit_costs(actions: dict[int, list[Action]]) -> Costs:
-    # one step per action: W costs a step only where backwards are split
+def unit_costs(actions: dict[int, list[Action]]) -> Costs:
+    """One step per action: W costs a step only where backwards are split (then a whole B
+    costs B + W, two steps)."""
     has_w = any(a.kind == "W" for acts in actions.values() for a in acts)
     return Costs(forward=1.0, backward=1.0, weight=1.0 if has_w else 0.0)
 
@@ -178,7 +179,7 @@ def render_grid(
     A grid wider than max_ranks shows the first and last max_ranks // 2 ranks with a `...`
     column between; longer than max_rows, the first and last max_rows // 2 rows with a line
     saying how many are left out. `result`: the unit-cost simulation, when already run."""
-    result = result or simulate(actions, placement, _unit_costs(actions))
+    result = result or simulate(actions, placement, unit_costs(actions))
     ranks = sorted(actions)
     if max_ranks is not None and len(ranks) > max_ranks:
         half = max(max_ranks // 2, 1)
@@ -248,7 +249,7 @@ def describe(
     spec = get_spec(name)
     actions = build_schedule(name, pp, m, v, early_grad_send)
     placement = placement_of(name, pp, v)
-    result = simulate(actions, placement, _unit_costs(actions))
+    result = simulate(actions, placement, unit_costs(actions))
     peaks = " ".join(f"s{s}:{n}" for s, n in enumerate(result.peak_inflight))
     if len(result.peak_inflight) > GRID_RANKS and grid != "full":
         most = max(result.peak_inflight)
@@ -285,8 +286,8 @@ def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False) -> str:
         f"pp={pp} num_microbatches={m}; F = B = W = 1 (an unsplit backward costs B + W){early};",
         "rank peak = most activations alive on a rank, in micro-batches of its share of the model"
         " (paper = the zero-bubble paper's memory column); stage peak = most on one stage",
-        f"{'schedule':<17} {'v':>2} {'place':<5} {'formula':<34} {'predicted':>9} {'simulated':>9}"
-        f"  {'paper':<8} {'rank peak':>9}  stage peak",
+        f"{'schedule':<17} {'v':>2} {'place':<5} {'formula':<36} {'predicted':>9} {'simulated':>9}"
+        f"  {'paper':<15} {'rank peak':>9}  stage peak",
     ]
     for name in SCHEDULES:
         spec, nv = get_spec(name), chunks_for(name, v)
@@ -299,8 +300,8 @@ def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False) -> str:
         result = simulate(actions, placement_of(name, pp, nv), Costs(1.0, 1.0, 1.0))
         predicted = spec.bubble(pp, m, nv)
         lines.append(
-            f"{name:<17} {nv:>2} {spec.placement:<5} {spec.bubble_text:<34} {predicted:>9.3f}"
-            f" {result.bubble_fraction:>9.3f}  {spec.memory_text:<8}"
+            f"{name:<17} {nv:>2} {spec.placement:<5} {spec.bubble_text:<36} {predicted:>9.3f}"
+            f" {result.bubble_fraction:>9.3f}  {spec.memory_text:<15}"
             f" {max(result.peak_per_rank):>9g}  {max(result.peak_inflight)}"
         )
     return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""torch.distributed.pipelining's CSV schedules, both ways, in its compute-only form.
+
+    mpihybrid schedule show --schedule zb-v --pp 2 -m 4 --csv zbv.csv     # write
+    mpihybrid schedule show --schedule csv:zbv.csv --pp 2 -m 4             # read
+    mpiexec -n 2 mpihybrid train jobs/gpt_bench.toml --set train.schedule=csv:zbv.csv
+
+One row per pp rank, one cell per action as torch's `_dump_csv` writes them: `{stage}{kind}{mb}`
+with kinds F (forward), I (backward for inputs), W (backward for weights), B (full backward);
+an empty cell is idle; `(0F1;3B0)OVERLAP_F_B` is a forward overlapped with a backward, which runs
+here as its first action then its second. The placement comes from the rows (each stage on the
+rank whose row holds it); the messages come from our lowering (schedules.lower). torch's FSDP and
+gradient-reduction cells (UNSHARD, RESHARD, REDUCE_GRAD) have nothing to run here and are skipped.
+Writing puts each action in the column of its step in a unit-cost simulation (F = B = W = 1).
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import io
+import os
+import re
+
+from mpihybrid.pipeline.actions import Action, ScheduleError
+from mpihybrid.pipeline.placement import Placement
+
+_CELL = re.compile(r"(\d+)([A-Z_]+?)(\d*)")
+_OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
+_SKIPPED = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+_COMPUTE = {"F": "F", "I": "B", "B": "B", "W": "W"}  # torch's kind -> ours (I: a split B)
+
+
+def _parse_cell(text: str, where: str) -> list[tuple[int, str, int]]:
+    """(stage, torch kind, mb) of the actions one cell holds, in the order they run."""
+    text = text.strip()
+    if not text:
+        return []
+    pair = _OVERLAP.fullmatch(text)
+    if pair:
+        parts = [p.strip() for p in pair.group(1).split(";")]
+        if len(parts) != 2:
+            raise ScheduleError(f"{where}: {text!r}: an OVERLAP_F_B cell holds two actions")
+        return [a for p in parts for a in _parse_cell(p, where)]
+    match = _CELL.fullmatch(text)
+    if match is None:
+        raise ScheduleError(
+            f"{where}: {text!r} is not an action like 0F0, 1I2, 1W2, 0B3 or (0F1;3B0)OVERLAP_F_B"
+        )
+    stage, kind, mb = int(match.group(1)), match.group(2), match.group(3)
+    if kind in _SKIPPED:
+        return []
+    if kind not in _COMPUTE or not mb:
+        raise ScheduleError(
+            f"{where}: {text!r}: a compute-only schedule holds F, I, W and B actions"
+            + (" (messages come from our lowering)" if kind.startswith(("SEND", "RECV")) else "")
+        )
+    return [(stage, kind, int(mb))]
+
+
+def parse_csv(text: str, source: str) -> tuple[dict[int, list[Action]], Placement, int]:
+    """Compute lists, placement and micro-batch count of a CSV schedule; ScheduleError naming
+    the row (rank) and the cell of the first problem."""
+    rows = list(csv.reader(io.StringIO(text)))
+    while rows and not any(c.strip() for c in rows[-1]):
+        rows.pop()  # a trailing blank line
+    if not rows:
+        raise ScheduleError(f"{source}: no rows (one row of actions per pp rank)")
+    actions: dict[int, list[Action]] = {}
+    kinds: dict[tuple[int, int], tuple[str, int, int]] = {}  # (stage, mb) -> torch B kind, at
+    where_of: dict[Action, str] = {}
+    for rank, row in enumerate(rows):
+        actions[rank] = []
+        for col, cell in enumerate(row):
+            where = f"{source} row {rank + 1} (rank {rank}) cell {col + 1}"
+            for stage, kind, mb in _parse_cell(cell, where):
+                a = Action(stage, _COMPUTE[kind], mb)
+                if kind in ("I", "B"):
+                    kinds[(stage, mb)] = (kind, rank, col)
+                actions[rank].append(a)
+                where_of.setdefault(a, where)
+    try:
+        placement = Placement.of_actions(actions)
+    except ValueError as exc:
+        raise ScheduleError(f"{source}: {exc}") from None
+    weights = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
+    for (stage, mb), (kind, rank, col) in sorted(kinds.items()):
+        where = f"{source} row {rank + 1} (rank {rank}) cell {col + 1}"
+        if kind == "I" and (stage, mb) not in weights:
+            raise ScheduleError(f"{where}: {stage}I{mb} has no {stage}W{mb} (I is the input "
+                                "gradient only; B is the whole backward)")  # fmt: skip
+        if kind == "B" and (stage, mb) in weights:
+            raise ScheduleError(f"{where}: {stage}B{mb} is a whole backward, yet {stage}W{mb} "
+                                "runs too (split backwards are I then W)")  # fmt: skip
+    m = 1 + max((a.microbatch for acts in actions.values() for a in acts), default=-1)
+    return actions, placement, m
+
+
+@functools.lru_cache(maxsize=16)
+def _read(path: str, stamp: tuple[int, int]) -> tuple[dict[int, list[Action]], Placement, int]:
+    try:
+        with open(path, newline="") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScheduleError(f"csv:{path}: cannot read it ({exc})") from None
+    return parse_csv(text, f"csv:{path}")
+
+
+def read_csv(path: str) -> tuple[dict[int, list[Action]], Placement, int]:
+    """The file's compute lists, placement and micro-batch count (cached while unchanged)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ScheduleError(f"csv:{path}: cannot read it ({exc.strerror})") from None
+    actions, placement, m = _read(path, (st.st_mtime_ns, st.st_size))
+    return {r: list(acts) for r, acts in actions.items()}, placement, m
+
+
+def csv_spec(name: str):
+    """The ScheduleSpec of `csv:PATH`: the file's lists, its rows' placement, its M."""
+    from mpihybrid.pipeline.schedules import ScheduleSpec
+    from mpihybrid.pipeline.simulate import simulate, unit_costs
+
+    path = name[len("csv:") :]
+    actions, placement, m_file = read_csv(path)
+
+    def check(pp: int, m: int, v: int) -> None:
+        if pp != placement.pp:
+            raise ScheduleError(f"{name} has {placement.pp} rows (pp rank each), not pp={pp}")
+        if m != m_file:
+            raise ScheduleError(f"{name} schedules {m_file} micro-batches, not {m}")
+
+    def bubble(p: int, m: int, v: int) -> float:
+        return simulate(actions, placement, unit_costs(actions)).bubble_fraction
+
+    return ScheduleSpec(
+        name=name,
+        build=lambda pp, m, v: {r: list(acts) for r, acts in actions.items()},
+        placement="rows",
+        chunks=placement.chunks,
+        min_microbatches=lambda pp, v: 1,
+        bubble_text="simulated (CSV)",
+        bubble=bubble,
+        splits_backward=any(a.kind == "W" for acts in actions.values() for a in acts),
+        memory_text="-",
+        placement_of=lambda pp, v: placement,
+        check=check,
+    )
+
+
+def dump_csv(actions: dict[int, list[Action]], placement: Placement) -> str:
+    """torch's compute-only CSV of a (valid) schedule: a row per rank, a column per unit-cost
+    step (as `schedule show` draws it: a whole B takes two where W is split elsewhere), a split
+    backward as I, a whole one as B."""
+    from mpihybrid.pipeline.simulate import simulate, unit_costs
+
+    result = simulate(actions, placement, unit_costs(actions))
+    split = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
+    out = io.StringIO()
+    writer = csv.writer(out)
+    for rank in sorted(actions):
+        row: list[str] = []
+        for a in actions[rank]:
+            column = int(result.start[a])
+            row += [""] * (column - len(row))
+            kind = "I" if a.kind == "B" and (a.stage, a.microbatch) in split else a.kind
+            row.append(f"{a.stage}{kind}{a.microbatch}")
+        writer.writerow(row)
+    return out.getvalue()
