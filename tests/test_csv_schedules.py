@@ -17,6 +17,7 @@ from mpihybrid.pipeline.schedules import (
     chunks_for,
     placement_of,
 )
+from mpihybrid.pipeline.simulate import simulate, unit_costs
 
 # Written the way torch.distributed.pipelining's ScheduleZBVZeroBubble(pp=2, n_microbatches=4)
 # fills pipeline_order (its _calculate_single_rank_operations: rank r's row starts with r idle
@@ -30,7 +31,8 @@ def test_torch_zbv_csv_is_our_zb_v():
     assert placement.stages_of(0) == [0, 3] and placement.stages_of(1) == [1, 2]
     assert actions == build_schedule("zb-v", 2, 4, 2)
     # and written back, byte for byte what torch wrote
-    assert dump_csv(actions, placement) == TORCH_ZBV.read_bytes().decode()
+    start = simulate(actions, placement, unit_costs(actions)).start
+    assert dump_csv(actions, start) == TORCH_ZBV.read_bytes().decode()
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -39,7 +41,8 @@ def test_every_schedule_round_trips_through_csv(name):
         v = chunks_for(name)
         actions = build_schedule(name, pp, m, v)
         placement = placement_of(name, pp, v)
-        back, back_placement, back_m = parse_csv(dump_csv(actions, placement), "x.csv")
+        start = simulate(actions, placement, unit_costs(actions)).start
+        back, back_placement, back_m = parse_csv(dump_csv(actions, start), "x.csv")
         assert (back, back_placement.stage_ranks, back_m) == (
             actions,
             placement.stage_ranks,

@@ -60,7 +60,9 @@ def read_csv(path) -> list[dict]:
 
 
 def test_parse_schedules_and_microbatches():
-    assert parse_schedules("all") == ["naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+    assert parse_schedules("all") == [
+        "naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev",
+    ]  # fmt: skip
     assert parse_schedules("zb-h1,gpipe") == ["zb-h1", "gpipe"]
     assert parse_microbatches("2,4,8") == [2, 4, 8]
     for bad in ("1f1b,pipedream", "gpipe,gpipe", ""):

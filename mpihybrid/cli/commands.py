@@ -365,7 +365,7 @@ def schedule_show(name, pp, microbatches, virtual, show_all, early_grad_send, gr
     """Print a schedule's step x rank grid, predicted bubble and peak activations."""
     from mpihybrid.pipeline.csv_schedule import dump_csv
     from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, chunks_for, placement_of
-    from mpihybrid.pipeline.simulate import compare, describe
+    from mpihybrid.pipeline.simulate import compare, describe, simulate, unit_costs
 
     if show_all and csv_path:
         _fail("--csv writes one schedule: name it with --schedule instead of --all")
@@ -378,7 +378,8 @@ def schedule_show(name, pp, microbatches, virtual, show_all, early_grad_send, gr
         click.echo(describe(name, pp, microbatches, v, early_grad_send, grid))
         if csv_path:
             actions = build_schedule(name, pp, microbatches, v, early_grad_send)
-            text = dump_csv(actions, placement_of(name, pp, v))
+            unit = simulate(actions, placement_of(name, pp, v), unit_costs(actions))
+            text = dump_csv(actions, unit.start)
             with open(csv_path, "w", newline="") as fh:
                 fh.write(text)
             click.echo(f"wrote {csv_path} (torch's compute-only CSV, a row per pp rank)")

@@ -23,6 +23,7 @@ import re
 
 from mpihybrid.pipeline.actions import Action, ScheduleError
 from mpihybrid.pipeline.placement import Placement
+from mpihybrid.pipeline.spec import ScheduleSpec
 
 _CELL = re.compile(r"(\d+)([A-Z_]+?)(\d*)")
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
@@ -115,11 +116,9 @@ def read_csv(path: str) -> tuple[dict[int, list[Action]], Placement, int]:
     return {r: list(acts) for r, acts in actions.items()}, placement, m
 
 
-def csv_spec(name: str):
-    """The ScheduleSpec of `csv:PATH`: the file's lists, its rows' placement, its M."""
-    from mpihybrid.pipeline.schedules import ScheduleSpec
-    from mpihybrid.pipeline.simulate import simulate, unit_costs
-
+def csv_spec(name: str) -> ScheduleSpec:
+    """The ScheduleSpec of `csv:PATH`: the file's lists, its rows' placement, its M; no closed
+    bubble formula (simulate.bubble_formula simulates it)."""
     path = name[len("csv:") :]
     actions, placement, m_file = read_csv(path)
 
@@ -129,9 +128,6 @@ def csv_spec(name: str):
         if m != m_file:
             raise ScheduleError(f"{name} schedules {m_file} micro-batches, not {m}")
 
-    def bubble(p: int, m: int, v: int) -> float:
-        return simulate(actions, placement, unit_costs(actions)).bubble_fraction
-
     return ScheduleSpec(
         name=name,
         build=lambda pp, m, v: {r: list(acts) for r, acts in actions.items()},
@@ -139,7 +135,7 @@ def csv_spec(name: str):
         chunks=placement.chunks,
         min_microbatches=lambda pp, v: 1,
         bubble_text="simulated (CSV)",
-        bubble=bubble,
+        bubble=None,
         splits_backward=any(a.kind == "W" for acts in actions.values() for a in acts),
         memory_text="-",
         placement_of=lambda pp, v: placement,
@@ -147,20 +143,17 @@ def csv_spec(name: str):
     )
 
 
-def dump_csv(actions: dict[int, list[Action]], placement: Placement) -> str:
+def dump_csv(actions: dict[int, list[Action]], start: dict[Action, float]) -> str:
     """torch's compute-only CSV of a (valid) schedule: a row per rank, a column per unit-cost
-    step (as `schedule show` draws it: a whole B takes two where W is split elsewhere), a split
-    backward as I, a whole one as B."""
-    from mpihybrid.pipeline.simulate import simulate, unit_costs
-
-    result = simulate(actions, placement, unit_costs(actions))
+    step (`start`: simulate.simulate's with simulate.unit_costs, as `schedule show` draws it; a
+    whole B takes two steps where W is split elsewhere), a split backward as I, a whole one as B."""
     split = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
     out = io.StringIO()
     writer = csv.writer(out)
     for rank in sorted(actions):
         row: list[str] = []
         for a in actions[rank]:
-            column = int(result.start[a])
+            column = int(start[a])
             row += [""] * (column - len(row))
             kind = "I" if a.kind == "B" and (a.stage, a.microbatch) in split else a.kind
             row.append(f"{a.stage}{kind}{a.microbatch}")

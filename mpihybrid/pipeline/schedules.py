@@ -18,7 +18,6 @@ s = global stage 0 .. p*v-1, mb = micro-batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from mpihybrid.pipeline.actions import (
     COMM_KINDS,
@@ -27,10 +26,15 @@ from mpihybrid.pipeline.actions import (
     ScheduleError,
     message_key,
 )
+from mpihybrid.pipeline.csv_schedule import csv_spec
 from mpihybrid.pipeline.placement import Placement
+from mpihybrid.pipeline.spec import ScheduleSpec
 from mpihybrid.pipeline.v_schedules import dualpipev, zb_h2, zb_v
 
-__all__ = ["Action", "COMM_KINDS", "COMPUTE_KINDS", "ScheduleError", "message_key", "Placement"]
+__all__ = [
+    "Action", "COMM_KINDS", "COMPUTE_KINDS", "Placement", "ScheduleError", "ScheduleSpec",
+    "message_key",
+]  # fmt: skip
 
 
 # ---------------------------------------------------------------- generators (one rank each)
@@ -115,28 +119,6 @@ def _each_rank(make: Callable[[int, int, int], list[Action]]):
     return lambda pp, m, v: {r: make(pp, m, r) for r in range(pp)}
 
 
-@dataclass(frozen=True)
-class ScheduleSpec:
-    name: str
-    build: Callable[[int, int, int], dict[int, list[Action]]]  # (pp, m, v) -> compute lists
-    placement: str  # loop: stage s on rank s % p; v: rank r holds r and 2p-1-r; rows: a CSV's
-    chunks: int  # model chunks per rank; 0: train.virtual_stages (>= 2) chooses
-    min_microbatches: Callable[[int, int], int]  # (pp, v) -> the fewest m it accepts
-    bubble_text: str  # closed-form idle fraction, F = B = W
-    bubble: Callable[[int, int, int], float]  # (p, m, v) -> that fraction
-    splits_backward: bool  # B (input gradient) and W (weight gradient) are separate actions
-    memory_text: str  # the paper's activation memory per rank, in one stage's micro-batches
-    note: str = ""
-    m_multiple_of_pp: bool = False  # interleaved: m % p == 0
-    placement_of: Callable[[int, int], Placement] | None = None  # rows: the file's placement
-    check: Callable[[int, int, int], None] | None = None  # (pp, m, v): raise ScheduleError
-
-    def make_placement(self, pp: int, v: int) -> Placement:
-        if self.placement_of is not None:
-            return self.placement_of(pp, v)
-        return Placement.v(pp, v) if self.placement == "v" else Placement.loop(pp, v)
-
-
 def _zb_h1_bubble(p: int, m: int, v: int) -> float:
     # m < p: the first gradient reaches rank 0 after 2p-1 steps and rank 0 still has 2m steps of
     # B and W to run, so the makespan is 2m+2p-1 rather than 3m+p-1
@@ -204,8 +186,6 @@ SCHEDULES = tuple(SPECS)
 def get_spec(name: str) -> ScheduleSpec:
     """The registered spec of `name`, or for `csv:PATH` the spec of that file's schedule."""
     if name.startswith("csv:"):
-        from mpihybrid.pipeline.csv_schedule import csv_spec
-
         return csv_spec(name)
     if name not in SPECS:
         raise ScheduleError(

@@ -148,8 +148,13 @@ def simulate(
 
 
 def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
-    """Closed-form idle fraction with equal costs (F = B, and = W where split): the spec's."""
-    return get_spec(name).bubble(pp, m, v)
+    """Closed-form idle fraction with equal costs (F = B, and = W where split): the spec's; a
+    CSV schedule has none: its unit-cost simulation."""
+    spec = get_spec(name)
+    if spec.bubble is not None:
+        return spec.bubble(pp, m, v)
+    actions = build_schedule(name, pp, m, v)
+    return simulate(actions, placement_of(name, pp, v), unit_costs(actions)).bubble_fraction
 
 
 def bubble_text(name: str) -> str:
@@ -268,7 +273,7 @@ def describe(
     if spec.note:
         lines.append(spec.note)
     lines += [
-        f"bubble: predicted {spec.bubble_text} = {spec.bubble(pp, m, v):.3f}, "
+        f"bubble: predicted {spec.bubble_text} = {bubble_formula(name, pp, m, v):.3f}, "
         f"simulated {result.bubble_fraction:.3f}",
         f"peak activations in flight per stage: {peaks}",
         f"peak activations per rank (micro-batches of a rank's share; paper: {spec.memory_text}):"
@@ -298,7 +303,7 @@ def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False) -> str:
             continue
         actions = build_schedule(name, pp, m, nv, early_grad_send)
         result = simulate(actions, placement_of(name, pp, nv), Costs(1.0, 1.0, 1.0))
-        predicted = spec.bubble(pp, m, nv)
+        predicted = bubble_formula(name, pp, m, nv)
         lines.append(
             f"{name:<17} {nv:>2} {spec.placement:<5} {spec.bubble_text:<36} {predicted:>9.3f}"
             f" {result.bubble_fraction:>9.3f}  {spec.memory_text:<15}"

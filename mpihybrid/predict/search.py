@@ -23,7 +23,7 @@ import itertools
 
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.config import ConfigError, Job, resolve
-from mpihybrid.pipeline.schedules import SCHEDULES, ScheduleError
+from mpihybrid.pipeline.schedules import SCHEDULES, ScheduleError, chunks_for
 from mpihybrid.predict.cluster import Cluster
 from mpihybrid.predict.model import pipeline, predict
 
@@ -47,7 +47,8 @@ def _pipelines(job: Job, world: int):
     for pp in (p for p in range(1, world + 1) if world % p == 0):
         dp = world // pp
         orders = ORDERS if pp > 1 and dp > 1 else (job.grid.order,)
-        schedules = [(s, v) for s in SCHEDULES for v in (1, 2)] if pp > 1 else [("1f1b", 1)]
+        every = dict.fromkeys((s, chunks_for(s, v)) for s in SCHEDULES for v in (1, 2))
+        schedules = list(every) if pp > 1 else [("1f1b", 1)]  # zb-v: 2 chunks, once
         counts = sorted(set(MICROBATCHES) | {job.train.microbatches})
         for order, (name, v), m in itertools.product(orders, schedules, counts):
             if job.train.global_batch % (dp * m):
