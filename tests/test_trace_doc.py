@@ -76,7 +76,9 @@ def test_every_documented_attribute_is_written_with_its_type(fresh):
             continue  # after a preemption only (tests/test_trace_stream.py); read by load()
         assert name in fresh.attrs, name  # a finished run has the optional ones too
         value = fresh.attrs[name]
-        if kind.startswith("list of "):
+        if kind == "int array":
+            assert isinstance(value, np.ndarray) and value.dtype.kind == "i", name
+        elif kind.startswith("list of "):
             want = {"list of strings": str, "list of ints": int}[kind]
             assert isinstance(value, list) and all(isinstance(v, want) for v in value), name
         else:

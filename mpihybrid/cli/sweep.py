@@ -54,6 +54,12 @@ COLUMNS = (
     "peak_inflight_per_stage",  # measured, stage 0;1;...
     "peak_inflight_predicted_per_stage",
     "peak_activation_mib",  # most activation bytes alive on one rank, measured
+    # most activations alive on one rank, in micro-batches of the rank's share of the model (a
+    # chunk's micro-batch counts 1/chunks): measured (the last step as run), from the action
+    # lists, and the zero-bubble paper's memory column for the schedule
+    "peak_rank",
+    "peak_rank_predicted",
+    "memory_paper",
     "speedup_vs_gpipe",  # GPipe's median step time at this M / this run's step time
     "forward_ms",  # measured mean per action, averaged over stages
     "backward_ms",  # input gradient only where the schedule splits off W
@@ -188,8 +194,9 @@ def peak_activation_bytes(events: np.ndarray, step: int) -> int:
 def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> dict:
     """One CSV row from a finished run's Summary."""
     from mpihybrid.analysis.metrics import bubble_summary
+    from mpihybrid.pipeline.as_run import actions_as_run
     from mpihybrid.pipeline.schedules import build_schedule, placement_of
-    from mpihybrid.pipeline.simulate import bubble_formula, peak_inflight
+    from mpihybrid.pipeline.simulate import bubble_formula, peak_inflight, peak_per_rank
 
     g, t = job.grid, job.train
     name, m, v = cell.schedule, cell.microbatches, cell.virtual_stages
@@ -225,6 +232,11 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
         "peak_inflight_per_stage": ";".join(map(str, measured_peaks)),
         "peak_inflight_predicted_per_stage": ";".join(map(str, predicted_peaks)),
         "peak_activation_mib": peak_activation_bytes(summary.events, t.steps - 1) / 2**20,
+        "peak_rank": max(
+            peak_per_rank(actions_as_run(summary.events, placement, t.steps - 1), placement)
+        ),
+        "peak_rank_predicted": max(peak_per_rank(actions, placement)),
+        "memory_paper": get_spec(name).memory_text,
         "speedup_vs_gpipe": None,
         "forward_ms": 1e3 * float(np.mean(costs["forward"])),
         "backward_ms": 1e3 * float(np.mean(costs["backward"])),
@@ -423,7 +435,7 @@ def _csv_value(value):
     "-v",
     default=2,
     show_default=True,
-    help="Model chunks per rank for interleaved-1f1b.",
+    help="Model chunks per rank where the schedule lets it vary (interleaved-1f1b).",
 )
 @click.option(
     "--warmup-steps",

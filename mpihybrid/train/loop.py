@@ -859,7 +859,7 @@ def layout_attrs(job: Job, world_size: int) -> dict:
         "schedule": job.train.schedule,
         "microbatches": job.train.microbatches,
         "virtual_stages": job.train.virtual_stages,
-        "stage_ranks": list(_placement(job).stage_ranks),  # pp rank of each stage
+        "stage_ranks": np.array(_placement(job).stage_ranks, np.int64),  # pp rank of each stage
         "early_grad_send": job.train.early_grad_send,
         "codec": job.comm.codec,
         "device": job.grid.device,
