@@ -176,7 +176,7 @@ def _panel(ax, trace: Trace, rows, steps: range, ranks, t0, length, scale, label
     from mpihybrid.analysis.metrics import oversubscription
 
     ev = trace.events
-    labels = _rank_labels(ev, int(trace.attrs.get("pp", 1)))
+    labels = _rank_labels(ev, Placement.from_attrs(trace.attrs))
     colours = COLOURS if trace.has_actions else {"step": "#8c8c8c"}
     # a label fits when its bar is at least ~14 px wide
     min_width = length * 14 / (0.86 * WIDTH_PX)
