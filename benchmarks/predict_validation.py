@@ -1,25 +1,36 @@
 """Calibrate `mpihybrid predict` on one local run, then predict other local runs and measure them
-with `bench train` in the same sitting: the table of step-time and memory errors.
+with `bench train` in the same sitting: the table of step-time and memory errors, and the
+recommender's first pick against the best measured of the layouts it ranked.
 
-    OMP_NUM_THREADS=1 python benchmarks/predict_validation.py              # the full table
-    OMP_NUM_THREADS=1 python benchmarks/predict_validation.py --quick      # 3 runs (the test's)
-    python benchmarks/predict_validation.py --json runs/validation.json    # also every figure
-    python benchmarks/predict_validation.py --cluster-out clusters/local.toml  # keep the fit
+In phases of a few minutes each (others wait on the lock meanwhile), one work directory:
 
-1. `mpiexec -n 2 mpihybrid train CALIBRATION --trace DIR/cal.h5` (the GPT benchmark, pp=2,
-   1F1B, M=4), then `mpihybrid predict ... --calibrate DIR/cal.h5 --cluster-out DIR/local.toml`.
-2. For every case: `mpiexec -n PP*DP mpihybrid bench train JOB --set ... --json` (median step of
-   the measured steps) and `mpihybrid predict JOB --set ... --cluster DIR/local.toml --json`.
-Step-time error = predicted / measured - 1. Memory: the largest predicted rank total against the
-largest peak RSS `bench train` measured over the training steps (VmHWM, neither its evaluation
-nor its roofline pass); activations: the predicted per-stage peak against the runtime's own
-count.
+    W=runs/validation; L="flock -x /tmp/mh_heavy.lock"
+    $L python benchmarks/predict_validation.py --workdir $W calibrate
+    $L python benchmarks/predict_validation.py --workdir $W cases --only 0:9
+    $L python benchmarks/predict_validation.py --workdir $W cases --only 9:
+    $L python benchmarks/predict_validation.py --workdir $W search --world 2
+    $L python benchmarks/predict_validation.py --workdir $W search --world 4
+    python benchmarks/predict_validation.py --workdir $W report [--cluster-out clusters/local.toml]
+
+1. calibrate: `mpiexec -n 2 mpihybrid train CALIBRATION --trace W/cal.h5` (the GPT benchmark,
+   pp=2, 1F1B, M=4), then `mpihybrid predict ... --calibrate W/cal.h5 --cluster-out W/local.toml`.
+2. cases: for every case, `mpiexec -n PP*DP mpihybrid bench train JOB --set ... --json` (median
+   step of the measured steps) and `mpihybrid predict JOB --set ... --cluster W/local.toml --json`.
+   Step-time error = predicted / measured - 1. Memory: the largest predicted rank total against
+   the largest peak RSS `bench train` measured over the training steps (VmHWM, neither its
+   evaluation nor its roofline pass); activations: the predicted per-stage peak against the
+   runtime's own count. The calibration's own configuration is measured too (the sitting's
+   spread) and left out of the error figures.
+3. search: `mpihybrid predict jobs/gpt_bench.toml --search --world N` (N = 4: --ranks-per-node 4,
+   the 4 ranks share this machine's cores), then `bench train` of the first pick and of the best
+   layout of each of the next distinct pipelines (pp, dp, order, schedule, chunks, M) it ranked,
+   --layouts of them in all: is the first pick within 5% of the best measured?
 
 The machine drifts (+-10-20% minute to minute on 2 shared cores): the figures hold for one
 sitting. Every run also says how many cores something else took meanwhile (other processes and
 the hypervisor's steal: /proc/stat's busy time less the run's own CPU time); a run during which
-that exceeded --quiet-below (0.2 cores) is run again, at most --retries (2) times, and the
-table keeps every try's step beside the kept one. The calibration is retried the same way.
+that exceeded --quiet-below cores is run again, at most --retries times, and the table keeps
+every try's step beside the kept one. The calibration is retried the same way.
 """
 
 from __future__ import annotations
@@ -30,7 +41,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,28 +57,29 @@ def _mlp(pp: int, dp: int, schedule: str, m: int, codec: str = "fp32", v: int = 
     return (MLP, sets)
 
 
-def _gpt(pp: int, dp: int, schedule: str, m: int, codec: str = "fp32") -> tuple:
+def _gpt(pp: int, dp: int, schedule: str, m: int, codec: str = "fp32", v: int = 1) -> tuple:
     sets = [f"grid.pp={pp}", f"grid.dp={dp}", f"train.schedule={schedule}",
             f"train.microbatches={m}", f"train.global_batch={2 * m * dp}",
-            f"comm.codec={codec}"]  # fmt: skip
+            f"comm.codec={codec}", f"train.virtual_stages={v}"]  # fmt: skip
     return (GPT, sets)
 
 
 CASES = [
+    _gpt(2, 1, "1f1b", 4),  # the calibration's configuration: the sitting's spread, not scored
     *(_mlp(2, 1, s, 4) for s in ("naive", "gpipe", "1f1b", "zb-h1")),
     _mlp(2, 1, "interleaved-1f1b", 4, v=2),
     _mlp(2, 1, "1f1b", 2),
     _mlp(2, 1, "1f1b", 8),
     _mlp(1, 1, "1f1b", 4),
-    _mlp(1, 2, "1f1b", 4),
-    _mlp(1, 2, "1f1b", 4, "int8"),
-    _gpt(2, 1, "1f1b", 4),
+    *(_mlp(1, 2, "1f1b", 4, c) for c in ("fp32", "fp16", "bf16", "int8")),
     _gpt(2, 1, "zb-h1", 4),
     _gpt(2, 1, "gpipe", 8),
+    _gpt(2, 1, "interleaved-1f1b", 4, v=2),
+    _gpt(2, 1, "naive", 2),
     _gpt(1, 1, "1f1b", 4),
     _gpt(1, 2, "1f1b", 2, "int8"),
+    _gpt(1, 2, "1f1b", 2, "bf16"),
 ]
-QUICK = [_mlp(2, 1, "zb-h1", 4), _mlp(1, 2, "1f1b", 2, "int8"), _gpt(2, 1, "gpipe", 2)]
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -237,47 +248,157 @@ def keep_cluster(path: Path, fitted: str, started: str, loads: tuple[float, floa
     path.write_text("".join(f"# {x}\n" for x in header) + body.lstrip() + "\n")
 
 
+def _load(workdir: Path, name: str, default):
+    path = workdir / name
+    return json.loads(path.read_text()) if path.exists() else default
+
+
+def _save(workdir: Path, name: str, data) -> None:
+    (workdir / name).write_text(json.dumps(data, indent=1))
+
+
+def _stamp() -> dict:
+    return {"utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "load": os.getloadavg()[0]}  # fmt: skip
+
+
+def phase_calibrate(args) -> None:
+    cal = calibrate(args.workdir, args.quiet_below, args.retries)
+    cal = {**{k: v for k, v in cal.items() if k != "cluster"}, **_stamp()}
+    _save(args.workdir, "calibration.json", cal)
+    print(f"calibrated: {args.workdir / 'local.toml'}; step {1e3 * cal['step_s']:.1f} ms, "
+          f"other load {cal['other_load']:.2f} cores, {cal['attempts']} attempt(s)")  # fmt: skip
+
+
+def phase_cases(args) -> None:
+    lo, _, hi = args.only.partition(":")
+    chosen = list(enumerate(CASES))[int(lo or 0) : int(hi) if hi else None]
+    rows = {r["index"]: r for r in _load(args.workdir, "rows.json", [])}
+    for i, case in chosen:
+        row = measure_and_predict(case, args.workdir / "local.toml", args.warmup, args.steps,
+                                  args.quiet_below, args.retries)  # fmt: skip
+        rows[i] = {"index": i, **row, **_stamp()}
+        print(f"[{i}] {_label(row)}: measured {1e3 * row['measured_step_s']:.1f} ms, predicted "
+              f"{1e3 * row['predicted_step_s']:.1f} ms ({100 * row['step_error']:+.1f}%), "
+              f"memory {100 * row['memory_error']:+.1f}%, other load {row['other_load']:.2f}",
+              flush=True)  # fmt: skip
+        _save(args.workdir, "rows.json", [rows[k] for k in sorted(rows)])
+
+
+def _distinct(ranked: list[dict], count: int) -> list[dict]:
+    """The first pick, then the best entry of each next distinct pipeline (all but codec and
+    bucket), `count` in all."""
+    chosen, seen = [ranked[0]], set()
+    for e in ranked:
+        key = tuple(x for x in e["set"] if not x.startswith("comm."))
+        if key not in seen:
+            seen.add(key)
+            if e is not ranked[0]:
+                chosen.append(e)
+        if len(chosen) == count:
+            break
+    return chosen
+
+
+def phase_search(args) -> None:
+    job = "jobs/gpt_bench.toml"
+    extra = ["--ranks-per-node", str(args.world)] if args.world > 2 else []
+    out, _ = _run(["mpihybrid", "predict", job, "--search", "--world", str(args.world),
+                   "--cluster", str(args.workdir / "local.toml"), "--json", *extra])  # fmt: skip
+    ranked = json.loads(out)
+    results = []
+    for rank_of, entry in ((ranked.index(e), e) for e in _distinct(ranked, args.layouts)):
+        tries = []
+        while len(tries) <= args.retries and (not tries or tries[-1][1] > args.quiet_below):
+            cmd = ["mpiexec", "-n", str(args.world), "mpihybrid", "bench", "train", job,
+                   *_sets(entry["set"]), "--warmup", str(args.warmup), "--steps", str(args.steps),
+                   "--repeats", "1", "--json"]  # fmt: skip
+            out, others = _run(cmd)
+            tries.append((json.loads(out)["throughput"], others))
+        results.append({"rank": rank_of + 1, "set": entry["set"], "reason": entry["reason"],
+                        "predicted": entry["throughput"], "measured": tries[-1][0],
+                        "other_load": tries[-1][1], "tries": tries, **_stamp()})  # fmt: skip
+        print(f"#{rank_of + 1}: predicted {entry['throughput']:,.0f}, measured "
+              f"{tries[-1][0]:,.0f} tokens/s (other load {tries[-1][1]:.2f}) "
+              f"{' '.join(entry['set'])}", flush=True)  # fmt: skip
+    searches = _load(args.workdir, "search.json", {})
+    searches[str(args.world)] = {"layouts_ranked": len(ranked), "measured": results}
+    _save(args.workdir, "search.json", searches)
+
+
+def format_search(searches: dict) -> str:
+    lines = []
+    for world, s in sorted(searches.items()):
+        m = s["measured"]
+        best = max(m, key=lambda r: r["measured"])
+        first = m[0]
+        lines += [
+            f"recommender, jobs/gpt_bench.toml on {world} ranks: {s['layouts_ranked']} layouts "
+            f"ranked, {len(m)} measured",
+            "| predicted rank | layout | tokens/s predicted | measured | other load |",
+            "|---|---|---|---|---|",
+        ]
+        for r in m:
+            layout = " ".join(x.split(".", 1)[1] for x in r["set"])
+            lines.append(f"| {r['rank']} | {layout} | {r['predicted']:,.0f} | "
+                         f"{r['measured']:,.0f} | {r['other_load']:.2f} |")  # fmt: skip
+        lines += ["", f"first pick: {first['measured']:,.0f} tokens/s measured, best measured "
+                      f"{best['measured']:,.0f} (predicted rank {best['rank']}): "
+                      f"{100 * (first['measured'] / best['measured'] - 1):+.1f}%", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def phase_report(args) -> None:
+    rows = _load(args.workdir, "rows.json", [])
+    cal = _load(args.workdir, "calibration.json", {})
+    scored = [r for r in rows if r["index"] != 0]
+    print(format_table(rows))
+    print(summary(scored)["text"] + " (the calibration's configuration, row 0, not scored)")
+    if cal:
+        print(f"calibration at {cal['utc']} (load {cal['load']:.2f}): {cal['attempts']} "
+              f"run(s), the kept one with {cal['other_load']:.2f} cores taken by something "
+              "else")  # fmt: skip
+        print(spread(rows, cal["step_s"]))
+    if rows:
+        print(f"cases measured {rows[0]['utc']} .. {rows[-1]['utc']}")
+    searches = _load(args.workdir, "search.json", {})
+    print(format_search(searches))
+    if args.cluster_out:
+        fitted = (args.workdir / "local.toml").read_text()
+        keep_cluster(Path(args.cluster_out), fitted, cal.get("utc", "?"), (cal.get("load", 0), 0))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary(scored),
+                                               "calibration": cal, "search": searches},
+                                              indent=1))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the test's 3 runs")
+    parser.add_argument("--workdir", type=Path, required=True, help="the sitting's files")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(
         "--quiet-below",
         type=float,
-        default=0.2,
+        default=0.3,
         metavar="CORES",
         help="a run during which something else took more cores is run again",
     )
-    parser.add_argument("--retries", type=int, default=2, help="at most this many times")
-    parser.add_argument("--json", metavar="PATH", help="write every figure here")
-    parser.add_argument("--cluster-out", metavar="PATH", help="keep the fitted cluster file here")
+    parser.add_argument("--retries", type=int, default=1, help="at most this many times")
+    sub = parser.add_subparsers(dest="phase", required=True)
+    sub.add_parser("calibrate")
+    cases = sub.add_parser("cases")
+    cases.add_argument("--only", default=":", metavar="A:B", help=f"cases A..B-1 of {len(CASES)}")
+    search = sub.add_parser("search")
+    search.add_argument("--world", type=int, default=2)
+    search.add_argument("--layouts", type=int, default=8, help="distinct layouts measured")
+    report = sub.add_parser("report")
+    report.add_argument("--json", metavar="PATH", help="write every figure here")
+    report.add_argument("--cluster-out", metavar="PATH", help="keep the fitted cluster file here")
     args = parser.parse_args()  # fmt: skip
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    load_start = os.getloadavg()
-    print(f"load average at the start (1, 5, 15 min): {load_start}")
-    with tempfile.TemporaryDirectory() as tmp:
-        cal = calibrate(Path(tmp), args.quiet_below, args.retries)
-        rows = [
-            measure_and_predict(case, cal["cluster"], args.warmup, args.steps, args.quiet_below,
-                                args.retries)
-            for case in (QUICK if args.quick else CASES)
-        ]  # fmt: skip
-        fitted = cal["cluster"].read_text()
-    print(format_table(rows))
-    print(f"calibration: {cal['attempts']} run(s), the kept one with {cal['other_load']:.2f} "
-          "cores taken by something else")  # fmt: skip
-    print(spread(rows, cal["step_s"]))
-    load_end = os.getloadavg()
-    print(f"load average at the end (1, 5, 15 min): {load_end}")
-    if args.cluster_out:
-        keep_cluster(Path(args.cluster_out), fitted, started, (load_start[0], load_end[0]))
-    if args.json:
-        cal = {k: v for k, v in cal.items() if k != "cluster"}
-        Path(args.json).write_text(json.dumps(
-            {"rows": rows, "summary": summary(rows), "cluster": fitted, "calibration": cal},
-            indent=1,
-        ))  # fmt: skip
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    {"calibrate": phase_calibrate, "cases": phase_cases, "search": phase_search,
+     "report": phase_report}[args.phase](args)  # fmt: skip
 
 
 if __name__ == "__main__":
