@@ -6,9 +6,9 @@ that fit ranked by throughput, each with the reason it wins or loses.
 
 The space (the job's global batch, model and data kept):
     grid         every pp x dp = world; grid.order both ways when pp > 1 and dp > 1
-    schedule     every registered schedule (pipeline.schedules.SCHEDULES), with 1 or 2 model
-                 chunks per rank where the schedule takes them; pp = 1: 1f1b (one stage has no
-                 schedule to choose)
+    schedule     every registered schedule (pipeline.schedules.SCHEDULES: the V schedules and
+                 zero-bubble ones too), with 1 or 2 model chunks per rank where the schedule
+                 takes them; pp = 1: 1f1b (one stage has no schedule to choose)
     M            1, 2, 4, ..., 64 and the job's own, where global_batch divides into dp x M
     comm         dp > 1: every codec x comm.bucket_kb in BUCKETS_KB and the job's own
 A layout the job's rules refuse (a schedule's M, a model too shallow for its chunks) is left out
@@ -115,13 +115,19 @@ def search(job: Job, cluster: Cluster, world: int) -> tuple[list[dict], int]:
     many layouts were predicted). Each: {"throughput", "step_time_s", "bubble",
     "exposed_comm_s", "peak_memory_bytes", "set", "reason", "prediction"}. SearchError when no
     layout can be made; an empty list when none fits."""
-    made, fitting = 0, []
+    made, fitting, seen = 0, [], set()
     for layout in _pipelines(job, world):
         try:
             base = resolve(_replace(job, **layout), world)
-            piped = pipeline(base, cluster)
         except (ConfigError, ScheduleError, ValueError):
             continue  # training would refuse this layout too
+        if tuple(set_strings(base)) in seen:
+            continue  # the same layout (a V schedule sets its own 2 chunks)
+        seen.add(tuple(set_strings(base)))
+        try:
+            piped = pipeline(base, cluster)
+        except (ConfigError, ScheduleError, ValueError):
+            continue
         for comm in _comms(job, base.grid.dp):
             candidate = _replace(base, comm=comm) if comm else base
             r = predict(candidate, cluster, piped)
