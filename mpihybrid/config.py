@@ -184,7 +184,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. train.steps=20")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as exc:
+        # a bare word (int8, runs/x) is a string; one that opens a TOML string, list or table
+        # and is not valid TOML is refused (kept as text, a quote would end up in a path)
+        if raw.strip()[:1] in ('"', "'", "[", "{"):
+            raise ConfigError(f"--set {text!r}: the value is not valid TOML ({exc})") from None
         value = raw.strip()
     return section, name, value
 
