@@ -408,3 +408,15 @@ def get_codec(name: str, block: int = 256, kernels: str = "auto") -> Codec:
     if name == "int8":
         return Int8Codec(block, kernels)
     raise ValueError(f"unknown codec {name!r}; known codecs: {', '.join(CODECS)}")
+
+
+def overflow_hint(name: str) -> str:
+    """What a non-finite gradient after a ring with this codec may come from ("" for none):
+    fp16 turns a finite element past its range into inf on the wire."""
+    if name != "fp16":
+        return ""
+    return (
+        "comm.codec = fp16 holds only |x| <= 65504 and turns a larger gradient element into "
+        "inf on the wire; bf16 keeps float32's range (3.4e38) in the same 2 bytes: "
+        "--set comm.codec=bf16"
+    )

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from mpihybrid import __version__, _numba
 from mpihybrid.comm.buckets import GradientComm
-from mpihybrid.comm.codecs import get_codec
+from mpihybrid.comm.codecs import get_codec, overflow_hint
 from mpihybrid.comm.device import (
     Backend,
     host_array,
@@ -583,6 +583,8 @@ def _stop_nonfinite(world: MPI.Comm, job: Job, step: int, loss_sum: float, bad: 
         what = f"the loss is {loss_sum} (stage {last}, the last)"
     else:
         what = f"the gradient of stage {', '.join(map(str, stages))} is not finite (nan or inf)"
+        hint = overflow_hint(job.comm.codec)
+        what += f" ({hint})" if hint else ""
     raise TrainingStopped(
         step + 1, f"step {step + 1}: {what}; stopped without writing a checkpoint of these weights"
     )
