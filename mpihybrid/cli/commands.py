@@ -20,12 +20,17 @@ from typing import NoReturn
 
 import click
 
+from mpihybrid.files import release_all
 from mpihybrid.pipeline.schedules import SCHEDULES  # pure Python: --help stays fast
 from mpihybrid.pipeline.simulate import GRID_RANKS, GRID_ROWS
 
 EXIT_FAILED = 1  # the run stopped (nan, a refused checkpoint) or a rank failed (job aborted)
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 3  # a signal asked the job to stop; a checkpoint was written (requeue me)
+# bounds of the bench commands' counts and sizes (a typo must not start a day-long run)
+MAX_REPEATS = 10_000
+MAX_STEPS = 100_000
+MAX_SIZES = 64  # bench allreduce --sizes (each size: what the node's memory holds)
 DEBUG_ENV = "MPIHYBRID_DEBUG"  # set (not 0): a failing rank prints its full traceback
 
 
@@ -113,11 +118,17 @@ def main() -> None:
     "the newest intact one there anyway).",
 )
 @click.option(
+    "--force",
+    is_flag=True,
+    help="Resume from checkpoint.dir even when its job differs from this one in more than the "
+    "settings a resume may change (the refusal names them).",
+)
+@click.option(
     "--debug",
     is_flag=True,
     help=f"On a failure, print the full traceback, not one line (also {DEBUG_ENV}=1).",
 )
-def train(job_file, overrides, trace_path, overwrite, quiet, resume, debug) -> None:
+def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debug) -> None:
     """Train JOB_FILE (TOML; the embedded default job when omitted) on every rank of mpiexec.
 
     Ctrl-C (or SIGINT to mpiexec) stops every rank at the next step boundary, trace written,
@@ -146,7 +157,7 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, debug) -> N
     try:
         job = load_job(job_file, overrides, world.Get_size())
         if world.rank == 0:
-            resume_from = _preflight(job, resume)
+            resume_from = _preflight(job, resume, force)
     except (ConfigError, CheckpointError, TraceError) as exc:
         error = str(exc)
     except FileExistsError as exc:
@@ -162,6 +173,7 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, debug) -> N
         exit_on_any_error(world, str(exc))
     resume_from = world.bcast(resume_from, root=0)
     summary = _run_training(job, world, quiet, resume_from, debug or _debug_env())
+    release_all()  # rank 0's locks on checkpoint.dir and the trace (exit drops them too)
     if summary is not None:
         from mpihybrid.train.report import format_report
 
@@ -262,25 +274,27 @@ def exit_on_any_error(world, error: str | None) -> None:
         sys.exit(EXIT_USAGE)
 
 
-def _preflight(job, resume: bool) -> list[str] | None:
+def _preflight(job, resume: bool, force: bool = False) -> list[str] | None:
     """Rank 0, before anything is built: create and test-write checkpoint.dir and the trace's
-    temporary (exit 2 now, not a lost run later), remove partial checkpoints of crashed runs,
-    and list the complete checkpoints to resume from, newest first (None: start afresh)."""
+    temporary (exit 2 now, not a lost run later), lock both for this run (files.acquire_lock),
+    remove partial checkpoints and temporaries of crashed runs, refuse another job's checkpoint
+    or trace, and list the complete checkpoints to resume from, newest first (None: afresh)."""
     from mpihybrid.config import ConfigError
-    from mpihybrid.files import probe_dir, probe_file
+    from mpihybrid.files import acquire_lock, clean_stale_temporaries, probe_dir, probe_file
     from mpihybrid.nn.data import check_data
     from mpihybrid.nn.tokens import DataError
-    from mpihybrid.trace.file import check_writable
+    from mpihybrid.trace.file import check_owner, check_writable
     from mpihybrid.train import checkpoint
 
     try:  # token files: header, size, vocabulary, enough windows
         check_data(job)
     except DataError as exc:
         raise ConfigError(str(exc)) from None
-    root, candidates = job.checkpoint.dir, []
+    root, candidates, manifest = job.checkpoint.dir, [], None
     if root:
         try:
             probe_dir(root)
+            acquire_lock(root, f"checkpoint.dir {root}", is_dir=True)
         except OSError as exc:
             raise checkpoint.CheckpointError(f"checkpoint.dir = {root!r}: {exc}") from None
         for stale in checkpoint.clean_partials(root):
@@ -293,13 +307,19 @@ def _preflight(job, resume: bool) -> list[str] | None:
     if candidates:  # refuse another model now; a damaged one is restore_all's to skip
         newest = Path(candidates[0])
         try:
-            checkpoint.check_compatible(checkpoint.read_manifest(newest), job, newest)
+            manifest = checkpoint.read_manifest(newest)
+            checkpoint.check_compatible(manifest, job, newest)
+            checkpoint.check_same_job(manifest, job, newest, force)
         except checkpoint.CheckpointDamaged:
             pass
     if job.trace.path:
-        # a resumed run continues the trace already at its path
+        # a resumed run continues the trace already at its path: its own, not another run's
         check_writable(job.trace.path, job.trace.overwrite, bool(candidates))
         probe_file(job.trace.path)
+        acquire_lock(job.trace.path, f"trace {job.trace.path}")
+        clean_stale_temporaries(job.trace.path)
+        if candidates and not job.trace.overwrite:
+            check_owner(job.trace.path, job)
     return candidates or None
 
 
@@ -418,7 +438,7 @@ def bench() -> None:
     help="Message sizes in bytes (K/M suffixes).",
 )
 @click.option("--codecs", default=None, help="Comma list of codecs (default: every codec).")
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--repeats", type=click.IntRange(1, MAX_REPEATS), default=5, show_default=True)
 @click.option(
     "--segment-kb",
     type=click.IntRange(min=1),
@@ -447,11 +467,13 @@ def bench_allreduce(sizes, codecs, repeats, segment_kb, transport, quiet, as_jso
     rank = MPI.COMM_WORLD.rank
     try:
         size_list = [parse_size(s) for s in sizes.split(",") if s]
-    except ValueError as exc:
-        _fail(str(exc), rank)
+    except (ValueError, OverflowError) as exc:
+        _fail(f"--sizes {sizes!r}: {exc}", rank)
     small = [s for s in size_list if s < 4]
     if small or not size_list:
         _fail(f"--sizes {sizes!r}: every size must be at least 4 bytes (one float)", rank)
+    if len(size_list) > MAX_SIZES:
+        _fail(f"--sizes: {len(size_list)} sizes; at most {MAX_SIZES}", rank)
     codec_list = [c for c in codecs.split(",") if c] if codecs else list(CODECS)
     unknown = [c for c in codec_list if c not in CODECS]
     if unknown:
@@ -542,10 +564,10 @@ def bench_codecs(size, codecs, repeats, as_json) -> None:
     metavar="SECTION.KEY=VALUE",
     help="Override one job setting (repeatable), e.g. --set train.schedule=1f1b.",
 )
-@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True)
-@click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True,
+@click.option("--warmup", type=click.IntRange(0, MAX_STEPS), default=3, show_default=True)
+@click.option("--steps", type=click.IntRange(1, MAX_STEPS), default=10, show_default=True,
               help="Measured steps per repeat.")  # fmt: skip
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--repeats", type=click.IntRange(1, MAX_REPEATS), default=3, show_default=True)
 @click.option(
     "--against",
     multiple=True,

@@ -16,6 +16,7 @@ Between flushes each recorder holds only the rows since the last one.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
     from mpihybrid.trace.file import TraceWriter
+
+log = logging.getLogger("mpihybrid")
 
 
 class TraceStream:
@@ -46,6 +49,7 @@ class TraceStream:
         self.flush_steps, self.flush_seconds = flush_steps, flush_seconds
         self.to_run_start = 0.0  # seconds from this rank's clock to the trace's
         self._last_flush = Recorder.clock()
+        self.stopped = ""  # rank 0: why its trace stopped (a refused flush); "" while it goes on
         self._steps: dict[str, list] = {"step": [], "loss": [], "accuracy": [], "step_time": []}
         self._evals: dict[str, list] = {}  # held-out losses since the last flush (/eval)
 
@@ -59,8 +63,24 @@ class TraceStream:
         self.to_run_start = to_run_start
         if self.writer is not None:
             self.writer.start(resume_step, earlier)
-            self.writer.flush(self.recorder.events[:0], {})
+            self._write(self.recorder.events[:0], {}, None, False)
         self._last_flush = Recorder.clock()
+
+    def _write(self, events, steps: dict, attrs: dict | None, finished: bool, evals=None) -> None:
+        """Rank 0: one flush to the file; one the file system refuses (a full disk, a quota)
+        stops the trace with one warning, and training goes on (the trace keeps every step up to
+        its last flush; the others keep gathering, as they cannot know)."""
+        if self.stopped:
+            return
+        try:
+            self.writer.flush(events, steps, attrs, finished, evals)
+        except OSError as exc:
+            self.stopped = exc.strerror or str(exc)
+            log.warning(
+                "trace %s stopped: %s; training goes on, the trace keeps the steps up to its "
+                "last flush",
+                self.writer.path, self.stopped,
+            )  # fmt: skip
 
     def add_step(self, step: int, loss: float, accuracy: float) -> None:
         """Rank 0: the step's metrics, with its own duration (the recorder's last step row)."""
@@ -107,7 +127,7 @@ class TraceStream:
             evals = {name: np.asarray(values) for name, values in self._evals.items()}
             if evals:
                 evals["step"] = evals["step"].astype(np.int64)
-            self.writer.flush(events, steps, attrs, finished, evals)
+            self._write(events, steps, attrs, finished, evals)
             for values in self._steps.values():
                 values.clear()
             self._evals.clear()

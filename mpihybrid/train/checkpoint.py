@@ -31,6 +31,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -178,10 +179,40 @@ def commit(root: Path, partial: Path, step: int, manifest: dict, keep: int) -> P
     if final.exists():  # a crash between rename and manifest, or a run resumed from older
         _move_aside(final)
     commit_dir(partial, final)  # every file fsynced, the directory renamed, its parent fsynced
-    found = complete(root)
-    for old in found[: max(len(found) - keep, 0)]:
+    for old in prunable(complete(root), keep):
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+BEST_WINDOW = 10  # a checkpoint's loss: the mean of the last this many steps' losses before it
+
+
+def prunable(found: list[Path], keep: int) -> list[Path]:
+    """The checkpoints to delete (oldest first) so that the newest `keep` remain, and also the
+    best one: the lowest mean loss over its last BEST_WINDOW steps. A run whose loss explodes
+    but stays finite (no nan to stop it) would otherwise prune every good checkpoint."""
+    old = found[: max(len(found) - keep, 0)]
+    scores = {path: _score(path) for path in found}
+    finite = [path for path in found if math.isfinite(scores[path])]
+    best = min(finite, key=lambda path: (scores[path], -found.index(path)), default=None)
+    if best in old:
+        log.warning(
+            "checkpoint %s is kept beyond checkpoint.keep = %d: its loss (%.4g) is the best, "
+            "and the newer ones' are higher (%s)",
+            best, keep, scores[best],
+            ", ".join(f"{scores[p]:.4g}" for p in found[-keep:]),
+        )  # fmt: skip
+    return [path for path in old if path != best]
+
+
+def _score(path: Path) -> float:
+    """The mean loss of a checkpoint's last steps (inf when unreadable or none)."""
+    try:
+        losses = read_manifest(path).get("losses") or []
+        tail = [float(x) for x in losses[-BEST_WINDOW:]]
+    except (CheckpointError, TypeError, ValueError):
+        return math.inf
+    return sum(tail) / len(tail) if tail and all(map(math.isfinite, tail)) else math.inf
 
 
 def manifest_for(job, step: int, losses: list, accuracies: list, files: dict) -> dict:
@@ -207,8 +238,14 @@ def manifest_for(job, step: int, losses: list, accuracies: list, files: dict) ->
     }
 
 
+MAX_MANIFEST_BYTES = 1 << 28  # a manifest lists a loss per step: 256 MiB is ~10 M steps
+
+
 def read_manifest(path: Path) -> dict:
     try:
+        size = (path / "manifest.json").stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"checkpoint {path}: manifest.json is {size} bytes; not ours")
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointDamaged(f"checkpoint {path}: manifest unreadable ({exc})") from None
@@ -243,21 +280,52 @@ def check_compatible(manifest: dict, job, path: Path) -> None:
 
 
 def _read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """Every dataset of a checkpoint file (reached by plain links) and its root attributes;
+    each dataset checked before it is read (_readable_datasets)."""
     try:
         with h5py.File(path, "r") as f:
             if f.attrs.get("format") != FORMAT:
                 raise CheckpointError(f"{path}: not an mpihybrid checkpoint file")
-            arrays = {}
-            f.visititems(
-                lambda name, obj: (
-                    arrays.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None
-                )
-            )
-            return arrays, dict(f.attrs)
+            datasets = _readable_datasets(path, f)
+            return {name: ds[()] for name, ds in datasets.items()}, dict(f.attrs)
     except CheckpointError:
         raise
     except (OSError, KeyError) as exc:
         raise CheckpointDamaged(f"{path}: unreadable or torn checkpoint file ({exc})") from None
+
+
+MAX_DATASETS = 64  # a checkpoint file holds params, a few optimizer buffers or one residual
+
+
+def _readable_datasets(path: Path, f: h5py.File) -> dict[str, h5py.Dataset]:
+    """The datasets of a checkpoint file, refused (CheckpointError) when any keeps its data
+    outside the file (external storage, a virtual dataset: the sha256 would not cover it) or
+    declares more than the file holds: nothing is allocated for a size the file does not back."""
+    from mpihybrid.files import h5_dataset_problem
+
+    found: dict[str, h5py.Dataset] = {}
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Dataset):
+            found[name] = obj
+        return None if len(found) <= MAX_DATASETS else True
+
+    f.visititems(visit)
+    if len(found) > MAX_DATASETS:
+        raise CheckpointError(f"{path}: more than {MAX_DATASETS} datasets; not a checkpoint file")
+    size = path.stat().st_size
+    for name, ds in found.items():
+        problem = h5_dataset_problem(ds, size)
+        if problem:
+            raise CheckpointError(f"{path}: dataset {name} {problem}")
+    return found
+
+
+def _check_finite(path: Path, what: str, values: np.ndarray) -> None:
+    """A checkpoint never holds nan or inf (a diverged step is never saved): refuse one that
+    does."""
+    if values.dtype.kind == "f" and not np.isfinite(values).all():
+        raise CheckpointError(f"{path}: {what} hold nan or inf; not a checkpoint this run wrote")
 
 
 def _verify(path: Path, name: str, manifest: dict) -> None:
@@ -287,6 +355,7 @@ def load_rank(
     params = arrays.get("params")
     if params is None or params.shape != stage.flat_params.shape:
         raise CheckpointError(f"{path}: stage {s} parameters do not fit this model")
+    _check_finite(path, f"stage {s} parameters", params)
     if (manifest or {}).get("shard_optimizer") or isinstance(optimizer, ShardedOptimizer):
         _load_sharded(path, s, stage, optimizer, manifest or {}, arrays)
     else:
@@ -530,3 +599,55 @@ def restore_all(world, dp_rank, job, candidates, stages, optimizers, rings):
         return manifest["step"], list(manifest["losses"]), list(manifest["accuracies"])
     where = Path(candidates[0]).parent if candidates else job.checkpoint.dir
     raise CheckpointError(f"no intact checkpoint to resume from in {where}: " + "; ".join(damaged))
+
+
+# ---------------------------------------------------------------------------------------------
+# whose checkpoint (and trace) is this: the stored job against this one
+
+# What a resume may change and still be the same run: how long it runs, where and how it writes
+# its files, the grid's data-parallel width and placement, the ring's wire, the schedule and its
+# micro-batches (hybrid == serial: the same sums). Anything else (the model, the data and their
+# seeds, the batch, the optimizer and its settings) makes it another job.
+RESUMABLE = (
+    "train.steps", "train.schedule", "train.microbatches", "train.early_grad_send",
+    "grid.dp", "grid.order", "grid.device", "comm.*", "trace.*", "checkpoint.*",
+)  # fmt: skip
+
+
+def job_differences(stored_toml: str, job, ignore: tuple[str, ...] = RESUMABLE) -> list[str]:
+    """The settings in which a stored job (a manifest's or a trace's TOML) differs from `job`,
+    as 'train.lr = 0.1 there, 0.05 here', leaving out the `ignore`d ones ('section.*' a whole
+    section); a stored job that does not parse is one difference."""
+    from mpihybrid.config import _toml_value, to_toml, tomllib
+
+    try:
+        theirs = tomllib.loads(stored_toml)
+    except (tomllib.TOMLDecodeError, TypeError):
+        return ["its stored job is not readable TOML"]
+    mine = tomllib.loads(to_toml(job))
+    found = []
+    for section, values in mine.items():
+        other = theirs.get(section, {})
+        other = other if isinstance(other, dict) else {}
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if name in ignore or f"{section}.*" in ignore or other.get(key) == value:
+                continue
+            there = _toml_value(other[key]) if key in other else "(unset)"
+            found.append(f"{name} = {there} there, {_toml_value(value)} here")
+    return found
+
+
+def check_same_job(manifest: dict, job, path: Path, force: bool) -> None:
+    """Refuse to resume another job's checkpoint (CheckpointError naming the first
+    differences) unless `force`; version 1 manifests without a job pass."""
+    if force or not isinstance(manifest.get("job"), str):
+        return
+    found = job_differences(manifest["job"], job)
+    if found:
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        raise CheckpointError(
+            f"checkpoint {path} is another job's: {'; '.join(found[:3])}{more}. A resume may "
+            f"change only {', '.join(RESUMABLE)}; --force resumes from it anyway, or choose "
+            "another checkpoint.dir"
+        )
