@@ -110,10 +110,10 @@ def test_a_refused_flush_stops_the_trace_with_one_warning(tmp_path, monkeypatch,
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 160 KiB tmpfs (root only; skipped elsewhere)."""
+    """A 64 KiB tmpfs (root only; skipped elsewhere)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mount)],
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
                           capture_output=True, text=True)  # fmt: skip
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
@@ -125,10 +125,10 @@ def small_disk(tmp_path):
 def test_a_full_trace_disk_stops_the_trace_and_training_goes_on(small_disk):
     trace = small_disk / "t.h5"
     proc = run_mpi(2, "-m", "mpihybrid", "train", "--quiet", "--trace", str(trace),
-                   "--set", "train.steps=150", "--set", "trace.flush_steps=1",
+                   "--set", "train.steps=60", "--set", "trace.flush_steps=1",
                    "--set", "model.hidden=8", "--set", "model.depth=2", timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("stopped:") == 1 and "No space left on device" in proc.stdout
     steps = load(trace).steps["step"]
-    assert 0 < len(steps) < 150
+    assert 0 < len(steps) < 60
     np.testing.assert_array_equal(steps, np.arange(len(steps)))
