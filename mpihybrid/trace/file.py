@@ -81,7 +81,7 @@ def check_owner(path: str | os.PathLike, job) -> None:
     except (tomllib.TOMLDecodeError, AttributeError):
         theirs = None
     mine = job.checkpoint.dir
-    if theirs is not None and not (theirs and Path(theirs).resolve() == Path(mine).resolve()):
+    if not isinstance(theirs, str) or Path(theirs or ".").resolve() != Path(mine or ".").resolve():
         found.insert(0, f"checkpoint.dir = {theirs!r} there, {mine!r} here")
     if found:
         more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
