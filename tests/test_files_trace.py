@@ -132,3 +132,16 @@ def test_a_full_trace_disk_stops_the_trace_and_training_goes_on(small_disk):
     steps = load(trace).steps["step"]
     assert 0 < len(steps) < 60
     np.testing.assert_array_equal(steps, np.arange(len(steps)))
+
+
+def test_the_flush_benchmark_runs_at_its_smallest():
+    """benchmarks/trace_flush.py (figures are never asserted)."""
+    import sys
+
+    from tests.helpers import ROOT, mpi_env
+
+    proc = subprocess.run([sys.executable, "benchmarks/trace_flush.py", "--steps", "3",
+                           "--repeats", "1"], capture_output=True, text=True, cwd=ROOT,
+                          env=mpi_env(), timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "whole file / parts" in proc.stdout and proc.stdout.count(" MB") == 6
