@@ -107,6 +107,8 @@ def test_links_are_refused(tmp_path, kind):
         ({"microbatches": 1 << 30}, "microbatches"),
         ({"pp": 2.5}, "is not an integer"),
         ({"dp": 2}, r"pp\(2\) \* dp\(2\) != world_size\(2\)"),
+        ({"stage_ranks": np.array([0, 7])}, "stage_ranks is not 2 pp ranks below pp"),
+        ({"stage_ranks": np.array([0, 1, 1])}, "stage_ranks"),
     ],
 )
 def test_attributes_out_of_range_are_refused(tmp_path, attrs, match):

@@ -589,6 +589,16 @@ def _check_values(path: Path, trace: Trace) -> None:
                 f"{path}: pp({pp}) * microbatches({m}) * virtual_stages({v}) = {pp * m * v} "
                 f"> {MAX_SCHEDULE_ACTIONS}"
             )
+        placement = attrs.get("stage_ranks")
+        if placement is not None and "pp" in attrs:
+            placement = np.asarray(placement)
+            if (
+                placement.dtype.kind not in "iu" or placement.shape != (pp * v,)
+                or placement.min(initial=0) < 0 or placement.max(initial=0) >= pp
+            ):  # fmt: skip
+                raise TraceError(
+                    f"{path}: attribute stage_ranks is not {pp * v} pp ranks below pp({pp})"
+                )
         for name, want in (("hostnames", str), ("peak_rss_bytes", int)):
             value = attrs.get(name)
             if value is not None and not (
