@@ -6,9 +6,10 @@
 Trains the job once for --steps steps and prints per rank: the peak resident set over the
 training steps (VmHWM, the trace's peak_rss_bytes), predict's memory (the repository's
 clusters/local.toml), the pre-run estimate (train.memory), the optimizer state the rank holds
-(its master copy included) and predict's peak activations. One job per launch: a process keeps
-the memory numpy freed (keep_freed_host_memory), so a second run in it would count the first's.
-No timing: run it beside other work.
+(its master copy included), the peak activation bytes the runtime counted in the last step
+(trace rows' liveness) beside predict's, and the mean step time (a rough figure, not a
+benchmark: bench train --against pairs those). One job per launch: a process keeps the memory
+numpy freed (keep_freed_host_memory), so a second run in it would count the first's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mpi4py import MPI  # noqa: E402
 
 from mpihybrid.config import load_job  # noqa: E402
+from mpihybrid.pipeline.liveness import replay_rows  # noqa: E402
 from mpihybrid.predict.cluster import load_cluster  # noqa: E402
 from mpihybrid.predict.model import predict  # noqa: E402
 from mpihybrid.train import loop  # noqa: E402
@@ -60,10 +62,16 @@ def measure(job, world) -> dict | None:
     g = job.grid
     pp_of = [r % g.pp if g.order == "pipeline-inner" else r // g.dp for r in range(world.size)]
     predicted = predict(job, load_cluster(CLUSTER))["memory"]
+    ev = summary.events  # every rank's rows (no trace file): the last step's activations
+    last = ev[ev["step"] == ev["step"].max()]
+    measured_acts = [
+        replay_rows(last[last["rank"] == r]).peak_total_bytes for r in range(world.size)
+    ]
     return {
         "peak_rss": summary.peak_rss_bytes,
         "predicted": [predicted[p]["total_bytes"] for p in pp_of],
         "predicted_activations": [predicted[p]["activation_bytes"] for p in pp_of],
+        "activations": measured_acts,
         "estimate": [sum(rank_estimate(job, p).values()) for p in pp_of],
         "optimizer_state": states,
         "step_s": summary.runtime_s / max(summary.steps - summary.start, 1),
@@ -93,8 +101,9 @@ def main() -> None:
             f"  rank {rank}: peak RSS {rss / MIB:7.1f} MiB, predicted "
             f"{r['predicted'][rank] / MIB:7.1f} ({err:+.1f} %), estimate "
             f"{r['estimate'][rank] / MIB:7.1f}, optimizer state "
-            f"{r['optimizer_state'][rank] / MIB:6.1f} MiB, predicted activations "
-            f"{r['predicted_activations'][rank] / MIB:6.1f} MiB"
+            f"{r['optimizer_state'][rank] / MIB:6.1f} MiB, activations "
+            f"{r['activations'][rank] / MIB:6.1f} MiB (predicted "
+            f"{r['predicted_activations'][rank] / MIB:.1f}), {1e3 * r['step_s']:.0f} ms/step"
         )
 
 
