@@ -10,9 +10,10 @@ Every run is `mpiexec -n DP mpihybrid train JOB` with only comm.codec / comm.err
 changing between codecs; data.seed and train.seed are the seed (the same windows, the same
 initial weights for every codec), so the codec is the only difference. Each run's held-out
 losses (the trace's /eval) go to OUT/<codec>-dp<D>-seed<S>.json; runs already there are not
-run again, so --max-minutes cuts the work into sittings (the lock is held per run by the
-caller: run it under `flock -x /tmp/mh_heavy.lock`). The table and the plot are made from
-whatever runs exist.
+run again, so --max-minutes cuts the work into sittings (a lock held by the
+caller, or per run with --lock). The table and the plot are made from whatever runs exist.
+Losses do not depend on the machine's load (same job + seed = same losses, bit for bit), so a
+shared lock is enough: only the wall time of a run suffers from company.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ SMALL = ["model.hidden=64", "model.depth=2", "model.heads=4", "grid.pp=1",
 
 
 def run_one(job: str, data: Path, codec: str, dp: int, seed: int, steps: int, every: int,
-            out: Path) -> dict:  # fmt: skip
+            out: Path, lock: str = "") -> dict:  # fmt: skip
     from mpihybrid.trace.file import load
     from tests.helpers import mpiexec
 
@@ -56,6 +57,8 @@ def run_one(job: str, data: Path, codec: str, dp: int, seed: int, steps: int, ev
             *CODECS[codec]]  # fmt: skip
     cmd = [mpiexec(), "-n", str(dp), sys.executable, "-m", "mpihybrid", "train", job,
            "--quiet", "--overwrite", "--trace", str(trace)]  # fmt: skip
+    if lock:  # held for this run only: others' runs get their turn between two of ours
+        cmd = ["flock", "-s" if lock.startswith("shared:") else "-x", lock.split(":")[-1], *cmd]
     for s in sets:
         cmd += ["--set", s]
     t0 = time.monotonic()
@@ -165,6 +168,9 @@ def main() -> None:
     parser.add_argument("--out", default="runs/codec_convergence")
     parser.add_argument("--plot", default="", help="PNG to write (needs matplotlib)")
     parser.add_argument("--max-minutes", type=float, default=0, help="start no run after this")
+    parser.add_argument(
+        "--lock", default="", metavar="[shared:]PATH", help="a flock held around every run"
+    )
     args = parser.parse_args()
     codecs, dps = args.codecs.split(","), [int(d) for d in args.dp.split(",")]
     out, data = Path(args.out), Path(args.data)
@@ -179,7 +185,7 @@ def main() -> None:
         if args.max_minutes and time.monotonic() - t0 > 60 * args.max_minutes:
             print(f"stopped after {args.max_minutes} minutes; run again to go on")
             break
-        r = run_one(args.job, data, codec, dp, seed, args.steps, args.eval_every, out)
+        r = run_one(args.job, data, codec, dp, seed, args.steps, args.eval_every, out, args.lock)
         path.write_text(json.dumps(r))
         print(f"{codec:9s} dp={dp} seed={seed}: final val loss {r['val_loss'][-1]:.4f} "
               f"({r['seconds']:.0f} s)", flush=True)  # fmt: skip
