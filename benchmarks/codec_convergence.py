@@ -99,6 +99,20 @@ def table(runs: list[dict], codecs: list[str], dps: list[int]) -> str:
             lines.append(
                 f"| {codec} | {dp} | {len(seeds)} | {np.mean(values):.4f} ± {sd:.4f} | {vs} |"
             )
+    # the same fp32 training at another dp differs only in float summation order: how far two
+    # runs drift apart from that alone is the floor under which a codec's change means nothing
+    for dp in dps[1:]:
+        seeds = sorted(s for c, d, s in final if (c, d) == ("fp32", dp))
+        rel = [
+            100 * (final["fp32", dp, s] / final["fp32", dps[0], s] - 1)
+            for s in seeds
+            if ("fp32", dps[0], s) in final
+        ]
+        if rel:
+            lines.append(
+                f"\nfloor: fp32 at dp={dp} vs fp32 at dp={dps[0]}, same seeds (summation order "
+                f"only): {', '.join(f'{r:+.2f} %' for r in rel)}"
+            )
     return "\n".join(lines)
 
 
