@@ -40,13 +40,13 @@ CODECS = {
     "int8-noef": ["comm.codec=int8", "comm.error_feedback=false"],
 }
 # the benchmark's model: small enough that 30 runs fit a sitting or two on 2 cores
-SMALL = ["model.hidden=64", "model.depth=2", "model.heads=4", "grid.pp=1",
+SMALL = ["model.hidden=64", "model.depth=2", "model.heads=4", "grid.pp=1", "train.lr=0.0015",
          "train.global_batch=32", "train.microbatches=2", "data.test_samples=64",
          'checkpoint.dir=""', "checkpoint.every=0"]  # fmt: skip
 
 
 def run_one(job: str, data: Path, codec: str, dp: int, seed: int, steps: int, every: int,
-            out: Path, lock: str = "") -> dict:  # fmt: skip
+            out: Path, lock: str = "", extra: tuple = ()) -> dict:  # fmt: skip
     from mpihybrid.trace.file import load
     from tests.helpers import mpiexec
 
@@ -54,7 +54,7 @@ def run_one(job: str, data: Path, codec: str, dp: int, seed: int, steps: int, ev
     sets = [*SMALL, f"grid.dp={dp}", f"data.seed={seed}", f"train.seed={seed}",
             f"train.steps={steps}", f"train.eval_every={every}",
             f'data.train="{data}/train.bin"', f'data.val="{data}/val.bin"',
-            *CODECS[codec]]  # fmt: skip
+            *CODECS[codec], *extra]  # fmt: skip
     cmd = [mpiexec(), "-n", str(dp), sys.executable, "-m", "mpihybrid", "train", job,
            "--quiet", "--overwrite", "--trace", str(trace)]  # fmt: skip
     if lock:  # held for this run only: others' runs get their turn between two of ours
@@ -182,6 +182,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/codec_convergence")
     parser.add_argument("--plot", default="", help="PNG to write (needs matplotlib)")
     parser.add_argument("--max-minutes", type=float, default=0, help="start no run after this")
+    parser.add_argument("--set", dest="extra", action="append", default=[],
+                        help="one more job override for every run (repeatable)")  # fmt: skip
     parser.add_argument(
         "--lock", default="", metavar="[shared:]PATH", help="a flock held around every run"
     )
@@ -199,7 +201,8 @@ def main() -> None:
         if args.max_minutes and time.monotonic() - t0 > 60 * args.max_minutes:
             print(f"stopped after {args.max_minutes} minutes; run again to go on")
             break
-        r = run_one(args.job, data, codec, dp, seed, args.steps, args.eval_every, out, args.lock)
+        r = run_one(args.job, data, codec, dp, seed, args.steps, args.eval_every, out, args.lock,
+                    tuple(args.extra))  # fmt: skip
         path.write_text(json.dumps(r))
         print(f"{codec:9s} dp={dp} seed={seed}: final val loss {r['val_loss'][-1]:.4f} "
               f"({r['seconds']:.0f} s)", flush=True)  # fmt: skip
