@@ -217,7 +217,10 @@ def sets(root, *more) -> list[str]:
 def test_text_hybrid_equals_serial(corpus):
     proc = run_mpi(4, "tests/_mpi_train.py", "--serial",
                    *sets(corpus, "grid.pp=2", "grid.dp=2", "train.steps=3",
-                         "train.global_batch=8", "train.microbatches=2"))  # fmt: skip
+                         "train.global_batch=8", "train.microbatches=2",
+                         # sgd: AdamW's first steps turn summation-order noise in a near-zero
+                         # gradient into a step of lr, so it cannot be compared to 1e-6
+                         "train.optimizer=sgd", "train.lr=0.1"))  # fmt: skip
     (r,) = results(proc)
     print("max |hybrid - serial| =", r["max_abs_diff"])
     assert r["allclose"] and np.allclose(r["losses"], r["serial_losses"], rtol=1e-5), r
