@@ -182,9 +182,11 @@ def test_embedding_backward_matches_add_at():
         return grads["tokens"], grads["positions"]
 
     fast, reference = both(run)
-    np.testing.assert_array_equal(fast[0], expected)  # the kernel adds in np.add.at's order
-    assert_close("embedding", fast, reference, atol=1e-6)
-    assert_close("embedding reference vs add.at", (reference[0],), (expected,), atol=1e-6)
+    # the kernel adds in np.add.at's order, which the reference and a device's scatter-add use:
+    # the same bits on the host, with or without numba, and on a GPU
+    np.testing.assert_array_equal(fast[0], expected)
+    np.testing.assert_array_equal(reference[0], expected)
+    assert_close("embedding", fast, reference, atol=0)
 
 
 def test_gpt_stage_with_kernels_matches_the_references():
