@@ -140,14 +140,7 @@ def rank_estimate(job: Job, pp_rank: int, ring_shared: bool = False) -> dict[str
 
 def mem_available() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return proc_kib("/proc/meminfo", "MemAvailable")
 
 
 UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a number near 2**63
@@ -225,28 +218,30 @@ def address_space_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def _vm_size() -> int:
-    """This process's mapped address space now (VmSize), 0 where unknown."""
+def proc_kib(path: str, key: str) -> int | None:
+    """A `Key:  N kB` line of a /proc file (/proc/self/status, /proc/meminfo) in bytes; None
+    where there is no such file or line."""
     try:
-        with open("/proc/self/status") as fh:
+        with open(path) as fh:
             for line in fh:
-                if line.startswith("VmSize:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
-    return 0
+        return None
+    return None
+
+
+def _vm_size() -> int:
+    """This process's mapped address space now (VmSize), 0 where unknown."""
+    return proc_kib("/proc/self/status", "VmSize") or 0
 
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set in bytes (VmHWM of /proc/self/status; where there is no
     such file, getrusage's ru_maxrss, which cannot be reset)."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    peak = proc_kib("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
