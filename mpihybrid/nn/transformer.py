@@ -115,7 +115,9 @@ class CausalAttention(Layer):
         q, k, v = self._split(x)
         scores = q @ k.transpose(0, 1, 3, 2)  # (b, h, T, T)
         if kernels.fast(scores):  # scale, mask and softmax in one pass, in place
-            kernels.softmax_causal_forward(scores.reshape(-1, t, t), np.float32(self.scale))
+            kernels.softmax_causal_forward(
+                scores.reshape(-1, t, t), np.float32(self.scale), np.empty(t, np.int32)
+            )
             return self._forward_out(scores, v, x)
         scores *= x.dtype.type(self.scale)
         scores += self._mask(x, t)
