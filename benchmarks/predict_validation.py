@@ -10,6 +10,8 @@ In phases of a few minutes each (others wait on the lock meanwhile), one work di
     $L python benchmarks/predict_validation.py --workdir $W cases --only 9:
     $L python benchmarks/predict_validation.py --workdir $W search --world 2
     $L python benchmarks/predict_validation.py --workdir $W search --world 4
+    python benchmarks/predict_validation.py --workdir $W memory    # only for a file fitted before
+                                                                    # kernel_memory_bytes existed
     python benchmarks/predict_validation.py --workdir $W report [--cluster-out clusters/local.toml]
 
 1. calibrate: `mpiexec -n 2 mpihybrid train CALIBRATION --trace W/cal.h5` (the GPT benchmark,
@@ -372,6 +374,39 @@ def phase_report(args) -> None:
                                               indent=1))  # fmt: skip
 
 
+def phase_memory(args) -> None:
+    """The cases' memory predicted again with the sitting's cluster file refitted for the runtime's
+    memory from the calibration trace and two fresh interpreters (kernel_memory_bytes): no
+    timed figure is involved, so a cluster file fitted before that field existed catches up."""
+    import dataclasses
+
+    from mpihybrid.config import build_job, load_table, resolve
+    from mpihybrid.predict.calibrate import _base_memory, kernel_memory, trace_job
+    from mpihybrid.predict.cluster import load_cluster
+    from mpihybrid.predict.model import predict
+    from mpihybrid.trace.file import load
+
+    cluster = load_cluster(args.workdir / "local.toml")
+    trace = load(args.workdir / "cal.h5")
+    device = dataclasses.replace(cluster.device, kernel_memory_bytes=kernel_memory())
+    base, note = _base_memory(trace, trace_job(trace), dataclasses.replace(cluster, device=device))
+    cluster = dataclasses.replace(
+        cluster, device=dataclasses.replace(device, base_memory_bytes=base)
+    )
+    print(f"kernel_memory_bytes {device.kernel_memory_bytes / 2**20:.1f} MiB, base_memory_bytes "
+          f"{base / 2**20:.1f} MiB ({note})")  # fmt: skip
+    rows = _load(args.workdir, "rows.json", [])
+    for r in rows:
+        job = build_job(load_table(ROOT / r["job"]), r["sets"])
+        predicted = predict(resolve(job, job.grid.pp * job.grid.dp), cluster)["peak_memory_bytes"]
+        r["predicted_memory_bytes"] = predicted
+        r["memory_error"] = predicted / r["measured_rss_bytes"] - 1
+        measured = r["measured_rss_bytes"] / 2**20
+        print(f"[{r['index']}] {_label(r)}: measured {measured:.0f} MiB, predicted "
+              f"{predicted / 2**20:.0f} MiB ({100 * r['memory_error']:+.1f}%)")  # fmt: skip
+    _save(args.workdir, "rows.json", rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, required=True, help="the sitting's files")
@@ -387,6 +422,7 @@ def main() -> None:
     parser.add_argument("--retries", type=int, default=1, help="at most this many times")
     sub = parser.add_subparsers(dest="phase", required=True)
     sub.add_parser("calibrate")
+    sub.add_parser("memory", help="refit the runtime's memory (no timing) and predict again")
     cases = sub.add_parser("cases")
     cases.add_argument("--only", default=":", metavar="A:B", help=f"cases A..B-1 of {len(CASES)}")
     search = sub.add_parser("search")
@@ -398,7 +434,7 @@ def main() -> None:
     args = parser.parse_args()  # fmt: skip
     args.workdir.mkdir(parents=True, exist_ok=True)
     {"calibrate": phase_calibrate, "cases": phase_cases, "search": phase_search,
-     "report": phase_report}[args.phase](args)  # fmt: skip
+     "memory": phase_memory, "report": phase_report}[args.phase](args)  # fmt: skip
 
 
 if __name__ == "__main__":

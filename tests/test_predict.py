@@ -577,3 +577,22 @@ def test_more_ranks_than_cores_share_them():
     assert shared.device.gemm_flops == local.device.gemm_flops / 2
     assert shared.codecs["int8"].encode == local.codecs["int8"].encode / 2
     assert shared_cores(shared, 4) == shared  # applied once
+
+
+def test_the_compiled_kernels_runtime_counts_only_for_jobs_that_run_them():
+    """kernel_memory_bytes joins a rank's runtime when its job runs a numba kernel (a GPT, GELU,
+    LayerNorm, AdamW, a lossy ring), not for a ReLU MLP with SGD and an fp32 ring."""
+    from mpihybrid import _numba
+    from mpihybrid.predict.model import runs_compiled_kernels
+
+    local = load_cluster(LOCAL)
+    cluster = dataclasses.replace(
+        local, device=dataclasses.replace(local.device, kernel_memory_bytes=48 << 20)
+    )
+    plain = _job("jobs/bench_pp2.toml", "grid.pp=1", "grid.dp=2")
+    for job, runs in [(plain, False), (_job("jobs/bench_pp2.toml", "grid.pp=1", "grid.dp=2",
+                      "comm.codec=int8"), True), (_job("jobs/gpt_bench.toml"), True),
+                      (_job("jobs/bench_pp2.toml", "model.activation=gelu"), True)]:  # fmt: skip
+        assert runs_compiled_kernels(job) == (runs and _numba.ENABLED)
+        extra = predict(job, cluster)["memory"][0]["base_bytes"] - local.device.base_memory_bytes
+        assert extra == (48 << 20 if runs and _numba.ENABLED else 0)

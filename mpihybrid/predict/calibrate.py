@@ -308,9 +308,32 @@ def _optimizer_bandwidth(job, events: np.ndarray, copy: float) -> float:
     return nbytes / took if took > 0 else copy
 
 
+def kernel_memory() -> float:
+    """What numba's runtime and the compiled kernels add to a rank: a fresh interpreter's peak
+    after warm_runtime() less one's after the same imports and MPI alone."""
+    code = "from mpihybrid.predict.calibrate import bare_runtime; bare_runtime()"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA"))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    bare = 1024 * int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
+    return max(0.0, float(base_memory() - bare)) if bare else 0.0
+
+
+def bare_runtime() -> None:
+    """The trainer's imports and MPI, no compiled kernel; prints this process's VmHWM (KiB)."""
+    from mpi4py import MPI  # noqa: F401
+
+    import mpihybrid.nn.model  # noqa: F401
+    import mpihybrid.train.loop  # noqa: F401
+
+    print([line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")][0])
+
+
 def _base_memory(trace: Trace, job, cluster: Cluster) -> tuple[float, str]:
-    """A rank's runtime bytes: the trace's measured peaks less the model's arrays (median over
-    ranks), or a fresh interpreter's peak where the trace has no such record."""
+    """A rank's runtime bytes without compiled kernels: the trace's measured peaks less the
+    model's arrays (median over ranks) less the kernels' share when the trace's job ran them; or
+    a fresh interpreter's peak where the trace has no such record."""
+    from mpihybrid.predict.model import runs_compiled_kernels
+
     measured = trace.attrs.get("peak_rss_bytes")
     if not measured:
         return float(base_memory()), "peak RSS of a fresh interpreter after warm_runtime()"
@@ -318,13 +341,18 @@ def _base_memory(trace: Trace, job, cluster: Cluster) -> tuple[float, str]:
     actions = build_schedule(t.schedule, g.pp, t.microbatches, t.virtual_stages, t.early_grad_send)
     work = stage_work(job)
     bare = dataclasses.replace(
-        cluster, device=dataclasses.replace(cluster.device, base_memory_bytes=0.0)
+        cluster,
+        device=dataclasses.replace(cluster.device, base_memory_bytes=0.0, kernel_memory_bytes=0.0),
     )
     arrays = [rank_memory(job, work, actions[r], bare)["total_bytes"] for r in range(g.pp)]
     pp_of = [r % g.pp if g.order == "pipeline-inner" else r // g.dp for r in range(len(measured))]
     rest = [float(m) - arrays[pp_of[r]] for r, m in enumerate(measured)]
+    kernels = cluster.device.kernel_memory_bytes if runs_compiled_kernels(job) else 0.0
     mib = ", ".join(f"{m / 2**20:.0f}" for m in measured)
-    return statistics.median(rest), f"the trace's peak RSS per rank ({mib} MiB) less the arrays"
+    return statistics.median(rest) - kernels, (
+        f"the trace's peak RSS per rank ({mib} MiB) less the arrays"
+        + (" and kernel_memory_bytes" if kernels else "")
+    )
 
 
 def trace_ranks(trace: Trace) -> int:
@@ -370,9 +398,13 @@ def calibrate(
         links={"node": Link(max(1e-6, hop - hop_bytes / node_bw), node_bw), "network": network},
         codecs=rates["codecs"],
     )
+    kernels = kernel_memory()
+    cluster = dataclasses.replace(
+        cluster, device=dataclasses.replace(cluster.device, kernel_memory_bytes=kernels)
+    )
     base, base_note = _base_memory(trace, job, cluster)
     measured = statistics.median([t for s, t in step_times(events).items() if s in steps])
-    device = dataclasses.replace(device, base_memory_bytes=base)
+    device = dataclasses.replace(device, base_memory_bytes=base, kernel_memory_bytes=kernels)
     cluster = dataclasses.replace(cluster, device=device)
     overhead = max(0.0, measured - predict(job, cluster)["step_time_s"])
     cluster = dataclasses.replace(
@@ -389,6 +421,8 @@ def calibrate(
         "device.optimizer_bandwidth": "the optimizer's bytes / the trace's optimizer time",
         "device.step_overhead_s": f"median measured step {measured:.4f} s less the prediction",
         "device.base_memory_bytes": base_note,
+        "device.kernel_memory_bytes": "a fresh interpreter's peak RSS after warm_runtime() "
+        "less one's after the imports and MPI alone (bare_runtime())",
         "device.host_copy_bandwidth": "0: arrays live on the host",
         "node.ranks_per_node": "os.cpu_count(): one rank per core (--ranks-per-node: more)",
         "node.cores": "os.cpu_count(): more ranks than this share the cores",

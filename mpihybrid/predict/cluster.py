@@ -14,6 +14,8 @@ A cluster file is TOML (every rate in bytes or FLOPs per second, every time in s
                 (elementwise work), optimizer_bandwidth (the optimizer's bytes / s),
                 op_overhead_s (per layer call), step_overhead_s (per step: bookkeeping, the
                 metrics), base_memory_bytes (a rank's runtime: interpreter, libraries, MPI),
+                kernel_memory_bytes (optional: what numba's runtime adds once a job runs a
+                compiled kernel: GPT layers, GELU, LayerNorm, AdamW, a lossy codec),
                 host_copy_bandwidth (0 = arrays on the host; else the gradient ring runs on host
                 copies made across this link)
     [links.node]     alpha_s, bandwidth             (two ranks on one node)
@@ -69,6 +71,7 @@ class Device:
     step_overhead_s: float
     base_memory_bytes: float
     host_copy_bandwidth: float
+    kernel_memory_bytes: float = 0.0  # numba's runtime, resident once a job runs a compiled kernel
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class Cluster:
 
 # fields that may be 0 (not counted); every other rate must be > 0
 MAY_BE_ZERO = {"gemm_bandwidth", "host_copy_bandwidth", "node_bandwidth", "base_memory_bytes",
-               "cores"}  # fmt: skip
+               "cores", "kernel_memory_bytes"}  # fmt: skip
 
 
 def _section(table: dict, where: str, cls: type, optional: tuple[str, ...] = ()):
@@ -144,7 +147,9 @@ def parse_cluster(data: dict) -> Cluster:
     node = _section(_table(data, "node", "node"), "node", Node, optional=("cores",))
     if node.ranks_per_node < 1 or node.ranks_per_node != int(node.ranks_per_node):
         raise ClusterError(f"node.ranks_per_node = {node.ranks_per_node}: an integer >= 1")
-    device = _section(_table(data, "device", "device"), "device", Device)
+    device = _section(
+        _table(data, "device", "device"), "device", Device, optional=("kernel_memory_bytes",)
+    )
     links_table = _table(data, "links", "links")
     links = {
         name: _section(
@@ -184,7 +189,7 @@ def shared_cores(cluster: Cluster, world: int) -> Cluster:
         gemm_call_s=d.gemm_call_s * k, mem_bandwidth=d.mem_bandwidth / k,
         optimizer_bandwidth=d.optimizer_bandwidth / k, op_overhead_s=d.op_overhead_s * k,
         step_overhead_s=d.step_overhead_s * k, base_memory_bytes=d.base_memory_bytes,
-        host_copy_bandwidth=d.host_copy_bandwidth / k,
+        host_copy_bandwidth=d.host_copy_bandwidth / k, kernel_memory_bytes=d.kernel_memory_bytes,
     )  # fmt: skip
     link = cluster.links["node"]
     links = {**cluster.links, "node": Link(link.alpha_s * k, link.bandwidth / k, 0.0)}
