@@ -283,7 +283,7 @@ def _preflight(job, resume: bool, force: bool = False) -> list[str] | None:
     from mpihybrid.files import acquire_lock, clean_stale_temporaries, probe_dir, probe_file
     from mpihybrid.nn.data import check_data
     from mpihybrid.nn.tokens import DataError
-    from mpihybrid.trace.file import check_owner, check_writable
+    from mpihybrid.trace.file import check_writable
     from mpihybrid.train import checkpoint
 
     try:  # token files: header, size, vocabulary, enough windows
@@ -319,7 +319,7 @@ def _preflight(job, resume: bool, force: bool = False) -> list[str] | None:
         acquire_lock(job.trace.path, f"trace {job.trace.path}")
         clean_stale_temporaries(job.trace.path)
         if candidates and not job.trace.overwrite:
-            check_owner(job.trace.path, job)
+            checkpoint.check_trace_owner(job.trace.path, job)
     return candidates or None
 
 

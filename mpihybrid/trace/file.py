@@ -62,35 +62,6 @@ def check_writable(path: str | os.PathLike, overwrite: bool, resuming: bool = Fa
         raise PermissionError(f"cannot write trace {path}: directory {parent} is not writable")
 
 
-def check_owner(path: str | os.PathLike, job) -> None:
-    """Refuse (TraceError) to continue the trace at `path` when it is another run's: its
-    stored job differs from `job` in more than a resume may change, or it was written with
-    another checkpoint.dir (another run's checkpoints). --overwrite replaces it instead."""
-    from mpihybrid.config import tomllib
-    from mpihybrid.train.checkpoint import RESUMABLE, job_differences
-
-    path = Path(path)
-    if not path.is_file():
-        return
-    config = load(path).config
-    ignore = tuple(name for name in RESUMABLE if name != "checkpoint.*")
-    found = job_differences(config, job, (*ignore, "checkpoint.every", "checkpoint.keep"))
-    found = [line for line in found if not line.startswith("checkpoint.dir ")]
-    try:
-        theirs = tomllib.loads(config).get("checkpoint", {}).get("dir", "")
-    except (tomllib.TOMLDecodeError, AttributeError):
-        theirs = None
-    mine = job.checkpoint.dir
-    if not isinstance(theirs, str) or Path(theirs or ".").resolve() != Path(mine or ".").resolve():
-        found.insert(0, f"checkpoint.dir = {theirs!r} there, {mine!r} here")
-    if found:
-        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
-        raise TraceError(
-            f"trace {path} is another run's, not this resumed run's: {'; '.join(found[:3])}{more}"
-            "; --overwrite replaces it, or choose another --trace path"
-        )
-
-
 def write_trace(
     path: str | os.PathLike,
     *,

@@ -638,6 +638,35 @@ def job_differences(stored_toml: str, job, ignore: tuple[str, ...] = RESUMABLE) 
     return found
 
 
+def check_trace_owner(path: str | os.PathLike, job) -> None:
+    """Refuse (TraceError) to continue the trace at `path` when it is another run's: its
+    stored job differs from `job` in more than a resume may change, or it was written with
+    another checkpoint.dir (another run's checkpoints). --overwrite replaces it instead."""
+    from mpihybrid.config import tomllib
+    from mpihybrid.trace.file import TraceError, load
+
+    path = Path(path)
+    if not path.is_file():
+        return
+    config = load(path).config
+    ignore = tuple(name for name in RESUMABLE if name != "checkpoint.*")
+    found = job_differences(config, job, (*ignore, "checkpoint.every", "checkpoint.keep"))
+    found = [line for line in found if not line.startswith("checkpoint.dir ")]
+    try:
+        theirs = tomllib.loads(config).get("checkpoint", {}).get("dir", "")
+    except (tomllib.TOMLDecodeError, AttributeError):
+        theirs = None
+    mine = job.checkpoint.dir
+    if not isinstance(theirs, str) or Path(theirs or ".").resolve() != Path(mine or ".").resolve():
+        found.insert(0, f"checkpoint.dir = {theirs!r} there, {mine!r} here")
+    if found:
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        raise TraceError(
+            f"trace {path} is another run's, not this resumed run's: {'; '.join(found[:3])}{more}"
+            "; --overwrite replaces it, or choose another --trace path"
+        )
+
+
 def check_same_job(manifest: dict, job, path: Path, force: bool) -> None:
     """Refuse to resume another job's checkpoint (CheckpointError naming the first
     differences) unless `force`; version 1 manifests without a job pass."""
