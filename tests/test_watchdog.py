@@ -86,6 +86,34 @@ def test_why_prints_the_verdict_and_refuses_a_run_without_records(tmp_path):
     assert CliRunner().invoke(why, [str(tmp_path / "bad.h5")]).exit_code == 2
 
 
+def test_why_refuses_crafted_records(tmp_path):
+    """A record is read only as the recorder writes it: no FIFO, no data kept outside the file,
+    no rank past its world."""
+    import h5py
+
+    good = _records(tmp_path) / "rank0.h5"
+    fifo = tmp_path / "fifo.flight"
+    fifo.mkdir()
+    os.mkfifo(fifo / "rank0.h5")  # would block a reader forever
+    outside = tmp_path / "outside.flight"
+    outside.mkdir()
+    (tmp_path / "raw.bin").write_bytes(b"\0" * 4096)
+    with h5py.File(good, "r") as src, h5py.File(outside / "rank0.h5", "w") as f:
+        f.attrs.update(src.attrs)
+        f.create_dataset("rows", shape=(4,), dtype=src["rows"].dtype,
+                         external=[(str(tmp_path / "raw.bin"), 0, 4096)])  # fmt: skip
+    past = tmp_path / "past.flight"
+    past.mkdir()
+    with h5py.File(good, "r") as src, h5py.File(past / "rank0.h5", "w") as f:
+        f.attrs.update(src.attrs)
+        f.attrs["rank"] = 9  # world_size 4
+        f.create_dataset("rows", data=src["rows"][()])
+    for name in ("fifo", "outside", "past"):
+        result = CliRunner().invoke(why, [str(tmp_path / f"{name}.h5")])
+        assert result.exit_code == 2, (name, result.output)
+        assert "not an mpihybrid flight record" in result.output
+
+
 def test_record_dir_follows_the_trace_then_the_checkpoints():
     assert record_dir("runs/a.h5", "ck") == Path("runs/a.flight")
     assert record_dir("", "runs/ck/") == Path("runs/ck.flight")  # beside, never inside

@@ -41,6 +41,9 @@ PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 INTERRUPT = signal.SIGINT
 EXIT_INTERRUPTED = 130  # what a shell reports for a job ended by Ctrl-C (128 + SIGINT)
 FLIGHT_ROWS = 512  # actions and waits kept per rank
+RECORD_ATTRS = ("format", "rank", "pp_rank", "dp_rank", "world_size", "reason", "written_at",
+                "host", "pid")  # fmt: skip
+MAX_WORLD = 1 << 20
 RECORD_DTYPE = np.dtype(
     [
         ("start", "<f8"),  # wall-clock seconds (time.time() scale)
@@ -361,7 +364,6 @@ def run_id() -> str:
 def read_records(path: str | Path) -> tuple[Path, dict[int, tuple[dict, np.ndarray]]]:
     """Every rank's flight record for a trace (RUN.h5) or a record directory: rank -> (attrs,
     rows). ValueError with one line when there is none or a file is not one."""
-    import h5py
 
     path = Path(path)
     directory = path if path.is_dir() else path.with_name(path.stem + ".flight")
@@ -369,19 +371,41 @@ def read_records(path: str | Path) -> tuple[Path, dict[int, tuple[dict, np.ndarr
         raise ValueError(f"no flight records at {directory} (written when a run ends abnormally)")
     records = {}
     for file in sorted(directory.glob("rank*.h5")):
-        try:
-            with h5py.File(file, "r") as f:
-                if f.attrs.get("format") != "mpihybrid-flight-1":
-                    raise ValueError(f"{file}: not an mpihybrid flight record")
-                rows = f["rows"]
-                if rows.dtype != RECORD_DTYPE or rows.shape[0] > FLIGHT_ROWS:
-                    raise ValueError(f"{file}: not an mpihybrid flight record")
-                records[int(f.attrs["rank"])] = (dict(f.attrs), rows[()])
-        except OSError as exc:
-            raise ValueError(f"{file}: unreadable ({exc})") from None
+        records.update([_read_record(file)])
     if not records:
         raise ValueError(f"no flight records in {directory}")
     return directory, records
+
+
+def _read_record(file: Path) -> tuple[int, tuple[dict, np.ndarray]]:
+    """One rank's record, read only when it is one this recorder could have written: a regular
+    HDF5 file, its rows a plain dataset kept in the file, at most FLIGHT_ROWS of them."""
+    import h5py
+
+    from mpihybrid.files import h5_dataset_problem
+
+    if not file.is_file() or file.is_symlink() or not h5py.is_hdf5(file):
+        raise ValueError(f"{file}: not an mpihybrid flight record")
+    try:
+        with h5py.File(file, "r") as f:
+            link = f.get("rows", getlink=True)
+            rows = f.get("rows") if isinstance(link, h5py.HardLink) else None
+            if (
+                f.attrs.get("format") != "mpihybrid-flight-1"
+                or not isinstance(rows, h5py.Dataset)
+                or rows.dtype != RECORD_DTYPE
+                or rows.ndim != 1
+                or rows.shape[0] > FLIGHT_ROWS
+                or h5_dataset_problem(rows, file.stat().st_size)
+            ):
+                raise ValueError(f"{file}: not an mpihybrid flight record")
+            attrs = {k: f.attrs[k] for k in RECORD_ATTRS if k in f.attrs}
+            world, rank = int(attrs.get("world_size", -1)), int(attrs.get("rank", -1))
+            if len(attrs) != len(RECORD_ATTRS) or not 0 <= rank < world <= MAX_WORLD:
+                raise ValueError(f"{file}: not an mpihybrid flight record")
+            return rank, (attrs, rows[()])
+    except (OSError, KeyError, TypeError) as exc:
+        raise ValueError(f"{file}: unreadable ({exc})") from None
 
 
 def explain(records: dict[int, tuple[dict, np.ndarray]]) -> list[str]:
