@@ -44,6 +44,8 @@ import numpy as np
 
 from mpihybrid.comm.device import copy_from_host, host_array
 from mpihybrid.files import atomic_path, commit_dir, write_atomic
+from mpihybrid.nn.data import task_dims
+from mpihybrid.nn.model import stage_num_params
 from mpihybrid.nn.optim import ShardedOptimizer
 from mpihybrid.units import human_bytes
 
@@ -277,6 +279,7 @@ def check_compatible(manifest: dict, job, path: Path) -> None:
         raise CheckpointError(
             f"checkpoint {path} is at step {manifest['step']}, past train.steps = {job.train.steps}"
         )
+    check_shards_cover(manifest, job, path)
 
 
 def _read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict]:
@@ -430,14 +433,43 @@ def _whole_state(path: Path, s: int, n: int, names, manifest: dict, arrays: dict
                 master[lo:hi] = shard["master"][at : at + hi - lo]
             covered[lo:hi] = True
             at += hi - lo
+    _refuse_uncovered(path, manifest, s, covered)
+    return whole, master
+
+
+def _refuse_uncovered(path: Path, manifest: dict, s: int, covered: np.ndarray) -> None:
     if not covered.all():
         gap = int(np.argmin(covered))
         raise CheckpointError(
             f"checkpoint {path}: the optimizer shards of stage {s} cover "
-            f"{int(covered.sum())} of its {n} parameters (missing from offset {gap}; "
+            f"{int(covered.sum())} of its {covered.size} parameters (missing from offset {gap}; "
             f"{manifest['dp']} shards expected)"
         )
-    return whole, master
+
+
+def check_shards_cover(manifest: dict, job, path: Path) -> None:
+    """A sharded checkpoint's shard files (as its manifest lists them) must cover every stage:
+    checked from their owned ranges alone (rank 0 before a run, and again by each resume)."""
+    if not manifest.get("shard_optimizer"):
+        return
+    sizes = stage_num_params(
+        job.model, *task_dims(job.data), job.grid.pp * job.train.virtual_stages
+    )
+    listed = manifest.get("files")
+    for s, n in enumerate(sizes):
+        covered = np.zeros(n, bool)
+        for r in range(int(manifest["dp"])):
+            name = _shard_name(s, r)
+            if (listed is not None and name not in listed) or not (path / name).is_file():
+                continue
+            try:
+                with h5py.File(path / name, "r") as f:
+                    owned = f["owned"][()] if "owned" in f else np.empty((0, 2), np.int64)
+            except (OSError, KeyError):
+                continue  # unreadable: the resume's digest check says it is damaged
+            for lo, hi in owned.tolist():
+                covered[max(lo, 0) : min(hi, n)] = True
+        _refuse_uncovered(path, manifest, s, covered)
 
 
 def _load_sharded(path: Path, s: int, stage, optimizer, manifest: dict, arrays: dict) -> None:
