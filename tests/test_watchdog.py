@@ -341,9 +341,11 @@ def test_a_ring_over_shared_memory_finalizes_under_the_ofi_netmod():
     probe = run_mpi(2, "-c", "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()", env=ofi)
     if probe.returncode != 0:
         pytest.skip(f"this MPI has no OFI tcp netmod here: {probe.stderr.strip()[-200:]}")
-    proc = run_mpi(2, "-m", "mpihybrid", "train", "--quiet", *TINY, "--set", "train.steps=2",
-                   "--set", "grid.pp=1", "--set", "comm.codec=int8", env=ofi)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    sharded = ["--set", "train.shard_optimizer=true", "--set", "comm.param_codec=bf16"]
+    for extra in ([], sharded):  # the gradient rings, then the weight gathers' too
+        args = ["--set", "train.steps=2", "--set", "grid.pp=1", "--set", "comm.codec=int8"]
+        proc = run_mpi(2, "-m", "mpihybrid", "train", "--quiet", *TINY, *args, *extra, env=ofi)
+        assert proc.returncode == 0, (extra, proc.stderr[-2000:])
 
 
 # ---- the memory a job really has: its cgroup (SLURM --mem), its RLIMIT_AS ----

@@ -196,8 +196,8 @@ class Reducer:
 
     def close(self) -> None:
         """Free the rings' shared windows (collective over dp_comm: every replica of the stage
-        calls it at a normal end)."""
-        for ring in self.rings:
+        calls it at a normal end): the gradient rings and the weight gathers'."""
+        for ring in self.rings + (self.param_rings or []):
             ring.close()
 
     def run_bucket(self, i: int, wait: Callable[[MPI.Request], None]) -> BucketEvent:
