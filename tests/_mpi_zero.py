@@ -25,15 +25,9 @@ from mpi4py import MPI  # noqa: E402
 
 from mpihybrid.config import load_job  # noqa: E402
 from mpihybrid.train.loop import train  # noqa: E402
+from tests.helpers import abort_on_exception  # noqa: E402
 
-
-def _abort(exc_type, exc, tb) -> None:
-    sys.__excepthook__(exc_type, exc, tb)
-    sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(1)
-
-
-sys.excepthook = _abort
+sys.excepthook = abort_on_exception
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dps", default="2,3,4")

@@ -71,3 +71,12 @@ def results(proc: subprocess.CompletedProcess) -> list[dict]:
     prefix = "RESULT "
     return [json.loads(line[len(prefix) :]) for line in proc.stdout.splitlines()
             if line.startswith(prefix)]  # fmt: skip
+
+
+def abort_on_exception(exc_type, exc, tb) -> None:
+    """An exception on one rank ends every rank (the others would wait in a collective)."""
+    sys.__excepthook__(exc_type, exc, tb)
+    sys.stderr.flush()
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(1)

@@ -20,7 +20,7 @@ def why(run: str, as_json: bool) -> None:
 
     Every rank writes its last actions and waits (a flight record) beside the trace when the run
     ends abnormally: the watchdog (comm.timeout_s), a signal, or an error."""
-    from mpihybrid.train.watchdog import describe, explain, read_records
+    from mpihybrid.train.flight import describe, explain, read_records
 
     try:
         directory, records = read_records(run)

@@ -70,7 +70,7 @@ class PipelineRuntime:
         step, after each layer: the stage's gradients at flat offsets >= lo are final (the
         gradient buckets start on it). poll(): called between actions and while a receive is
         pending (rings that make progress by polling). flight: the rank's FlightRecorder
-        (train.watchdog), told where each action begins and ends."""
+        (train.flight), told where each action begins and ends."""
         self.comm = pp_comm
         self.pp_rank, self.pp_size = pp_comm.Get_rank(), pp_comm.Get_size()
         self.stages, self.actions = stages, actions

@@ -46,15 +46,16 @@ from mpihybrid.trace.recorder import (
 )
 from mpihybrid.trace.stream import TraceStream
 from mpihybrid.train import checkpoint
+from mpihybrid.train.flight import FlightRecorder, record_dir, run_id
 from mpihybrid.train.memory import peak_rss_bytes
-from mpihybrid.train.watchdog import (
-    EXIT_INTERRUPTED,
-    FlightRecorder,
-    StopSignals,
-    Watchdog,
-    record_dir,
-    run_id,
+from mpihybrid.train.stops import (
+    StopRequested,
+    TrainingStopped,
+    agreed_stop,
+    signal_counts,
+    stop_exception,
 )
+from mpihybrid.train.watchdog import StopSignals, Watchdog
 from mpihybrid.units import human_bytes
 
 log = logging.getLogger("mpihybrid")
@@ -372,7 +373,7 @@ def _train_step(job: Job, world: MPI.Comm, run: _Run, step: int, quiet: bool) ->
     bad = _nonfinite_stages(run)
     mine = np.array(
         [result.loss_sum, result.correct, result.samples, run.trace.asks(), len(bad),
-         *_signal_counts(run.signals)]
+         *signal_counts(run.signals)]
     )  # fmt: skip
     sums = np.empty_like(mine)
     i = run.flight.begin("metrics allreduce", step + 1)
@@ -382,7 +383,7 @@ def _train_step(job: Job, world: MPI.Comm, run: _Run, step: int, quiet: bool) ->
     run.losses.append(float(sums[0] / (g.dp * t.microbatches)))
     run.accuracies.append(float(sums[1] / max(sums[2], 1)))
     finite = bool(np.isfinite(sums[0])) and not sums[4]
-    stop = _agreed_stop(job, sums[5:])
+    stop = agreed_stop(job, sums[5:])
     if stop is not None or not finite:
         run.watchdog.settle()
     _trace_step(job, run, step, asked=sums[3] > 0, stopping=stop is not None or not finite)
@@ -406,38 +407,7 @@ def _train_step(job: Job, world: MPI.Comm, run: _Run, step: int, quiet: bool) ->
     if stop == "preempt" or (every and (step + 1) % every == 0):
         path = _save_checkpoint(job, world, run, step)
     if stop is not None:
-        raise _stop_exception(stop, step + 1, path)
-
-
-def _signal_counts(signals: StopSignals | None) -> list[int]:
-    """SIGUSR1, SIGTERM and SIGINT as this rank's handler saw them (the step's vector)."""
-    return [0, 0, 0] if signals is None else [signals.usr1, signals.term, signals.interrupts]
-
-
-def _agreed_stop(job: Job, counts: np.ndarray) -> str | None:
-    """What the signals of all ranks (summed) ask for: "interrupt" (SIGINT: stop, exit 130),
-    "preempt" (SIGUSR1 or SIGTERM with a checkpoint.dir: checkpoint, exit 3), "terminate"
-    (SIGTERM with nowhere to checkpoint: stop, exit 143), or None (SIGUSR1 without a
-    checkpoint.dir is only warned about)."""
-    usr1, term, interrupts = (int(c) for c in counts)
-    has_dir = bool(job.checkpoint.dir)
-    if has_dir and (usr1 or term):
-        return "preempt" if not interrupts else "interrupt"
-    if interrupts:
-        return "interrupt"
-    return "terminate" if term else None
-
-
-def _stop_exception(stop: str, step: int, path: str | None) -> StopRequested:
-    if stop == "interrupt":
-        saved = f"; checkpoint written to {path}" if path else " (no checkpoint written)"
-        return Interrupted(step, f"interrupted at step {step}{saved}")
-    if stop == "terminate":
-        return Terminated(
-            step, f"terminated by SIGTERM at step {step} (no checkpoint.dir: nothing to resume "
-            "from)"
-        )  # fmt: skip
-    return Preempted(step, path)
+        raise stop_exception(stop, step + 1, path)
 
 
 def _save_checkpoint(job: Job, world: MPI.Comm, run: _Run, step: int) -> str:
@@ -457,12 +427,12 @@ def _save_checkpoint(job: Job, world: MPI.Comm, run: _Run, step: int) -> str:
 def _stop_before_training(job: Job, world: MPI.Comm, run: _Run) -> None:
     """Collective, once the model is built: a stop signal that came during start-up ends the run
     now, before any step (nothing new to checkpoint)."""
-    counts = np.array(_signal_counts(run.signals))
+    counts = np.array(signal_counts(run.signals))
     world.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
-    stop = _agreed_stop(job, counts)
+    stop = agreed_stop(job, counts)
     if stop is not None:
         run.watchdog.settle()
-        raise _stop_exception(stop, run.start, None)
+        raise stop_exception(stop, run.start, None)
 
 
 def _log_step(job: Job, world: MPI.Comm, run: _Run, step: int) -> None:
@@ -704,7 +674,7 @@ def _checkpoint_if_signalled(job: Job, world: MPI.Comm, run: _Run) -> None:
     """Collective: a preemption signal that came after the last step's boundary still gets the
     final checkpoint (when there is a checkpoint.dir and the last step has none); the run then
     finishes its report and trace and exits 0, since nothing is left to requeue."""
-    counts = np.array(_signal_counts(run.signals))
+    counts = np.array(signal_counts(run.signals))
     world.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
     usr1, term, _ = counts
     every, steps = job.checkpoint.every, job.train.steps
@@ -727,49 +697,6 @@ def _end_attrs(runtime_s: float, test_accuracy: float, peak_rss: list[int] | Non
     rank's peak resident set over the steps, on rank 0, which writes them)."""
     attrs = {"runtime_s": runtime_s, "test_accuracy": test_accuracy}
     return attrs if peak_rss is None else {**attrs, "peak_rss_bytes": [int(b) for b in peak_rss]}
-
-
-class StopRequested(Exception):
-    """Every rank stopped together at a step boundary they agreed on; `exit_code` is the CLI's
-    and the message is one line for the user."""
-
-    exit_code = 1
-
-    def __init__(self, step: int, message: str):
-        super().__init__(message)
-        self.step = step
-
-
-class TrainingStopped(StopRequested):
-    """The run cannot go on: a non-finite loss or gradient, a checkpoint the file system
-    refused."""
-
-
-class Preempted(StopRequested):
-    """A preemption signal (SIGUSR1, SIGTERM): a checkpoint was written (or, before the first
-    step, nothing new was there to write); requeue and resume."""
-
-    exit_code = 3
-
-    def __init__(self, step: int, path: str | None):
-        if path:
-            text = f"preempted at step {step}: checkpoint written to {path}"
-        else:
-            text = f"preempted before step {step + 1}: no step had run, nothing new to write"
-        super().__init__(step, text)
-        self.path = path
-
-
-class Interrupted(StopRequested):
-    """SIGINT (Ctrl-C, or a signal to mpiexec): stopped at the next step boundary."""
-
-    exit_code = EXIT_INTERRUPTED
-
-
-class Terminated(StopRequested):
-    """SIGTERM with no checkpoint.dir: stopped at the next step boundary, nothing saved."""
-
-    exit_code = 143
 
 
 EVAL_LOGITS = 1 << 22  # logits held at once by the evaluation (16 MiB of float32)

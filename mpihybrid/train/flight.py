@@ -1,0 +1,235 @@
+"""Every rank's flight record: its last actions and waits, kept in a fixed ring and written
+when a run ends abnormally; `mpihybrid why RUN` reads them back.
+
+    flight = FlightRecorder(world.rank, world_size=world.Get_size())
+    i = flight.begin("RECV_F", step, stage, mb, peer, tag); ...; flight.end(i)   # per action
+    flight.write(record_dir(trace_path, checkpoint_dir), "watchdog: ...")
+    directory, records = read_records("runs/x.h5"); print("\n".join(explain(records)))
+
+Two list stores per action on the hot path; the file format is in docs/robustness.md.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FLIGHT_ROWS = 512  # actions and waits kept per rank
+RECORD_ATTRS = ("format", "rank", "pp_rank", "dp_rank", "world_size", "reason", "written_at",
+                "host", "pid")  # fmt: skip
+MAX_WORLD = 1 << 20
+RECORD_DTYPE = np.dtype(
+    [
+        ("start", "<f8"),  # wall-clock seconds (time.time() scale)
+        ("end", "<f8"),  # NaN: still running (what the rank was waiting on)
+        ("step", "<i4"),  # 1-based, as the progress line counts; 0 outside the steps
+        ("what", "S24"),  # F, B, W, SEND_F, RECV_B, ... or a phase (allreduce, checkpoint, ...)
+        ("stage", "<i4"),
+        ("microbatch", "<i4"),
+        ("peer", "<i4"),  # world rank of the other side, -1 none
+        ("tag", "<i4"),  # MPI tag of a message, -1 none
+        ("nbytes", "<i8"),
+    ]
+)
+
+
+class FlightRecorder:
+    """This rank's last FLIGHT_ROWS actions and waits, a fixed ring of tuples."""
+
+    def __init__(self, rank: int, pp_rank: int = -1, dp_rank: int = -1, world_size: int = 0):
+        self.rank, self.pp_rank, self.dp_rank, self.world_size = rank, pp_rank, dp_rank, world_size
+        self.rows: list = [None] * FLIGHT_ROWS
+        self.ends: list = [np.nan] * FLIGHT_ROWS
+        self.count = 0  # rows ever begun
+        self.last_activity = time.monotonic()
+
+    def begin(self, what: str, step: int = 0, stage: int = -1, microbatch: int = -1,
+              peer: int = -1, tag: int = -1, nbytes: int = 0) -> int:  # fmt: skip
+        i = self.count % FLIGHT_ROWS
+        self.rows[i] = (time.time(), what, step, stage, microbatch, peer, tag, nbytes)
+        self.ends[i] = np.nan
+        self.count += 1
+        self.last_activity = time.monotonic()
+        return i
+
+    def end(self, i: int) -> None:
+        self.ends[i] = time.time()
+        self.last_activity = time.monotonic()
+
+    def open_row(self) -> tuple | None:
+        """The newest row still running (what the rank is doing or waiting on), else None."""
+        for back in range(1, min(self.count, FLIGHT_ROWS) + 1):
+            i = (self.count - back) % FLIGHT_ROWS
+            if self.ends[i] != self.ends[i]:  # NaN
+                return self.rows[i]
+        return None
+
+    def to_array(self) -> np.ndarray:
+        """The kept rows, oldest first."""
+        n = min(self.count, FLIGHT_ROWS)
+        out = np.zeros(n, RECORD_DTYPE)
+        for j in range(n):
+            i = (self.count - n + j) % FLIGHT_ROWS
+            start, what, step, stage, mb, peer, tag, nbytes = self.rows[i]
+            out[j] = (start, self.ends[i], step, what.encode()[:24], stage, mb, peer, tag, nbytes)
+        return out
+
+    def write(self, directory: str | Path, reason: str) -> Path | None:
+        """This rank's record as DIRECTORY/rank{R}.h5 (temporary, then rename); None when the
+        file system refuses (the one line already said what happened)."""
+        import h5py
+
+        directory = Path(directory)
+        path = directory / f"rank{self.rank}.h5"
+        tmp = directory / f".rank{self.rank}.h5.{os.getpid()}.tmp"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with h5py.File(tmp, "w") as f:
+                f.create_dataset("rows", data=self.to_array())
+                f.attrs.update(
+                    format="mpihybrid-flight-1", rank=self.rank, pp_rank=self.pp_rank,
+                    dp_rank=self.dp_rank, world_size=self.world_size, reason=reason,
+                    written_at=time.time(), host=socket.gethostname(), pid=os.getpid(),
+                )  # fmt: skip
+            os.replace(tmp, path)
+            return path
+        except OSError as exc:
+            sys.stderr.write(f"mpihybrid: rank {self.rank}: flight record not written: {exc}\n")
+            tmp.unlink(missing_ok=True)
+            return None
+
+
+def describe(row: tuple | np.void, now: float | None = None) -> str:
+    """One row as words: `RECV_F stage 1 mb 2 from rank 0 (tag 5), step 3, for 12.0 s`."""
+    if isinstance(row, np.void):
+        start, what = float(row["start"]), row["what"].decode()
+        step, stage, mb = int(row["step"]), int(row["stage"]), int(row["microbatch"])
+        peer, tag = int(row["peer"]), int(row["tag"])
+    else:
+        start, what, step, stage, mb, peer, tag, _ = row
+    text = what
+    if stage >= 0:
+        text += f" stage {stage}"
+    if mb >= 0:
+        text += f" mb {mb}"
+    if peer >= 0:
+        text += (" from" if what.startswith("RECV") else " with") + f" rank {peer}"
+    if tag >= 0:
+        text += f" (tag {tag})"
+    if step > 0:
+        text += f", step {step}"
+    if now is not None:
+        text += f", for {now - start:.1f} s"
+    return text
+
+
+def record_dir(trace_path: str, checkpoint_dir: str, run_id: str = "") -> Path:
+    """Where a run's flight records go: beside its trace (RUN.h5 -> RUN.flight/), else beside its
+    checkpoint directory (DIR -> DIR.flight/: never inside it, where only checkpoints live), else
+    a directory of the run's own in the temporary directory (the watchdog's line names it)."""
+    if trace_path:
+        p = Path(trace_path)
+        return p.with_name(p.stem + ".flight")
+    if checkpoint_dir:
+        p = Path(checkpoint_dir)
+        return p.with_name(p.name + ".flight")
+    return Path(tempfile.gettempdir()) / f"mpihybrid-flight-{run_id or os.getpid()}"
+
+
+def run_id() -> str:
+    """A name for this run's records when it has no trace or checkpoint directory: the start
+    time and rank 0's process id (rank 0 broadcasts it, so every rank writes to one place)."""
+    return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+
+
+def read_records(path: str | Path) -> tuple[Path, dict[int, tuple[dict, np.ndarray]]]:
+    """Every rank's flight record for a trace (RUN.h5) or a record directory: rank -> (attrs,
+    rows). ValueError with one line when there is none or a file is not one."""
+
+    path = Path(path)
+    directory = path if path.is_dir() else path.with_name(path.stem + ".flight")
+    if not directory.is_dir():
+        raise ValueError(f"no flight records at {directory} (written when a run ends abnormally)")
+    records = {}
+    for file in sorted(directory.glob("rank*.h5")):
+        records.update([_read_record(file)])
+    if not records:
+        raise ValueError(f"no flight records in {directory}")
+    return directory, records
+
+
+def _read_record(file: Path) -> tuple[int, tuple[dict, np.ndarray]]:
+    """One rank's record, read only when it is one this recorder could have written: a regular
+    HDF5 file, its rows a plain dataset kept in the file, at most FLIGHT_ROWS of them."""
+    import h5py
+
+    from mpihybrid.files import h5_dataset_problem
+
+    if not file.is_file() or file.is_symlink() or not h5py.is_hdf5(file):
+        raise ValueError(f"{file}: not an mpihybrid flight record")
+    try:
+        with h5py.File(file, "r") as f:
+            link = f.get("rows", getlink=True)
+            rows = f.get("rows") if isinstance(link, h5py.HardLink) else None
+            if (
+                f.attrs.get("format") != "mpihybrid-flight-1"
+                or not isinstance(rows, h5py.Dataset)
+                or rows.dtype != RECORD_DTYPE
+                or rows.ndim != 1
+                or rows.shape[0] > FLIGHT_ROWS
+                or h5_dataset_problem(rows, file.stat().st_size)
+            ):
+                raise ValueError(f"{file}: not an mpihybrid flight record")
+            attrs = {k: f.attrs[k] for k in RECORD_ATTRS if k in f.attrs}
+            world, rank = int(attrs.get("world_size", -1)), int(attrs.get("rank", -1))
+            if len(attrs) != len(RECORD_ATTRS) or not 0 <= rank < world <= MAX_WORLD:
+                raise ValueError(f"{file}: not an mpihybrid flight record")
+            return rank, (attrs, rows[()])
+    except (OSError, KeyError, TypeError) as exc:
+        raise ValueError(f"{file}: unreadable ({exc})") from None
+
+
+def explain(records: dict[int, tuple[dict, np.ndarray]]) -> list[str]:
+    """What each rank was doing when the job ended, and which rank the others waited on."""
+    world = max(int(a.get("world_size", 0)) for a, _ in records.values())
+    world = max(world, max(records) + 1)
+    written = max(float(a["written_at"]) for a, _ in records.values())
+    lines, waited_on = [], {}
+    for rank in range(world):
+        if rank not in records:
+            lines.append(f"rank {rank}: no record (stopped or killed before it could write one)")
+            continue
+        attrs, rows = records[rank]
+        head = f"rank {rank} (pp {attrs['pp_rank']}, dp {attrs['dp_rank']}, {attrs['host']})"
+        running = rows[np.isnan(rows["end"])]
+        done = rows[~np.isnan(rows["end"])]
+        last = f"; last done: {describe(done[-1])}" if len(done) else ""
+        if len(running):
+            row = running[-1]
+            lines.append(f"{head}: in {describe(row, float(attrs['written_at']))}{last}")
+            if int(row["peer"]) >= 0:
+                waited_on.setdefault(int(row["peer"]), []).append(rank)
+        else:
+            lines.append(f"{head}: between actions{last}")
+        lines.append(f"    ended by: {attrs['reason']}")
+    missing = [r for r in range(world) if r not in records]
+    if waited_on:
+        culprit = max(waited_on, key=lambda r: (r not in records, len(waited_on[r])))
+        who = ", ".join(map(str, waited_on[culprit]))
+        tail = " and left no record" if culprit not in records else ""
+        lines.append(f"the job stopped at rank {culprit}: rank(s) {who} waited on it{tail}")
+    elif missing and len(missing) < world:
+        who = ", ".join(map(str, missing))
+        lines.append(
+            f"the job stopped at rank {who}: the others waited for it in collectives and it left "
+            "no record"
+        )
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(written))
+    lines.insert(0, f"flight records of {len(records)} of {world} ranks, the last at {stamp}")
+    return lines
