@@ -1,19 +1,26 @@
-"""Codec convergence on real text: the same job trained with every gradient codec, at several
-dp, with several seeds; held-out loss against step (mean and spread) and a table.
+"""Codec convergence on real text: the same job trained with every gradient codec (or weight-gather
+codec), at several dp, with several seeds; held-out loss against step (mean and spread) and a table.
 
     mpihybrid data prepare "$STDLIB" --glob '*.py' --exclude site-packages --exclude test \\
         -o data/stdlib
     python benchmarks/codec_convergence.py --out runs/codec_convergence \\
         --plot docs/codec_convergence.png [--max-minutes 4]
 
+    python benchmarks/codec_convergence.py --codecs fp32,gather-bf16,gather-int8 --dp 2 \\
+        --out runs/gather_convergence [--job-settings --steps 1200 --eval-every 100]
+
 Every run is `mpiexec -n DP mpihybrid train JOB` with only comm.codec / comm.error_feedback
-changing between codecs; data.seed and train.seed are the seed (the same windows, the same
-initial weights for every codec), so the codec is the only difference. Each run's held-out
-losses (the trace's /eval) go to OUT/<codec>-dp<D>-seed<S>.json; runs already there are not
-run again, so --max-minutes cuts the work into sittings (a lock held by the
-caller, or per run with --lock). The table and the plot are made from whatever runs exist.
-Losses do not depend on the machine's load (same job + seed = same losses, bit for bit), so a
-shared lock is enough: only the wall time of a run suffers from company.
+changing between gradient codecs; a `gather-*` codec is the distributed optimizer
+(train.shard_optimizer) whose weight all-gather sends comm.param_codec, over an fp32 gradient
+ring (gather-fp32 has fp32's bits: the reference of both kinds is fp32). The runs train the
+benchmark's small model (SMALL), or with --job-settings the job's own model and training on one
+stage. data.seed and train.seed are the seed (the same windows, the same initial weights for
+every codec), so the codec is the only difference. Each run's held-out losses (the trace's
+/eval) go to OUT/<codec>-dp<D>-seed<S>.json; runs already there are not run again, so
+--max-minutes cuts the work into sittings (a lock held by the caller, or per run with --lock).
+The table and the plot are made from whatever runs exist. Losses do not depend on the machine's
+load (same job + seed = same losses, bit for bit); only the wall time of a run suffers from
+company.
 """
 
 from __future__ import annotations
@@ -32,26 +39,35 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # name -> the overrides that make it; int8-noef is int8 without the error-feedback residual
-CODECS = {
+GRADIENT_CODECS = {
     "fp32": ["comm.codec=fp32"],
     "bf16": ["comm.codec=bf16"],
     "fp16": ["comm.codec=fp16"],
     "int8": ["comm.codec=int8", "comm.error_feedback=true"],
     "int8-noef": ["comm.codec=int8", "comm.error_feedback=false"],
 }
+# ZeRO-1 (train.shard_optimizer) with the weight all-gather in comm.param_codec, fp32 gradients
+GATHER_CODECS = {
+    f"gather-{name}": ["comm.codec=fp32", "train.shard_optimizer=true", f"comm.param_codec={name}"]
+    for name in ("fp32", "bf16", "int8")
+}
+CODECS = {**GRADIENT_CODECS, **GATHER_CODECS}
 # the benchmark's model: small enough that 30 runs fit a sitting or two on 2 cores
 SMALL = ["model.hidden=64", "model.depth=2", "model.heads=4", "grid.pp=1", "train.lr=0.0015",
          "train.global_batch=32", "train.microbatches=2", "data.test_samples=64",
          'checkpoint.dir=""', "checkpoint.every=0"]  # fmt: skip
+# --job-settings: the job's own model and training, on one pipeline stage, writing no checkpoint
+JOB_SETTINGS = ["grid.pp=1", 'checkpoint.dir=""', "checkpoint.every=0"]
 
 
 def run_one(job: str, data: Path, codec: str, dp: int, seed: int, steps: int, every: int,
-            out: Path, lock: str = "", extra: tuple = ()) -> dict:  # fmt: skip
+            out: Path, lock: str = "", extra: tuple = (), base: tuple = tuple(SMALL)
+            ) -> dict:  # fmt: skip
     from mpihybrid.trace.file import load
     from tests.helpers import mpiexec
 
     trace = out / f"{codec}-dp{dp}-seed{seed}.h5"
-    sets = [*SMALL, f"grid.dp={dp}", f"data.seed={seed}", f"train.seed={seed}",
+    sets = [*base, f"grid.dp={dp}", f"data.seed={seed}", f"train.seed={seed}",
             f"train.steps={steps}", f"train.eval_every={every}",
             f'data.train="{data}/train.bin"', f'data.val="{data}/val.bin"',
             *CODECS[codec], *extra]  # fmt: skip
@@ -174,7 +190,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", default="jobs/text_gpt.toml")
     parser.add_argument("--data", default="data/stdlib", help="a `data prepare` directory")
-    parser.add_argument("--codecs", default=",".join(CODECS))
+    parser.add_argument("--codecs", default=",".join(GRADIENT_CODECS),
+                        help=f"comma-separated, of {', '.join(CODECS)}")  # fmt: skip
     parser.add_argument("--dp", default="2,4")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
@@ -184,11 +201,19 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=float, default=0, help="start no run after this")
     parser.add_argument("--set", dest="extra", action="append", default=[],
                         help="one more job override for every run (repeatable)")  # fmt: skip
+    parser.add_argument("--job-settings", action="store_true",
+                        help="the job's own model and training, not the small model")  # fmt: skip
     parser.add_argument(
         "--lock", default="", metavar="[shared:]PATH", help="a flock held around every run"
     )
     args = parser.parse_args()
     codecs, dps = args.codecs.split(","), [int(d) for d in args.dp.split(",")]
+    unknown = [c for c in codecs if c not in CODECS]
+    if unknown:
+        print(f"--codecs: unknown {', '.join(unknown)}; choose from {', '.join(CODECS)}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    base = tuple(JOB_SETTINGS if args.job_settings else SMALL)
     out, data = Path(args.out), Path(args.data)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -202,7 +227,7 @@ def main() -> None:
             print(f"stopped after {args.max_minutes} minutes; run again to go on")
             break
         r = run_one(args.job, data, codec, dp, seed, args.steps, args.eval_every, out, args.lock,
-                    tuple(args.extra))  # fmt: skip
+                    tuple(args.extra), base)  # fmt: skip
         path.write_text(json.dumps(r))
         print(f"{codec:9s} dp={dp} seed={seed}: final val loss {r['val_loss'][-1]:.4f} "
               f"({r['seconds']:.0f} s)", flush=True)  # fmt: skip
