@@ -471,6 +471,41 @@ def test_ring_seconds_by_hand():
     assert own == pytest.approx(work, rel=1e-12)  # the wire is the network's, not the core's
 
 
+@pytest.mark.parametrize(
+    "codec, param_codec", [("fp32", "int8"), ("int8", "fp32"), ("fp32", "bf16")]
+)
+def test_a_sharded_ring_gathers_the_weights_in_param_codec(codec, param_codec):
+    """train.shard_optimizer: the reduce-scatter hops carry the gradient's codec, the weight
+    all-gather's hops comm.param_codec's bytes (dp = 2 over the network, by hand): the owner
+    encodes its chunk once and every replica, the owner too, decodes it; the mean is of the
+    owned half alone."""
+    from mpihybrid.comm.codecs import get_codec
+
+    cluster = _plain(load_cluster(A100), mem_bandwidth=4e9)
+    cluster = dataclasses.replace(
+        cluster,
+        node=dataclasses.replace(cluster.node, ranks_per_node=1),
+        links={**cluster.links, "network": Link(1e-4, 2.5e8, 0.0)},
+    )
+    sets = ["grid.pp=1", "grid.dp=2", f"comm.codec={codec}", "train.shard_optimizer=true",
+            f"comm.param_codec={param_codec}"]  # fmt: skip
+    job = _job("jobs/laptop.toml", *sets)
+    params = 1_000_000
+    half = params // 2
+    messages = -(-half // (job.comm.segment_kb * 256))
+
+    def hop(name: str) -> float:
+        return messages * 1e-4 + get_codec(name, job.comm.block).nbytes(half) / 2.5e8
+
+    rs, ag = cluster.codecs[codec], cluster.codecs[param_codec]
+    rs_work = 4 * half * ((1 / rs.encode if codec != "fp32" else 0) + 1 / rs.decode)
+    rs_work += 2 * 4 * half / 4e9  # the owned half's mean
+    ag_work = 4 * half / ag.encode + 2 * 4 * half / ag.decode if param_codec != "fp32" else 0
+    seconds, own = ring_seconds(job, 0, params, cluster)
+    assert seconds == pytest.approx(hop(codec) + hop(param_codec) + rs_work + ag_work, rel=1e-12)
+    assert own == pytest.approx(rs_work + ag_work, rel=1e-12)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "sets",

@@ -14,7 +14,8 @@ Per chunk and micro-batch (nn.cost: what each layer declares beside its forward 
               final when the stage's last B/W passes its first layer; its ring: 2(p-1) hops of
               an encoded chunk (a lossy ring on one node only says where its bytes lie: the
               neighbour decodes them from shared memory), the codec's encodes and decodes, the
-              mean, (on a GPU) the host copies; then the optimizer on its slice. Buckets run
+              mean, (on a GPU) the host copies; then the optimizer on its slice (sharded: on
+              its 1/dp, and the all-gather's hops carry comm.param_codec's bytes). Buckets run
               one after the other (_rank_end); on one CPU core, the work of those that run while
               the rank still computes delays its compute by as much
     optimizer the bytes its implementation moves per parameter (optim.py) / optimizer_bandwidth
@@ -129,10 +130,27 @@ def _ring_crosses(job: Job, pp_rank: int, cluster: Cluster) -> bool:
 
 def ring_seconds(job: Job, chunk: int, params: int, cluster: Cluster) -> tuple[float, float]:
     """One ring all-reduce of `params` gradients of a chunk's replicas: (seconds, of them the
-    rank's own work): 2(p-1) hops of a chunk in messages of comm.segment_kb, the codec's encodes
-    and decodes, the mean, the host copies on a GPU. A hop between ranks of one node on host
-    memory is the rank's work too (MPI copies it through shared memory), but for a lossy ring
-    there, whose segments the neighbour decodes where they were encoded: a message of 0 bytes."""
+    rank's own work): its reduce-scatter and its all-gather (ring_half). Sharded
+    (train.shard_optimizer) the all-gather sends the weights in comm.param_codec, not the
+    gradient's codec."""
+    c = job.comm
+    gather = (c.param_codec or "fp32") if job.train.shard_optimizer else c.codec
+    halves = [
+        ring_half(job, chunk, params, cluster, c.codec, "reduce_scatter"),
+        ring_half(job, chunk, params, cluster, gather, "all_gather"),
+    ]
+    return sum(h[0] for h in halves), sum(h[1] for h in halves)
+
+
+def ring_half(
+    job: Job, chunk: int, params: int, cluster: Cluster, codec_name: str, half: str
+) -> tuple[float, float]:
+    """One half of a chunk's ring ("reduce_scatter" or "all_gather") in `codec_name`: (seconds,
+    of them the rank's own work): p - 1 hops of a chunk in messages of comm.segment_kb, the
+    codec's encodes and decodes, the mean (with the reduce-scatter), the host copies on a GPU.
+    A hop between ranks of one node on host memory is the rank's work too (MPI copies it through
+    shared memory), but for a lossy ring there, whose segments the neighbour decodes where they
+    were encoded: a message of 0 bytes."""
     g, c = job.grid, job.comm
     p = g.dp
     if p == 1 or params == 0:
@@ -147,25 +165,29 @@ def ring_seconds(job: Job, chunk: int, params: int, cluster: Cluster) -> tuple[f
     _, flows = _crossing(all_edges, cluster)
     link: Link = cluster.links["network" if crosses else "node"]
     n = params / p
-    codec = get_codec(c.codec, c.block)
-    rate = cluster.codecs[c.codec]
+    codec = get_codec(codec_name, c.block)
+    rate = cluster.codecs[codec_name]
     messages = math.ceil(n / (c.segment_kb * 256))
     d = cluster.device
-    if shared_wire(codec.lossy, crosses, d):  # only "it is written" travels (comm.shm)
+    shared = shared_wire(codec.lossy, crosses, d)
+    if shared:  # only "it is written" travels (comm.shm)
         hop = messages * link.alpha_s
     else:
         hop = (messages - 1) * link.alpha_s + link.seconds(codec.nbytes(math.ceil(n)), flows)
-    wire = 2 * (p - 1) * hop
-    # lossy: reduce-scatter encodes and decode-adds per hop; all-gather: 1 encode, p-1 decodes
-    if codec.lossy:
-        work = (p - 1) * n * FLOAT * (1 / rate.encode + 1 / rate.decode)
-        work += n * FLOAT / rate.encode + (p - 1) * n * FLOAT / rate.decode
-    else:  # fp32: a received chunk is added (reduce-scatter) or lands in place (all-gather)
-        work = (p - 1) * n * FLOAT / rate.decode
-    work += 2 * FLOAT * params / d.mem_bandwidth  # the mean: flat /= p
+    wire = (p - 1) * hop
+    sharded = job.train.shard_optimizer
+    if half == "reduce_scatter":
+        # lossy: an encode and a decode-add per hop; fp32: a received chunk is added
+        work = (p - 1) * n * FLOAT * ((1 / rate.encode if codec.lossy else 0) + 1 / rate.decode)
+        # the mean: flat /= p (sharded: the owned chunk alone)
+        work += 2 * FLOAT * (n if sharded else params) / d.mem_bandwidth
+    elif codec.lossy:  # the owner's one encode, p - 1 decodes (a weight gather: the owner too)
+        work = n * FLOAT / rate.encode + (p if sharded else p - 1) * n * FLOAT / rate.decode
+    else:  # fp32: a received chunk lands in place
+        work = 0.0
     if d.host_copy_bandwidth:
-        work += 2 * params * FLOAT / d.host_copy_bandwidth
-    copies = not (crosses or d.host_copy_bandwidth or shared_wire(codec.lossy, crosses, d))
+        work += params * FLOAT / d.host_copy_bandwidth
+    copies = not (crosses or d.host_copy_bandwidth or shared)
     return wire + work, work + (wire if copies else 0.0)
 
 
