@@ -16,3 +16,10 @@ def test_runtime_overhead_runs_two_steps_and_refuses_one():
     proc = subprocess.run([*script, "--steps", "1"], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "needs at least 2" in proc.stderr
+
+
+def test_codec_convergence_refuses_an_unknown_codec_in_one_line():
+    script = [sys.executable, "benchmarks/codec_convergence.py", "--codecs", "fp32,gather-int4"]
+    proc = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "gather-int4" in proc.stderr and "gather-int8" in proc.stderr
