@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from mpihybrid.analysis.costs import stage_costs
 from mpihybrid.analysis.metrics import analyze, bubble_summary, match_messages
 from mpihybrid.analysis.report import format_analysis
 from mpihybrid.config import load_job
@@ -248,6 +250,62 @@ def test_trace_laid_out_by_the_simulator_measures_what_it_predicts(name, pp, m, 
     assert result["predicted"] == pytest.approx(sim.bubble_fraction, abs=1e-12)
     assert result["measured"] == pytest.approx(bubble_formula(name, pp, m, v), abs=1e-12)
     assert result["costs"]["forward"] == [1.0] * (pp * v) and result["costs"]["send"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "name, pp, m, v",
+    [("gpipe", 3, 4, 1), ("1f1b", 2, 4, 1), ("zb-h2", 3, 6, 1), ("zb-v", 2, 4, 2),
+     ("dualpipev", 2, 4, 2), ("interleaved-1f1b", 2, 4, 2)],
+)  # fmt: skip
+def test_simulated_trace_with_gaps_tails_and_whole_backwards_measures_what_it_predicts(
+    name, pp, m, v
+):
+    # what simulate() models beyond F/B/W (a rank's gap between actions, the longer last
+    # weight-gradient action, whole backwards beside split ones) is measured back from the rows
+    # by the same rules, so a trace laid out by the simulator is predicted exactly
+    num_stages = pp * v
+    costs = Costs(
+        forward=[1.0 + 0.25 * s for s in range(num_stages)],
+        backward=[1.5 - 0.125 * s for s in range(num_stages)],
+        weight=[0.75 + 0.125 * s for s in range(num_stages)],
+        whole=[2.75 + 0.25 * s for s in range(num_stages)],
+        tail=0.5,
+        gap=0.0625,
+    )
+    actions, placement = build_schedule(name, pp, m, v, True), placement_of(name, pp, v)
+    sim = simulate(actions, placement, costs)
+    code = {"F": "forward", "B": "backward", "W": "weight"}
+    spec = [
+        (placement.rank_of(a.stage), a.stage, 0, code[a.kind], step, a.microbatch,
+         origin + t, origin + sim.end[a])
+        for step, origin in ((0, 0.0), (1, 100.0), (2, 200.0))
+        for a, t in sim.start.items()
+    ]  # fmt: skip
+    events = rows(spec)
+    result = bubble_summary(events[np.argsort(events["start"])], name, pp, m, v, 1, True)
+    assert sim.bubble_fraction > 0.0
+    assert result["measured"] == pytest.approx(sim.bubble_fraction, abs=1e-9)
+    assert result["predicted"] == pytest.approx(sim.bubble_fraction, abs=1e-9)
+    assert result["costs"]["gap"] == pytest.approx(0.0625, abs=1e-9)
+    assert result["costs"]["forward"] == pytest.approx(costs.forward, abs=1e-9)
+    # without the gap and the tail the same costs predict less idle than the trace holds
+    plain = simulate(actions, placement, dataclasses.replace(costs, gap=0.0, tail=0.0))
+    assert plain.bubble_fraction < result["measured"] - 1e-3
+
+
+def test_idle_gap_leaves_out_waits_for_a_message():
+    def gap(f1_end: float, send: float = 0.0) -> float:
+        spec = [
+            (0, 0, 0, "forward", 1, 0, 0.0, 1.0),
+            (0, 0, 0, "forward", 1, 1, 1.125, f1_end),  # 0.125 after 0F0: waited for nothing
+            (1, 1, 0, "forward", 1, 0, 1.5, 2.5),
+            (1, 1, 0, "forward", 1, 1, 4.0, 5.0),  # 1.5 after 1F0: waited for 0F1, or not
+        ]
+        return stage_costs(rows(spec), 2, send)["gap"]
+
+    assert gap(2.25) == 0.8125  # 0F1 was there when 1F0 ended: both gaps count
+    assert gap(2.75) == 0.125  # 0F1 ended after 1F0: 1F1 waited for it
+    assert gap(2.25, send=0.5) == 0.125  # ... or was still on its way
 
 
 def test_analyze_a_synthetic_trace_without_a_job():

@@ -264,6 +264,27 @@ def test_simulator_timings_with_per_stage_costs_and_latency():
     assert (split.start[Action(0, "W", 0)], split.makespan) == (3.0, 6.0)
 
 
+def test_simulator_gap_tail_and_whole_backward():
+    # zb-h1 on one rank, m=2: F0 B0 W0 F1 B1 W1; W1 is the stage's last weight-gradient action
+    costs = Costs(1.0, 2.0, 3.0, tail=0.5, gap=0.25)
+    result = simulate(build_schedule("zb-h1", 1, 2), Placement.loop(1), costs)
+    assert result.start[Action(0, "B", 0)] == 1.25  # F0 [0,1], then the gap
+    assert result.start[Action(0, "W", 1)] == 10.25
+    assert result.makespan == 13.75  # W1 costs 3 + 0.5
+    assert result.busy == [12.5] and result.idle == [1.25]  # five gaps are idle, not busy
+    # dualpipev mixes whole and split backwards on a stage: each pays its own cost
+    actions = build_schedule("dualpipev", 2, 4, 2)
+    split = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
+    for whole, expected in ((None, 2.0), (5.0, 5.0)):
+        result = simulate(actions, Placement.v(2), Costs(1.0, 1.0, 1.0, whole=whole))
+        kinds = {
+            ((a.stage, a.microbatch) in split, result.end[a] - result.start[a])
+            for a in result.start
+            if a.kind == "B"
+        }
+        assert kinds == {(True, 1.0), (False, expected)}
+
+
 # ---------------------------------------------------------------- configs, grids, reports
 
 

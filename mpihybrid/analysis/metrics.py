@@ -19,6 +19,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from mpihybrid.analysis.costs import stage_costs
+from mpihybrid.analysis.rows import durations, group_max, group_min, group_sum, groups
 from mpihybrid.pipeline.liveness import replay_rows
 from mpihybrid.trace.file import Trace
 from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS, step_times
@@ -30,47 +32,12 @@ SPLIT = ("forward", "backward", "weight", "recv", "send", "allreduce", "optimize
 MAIN_THREAD = ("forward", "backward", "weight", "recv", "send")
 
 
-def _durations(events: np.ndarray) -> np.ndarray:
-    return events["end"] - events["start"]
-
-
 def _measured_steps(events: np.ndarray, skip_steps: int) -> np.ndarray:
     """The measured window: the steps after the first `skip_steps` (warm-up: the first step
     also compiles kernels and touches every buffer); all of them when nothing would be left."""
     steps = np.unique(events["step"][events["step"] >= 0])
     kept = steps[steps >= skip_steps]
     return kept if len(kept) else steps
-
-
-def _groups(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows grouped by the integer columns, one 1-D sort per column (no mask per group): the
-    distinct keys (a row each, in key order) and every row's group index."""
-    n = len(columns[0])
-    index = np.zeros(n, dtype=np.int64)
-    for column in columns:  # (groups so far) x (this column), made dense again: never overflows
-        values, dense = np.unique(np.asarray(column, dtype=np.int64), return_inverse=True)
-        _, index = np.unique(index * len(values) + dense.reshape(-1), return_inverse=True)
-        index = index.reshape(-1)
-    first = np.full(int(index.max()) + 1 if n else 0, n, dtype=np.int64)
-    np.minimum.at(first, index, np.arange(n))
-    distinct = np.stack([np.asarray(c, dtype=np.int64)[first] for c in columns], axis=1)
-    return distinct.reshape(len(first), len(columns)), index
-
-
-def _group_sum(index: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
-    return np.bincount(index, weights=values, minlength=n).astype(np.float64)
-
-
-def _group_min(index: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
-    out = np.full(n, np.inf)
-    np.minimum.at(out, index, values)
-    return out
-
-
-def _group_max(index: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
-    out = np.full(n, -np.inf)
-    np.maximum.at(out, index, values)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +73,7 @@ def match_messages(events: np.ndarray) -> Messages:
     io = np.isin(kind, [KIND["send"], KIND["recv"]])
     rows = np.flatnonzero(fb | io)
     # every F/B/SEND/RECV row's (rank, step, stage, micro-batch), grouped once
-    keys, key_of = _groups(*(events[n][rows] for n in ("rank", "step", "stage", "microbatch")))
+    keys, key_of = groups(*(events[n][rows] for n in ("rank", "step", "stage", "microbatch")))
     start, end = events["start"][rows], events["end"][rows]
     times = {d: np.full((len(keys), 2), np.nan) for d in "FB"}  # (start, end) of its F and its B
     for d, name in (("F", "forward"), ("B", "backward")):
@@ -149,7 +116,7 @@ def match_messages(events: np.ndarray) -> Messages:
             strict=True,
         )
     ]
-    _, meet_of = _groups(*both)
+    _, meet_of = groups(*both)
     recv_at = np.full(len(recv) + len(send), -1, dtype=np.int64)
     recv_at[meet_of[: len(recv)]] = np.arange(len(recv))  # a repeated receive: the last one
     hit = recv_at[meet_of[len(recv) :]]
@@ -180,18 +147,6 @@ def message_latency(events: np.ndarray, messages: Messages | None = None) -> flo
 # the bubble
 
 
-def stage_costs(events: np.ndarray, num_stages: int) -> dict[str, list[float]]:
-    """Mean seconds of one F, B and W per stage (0.0 where a stage has none of that kind)."""
-    costs = {}
-    for name in ("forward", "backward", "weight"):
-        rows = events[(events["kind"] == KIND[name]) & (events["stage"] >= 0)]
-        rows = rows[rows["stage"] < num_stages]
-        total = _group_sum(rows["stage"], _durations(rows), num_stages)
-        count = np.bincount(rows["stage"], minlength=num_stages)
-        costs[name] = [float(t / c) if c else 0.0 for t, c in zip(total, count, strict=True)]
-    return costs
-
-
 def bubble_summary(
     events: np.ndarray,
     schedule: str,
@@ -206,9 +161,11 @@ def bubble_summary(
     measured: per step and replica, the phase spans the earliest F/B/W start to the latest F/B/W
     end over that replica's ranks; a rank's idle = phase - its F+B+W time. The mean of idle/phase
     over ranks and steps (the first `skip_steps` are warm-up and left out while later ones exist).
-    predicted: simulate() of the schedule as the run executed it (early_grad_send) with each
-    stage's measured mean F, B, W and the measured message latency (message_latency) on every
-    cross-rank dependency.
+    predicted: simulate() of the schedule as the run executed it (early_grad_send) with the
+    run's own measured costs (stage_costs: each stage's mean F, B, W and whole B, the extra time
+    of its last weight-gradient action, a rank's gap between actions) and the measured message
+    latency (message_latency) on every cross-rank dependency. Both sides count the same thing:
+    time inside a phase that is not F/B/W work on a rank.
     Returns {"measured", "predicted", "per_rank": {rank: measured}, "costs", "steps"}.
     """
     from mpihybrid.pipeline.schedules import build_schedule, placement_of
@@ -218,12 +175,12 @@ def bubble_summary(
     steps = _measured_steps(compute, skip_steps)
     compute = compute[np.isin(compute["step"], steps)]
     # one phase per (step, replica); one busy time per (phase, rank): grouped once, not masked
-    phases, phase_of = _groups(compute["step"], compute["replica"])
-    phase = _group_max(phase_of, compute["end"], len(phases)) - _group_min(
+    phases, phase_of = groups(compute["step"], compute["replica"])
+    phase = group_max(phase_of, compute["end"], len(phases)) - group_min(
         phase_of, compute["start"], len(phases)
     )
-    cells, cell_of = _groups(phase_of, compute["rank"])
-    busy = _group_sum(cell_of, _durations(compute), len(cells))
+    cells, cell_of = groups(phase_of, compute["rank"])
+    busy = group_sum(cell_of, durations(compute), len(cells))
     span = phase[cells[:, 0]] if len(cells) else np.zeros(0)
     kept = span > 0
     fraction = np.maximum(0.0, 1.0 - busy[kept] / span[kept])
@@ -233,8 +190,8 @@ def bubble_summary(
     measured = float(fraction.mean()) if len(fraction) else 0.0
 
     num_stages = pp * virtual_stages
-    costs = stage_costs(compute, num_stages)
-    costs["send"] = message_latency(events[np.isin(events["step"], steps)])
+    send = message_latency(events[np.isin(events["step"], steps)])
+    costs = stage_costs(compute, num_stages, send) | {"send": send}
     actions = build_schedule(schedule, pp, num_microbatches, virtual_stages, early_grad_send)
     sim = simulate(actions, placement_of(schedule, pp, virtual_stages), Costs(**costs))
     return {
@@ -306,12 +263,12 @@ def _allreduce_bandwidth(rows: np.ndarray, params: list[int] | None, n: int) -> 
     out = []
     # a ring finishes together: the last rank to arrive waits least, so the shortest duration
     # of one call is the collective's own time (nccl-tests times after a barrier)
-    calls, call_of = _groups(rows["stage"], rows["step"], rows["microbatch"])
-    shortest = _group_min(call_of, _durations(rows), len(calls))
-    stage_steps, step_of = _groups(calls[:, 0], calls[:, 1])  # (stage, step): its buckets
-    per_step = _group_sum(step_of, shortest, len(stage_steps))
-    rank_calls, _ = _groups(rows["stage"], rows["step"], rows["rank"])
-    wire = _group_sum(rows["stage"] - rows["stage"].min(), rows["bytes"], 0) if len(rows) else []
+    calls, call_of = groups(rows["stage"], rows["step"], rows["microbatch"])
+    shortest = group_min(call_of, durations(rows), len(calls))
+    stage_steps, step_of = groups(calls[:, 0], calls[:, 1])  # (stage, step): its buckets
+    per_step = group_sum(step_of, shortest, len(stage_steps))
+    rank_calls, _ = groups(rows["stage"], rows["step"], rows["rank"])
+    wire = group_sum(rows["stage"] - rows["stage"].min(), rows["bytes"], 0) if len(rows) else []
     for s in np.unique(rows["stage"]):
         seconds = float(per_step[stage_steps[:, 0] == s].mean())
         calls = int(np.sum(rank_calls[:, 0] == s))  # one rank's reduction of one step
@@ -446,7 +403,7 @@ def _steps_only(trace: Trace, run: dict, config: dict, skip_steps: int) -> dict:
     run["steps"] = len(step_time["per_step"])
     measured = step_rows[np.isin(step_rows["step"], steps)]
     ranks, rank_of = np.unique(measured["rank"], return_inverse=True)
-    seconds = _group_sum(rank_of, _durations(measured), len(ranks))
+    seconds = group_sum(rank_of, durations(measured), len(ranks))
     return {
         "events": STEPS_ONLY,
         "run": run,
@@ -494,7 +451,7 @@ def _rank_rows(ev: np.ndarray) -> list[dict]:
     ranks = []
     rank_ids, first_row, rank_of = np.unique(ev["rank"], return_index=True, return_inverse=True)
     n = len(rank_ids)
-    seconds = _group_sum(rank_of * len(KINDS) + ev["kind"], _durations(ev), n * len(KINDS))
+    seconds = group_sum(rank_of * len(KINDS) + ev["kind"], durations(ev), n * len(KINDS))
     seconds = seconds.reshape(n, len(KINDS))
     counts = np.bincount(rank_of * len(KINDS) + ev["kind"], minlength=n * len(KINDS))
     counts = counts.reshape(n, len(KINDS))
@@ -530,7 +487,7 @@ def _stage_rows(
     per_stage = {}
     for name in SPLIT:
         rows = of[name][(of[name]["stage"] >= 0) & (of[name]["stage"] < num_stages)]
-        per_stage[name] = _group_sum(rows["stage"], _durations(rows), num_stages)
+        per_stage[name] = group_sum(rows["stage"], durations(rows), num_stages)
     stages = []
     for s in range(num_stages):
         row = {"stage": s}

@@ -6,6 +6,7 @@ schedule's Placement (placement.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 COMPUTE_KINDS = ("F", "B", "W")
@@ -33,3 +34,17 @@ def message_key(action: Action) -> tuple[str, int, int]:
     if action.kind.startswith("SEND"):
         return direction, action.stage, action.microbatch
     return direction, action.stage + (-1 if direction == "F" else 1), action.microbatch
+
+
+def last_weight_actions(actions: Iterable[Action]) -> dict[int, tuple[str, int]]:
+    """stage -> (kind, mb) of the action that writes the stage's weight gradients last in a step:
+    its last W, or its last whole B (a B without a W). The gradient buckets of the stage start
+    during it (runtime: grads_final), so it also carries their work. `actions`: every action of
+    the stage, in its rank's order (one rank's list, or all of them)."""
+    actions = list(actions)
+    split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+    return {
+        a.stage: (a.kind, a.microbatch)
+        for a in actions
+        if a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split)
+    }

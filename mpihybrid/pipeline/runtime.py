@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from mpihybrid.comm.device import CPU, Backend
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
+from mpihybrid.pipeline.actions import last_weight_actions
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.schedules import Action, message_key
@@ -85,13 +86,7 @@ class PipelineRuntime:
         self.peer_ranks = list(peer_ranks) if peer_ranks is not None else list(range(self.pp_size))
         self.cache_nbytes: dict[int, int] = {}  # stage -> bytes one forward cache holds
         self.split_backward = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
-        # the action that writes a stage's weight gradients last in a step: W, or a whole B
-        split = self.split_backward
-        self.last_weight_action = {
-            a.stage: (a.kind, a.microbatch)
-            for a in actions
-            if a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split)
-        }
+        self.last_weight_action = last_weight_actions(actions)
         self.grads_final, self.poll = grads_final, poll
         top = tag_for("B", num_stages - 1, num_microbatches - 1, num_microbatches)
         tag_ub = pp_comm.Get_attr(MPI.TAG_UB)

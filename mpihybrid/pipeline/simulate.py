@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mpihybrid.pipeline.actions import last_weight_actions
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.schedules import (
     SCHEDULES,
@@ -36,16 +37,32 @@ class Costs:
     backward: float | Sequence[float] = 1.0  # input gradient; a B without W also pays `weight`
     weight: float | Sequence[float] = 0.0
     send: float = 0.0  # latency of one point-to-point message
+    # a whole backward (B and W in one action) where a schedule mixes whole and split ones on a
+    # stage (dualpipev); None: backward + weight
+    whole: float | Sequence[float] | None = None
+    # added to the stage's last weight-gradient action of a step (actions.last_weight_actions):
+    # the gradient buckets start in it, and on a CPU rank their work (the optimizer's update, the
+    # ring's steps) runs inside it
+    tail: float | Sequence[float] = 0.0
+    gap: float = 0.0  # a rank's own time between two compute actions (posting sends, tracing)
 
-    def of(self, a: Action, split: bool) -> float:
+    def of(self, a: Action, split: bool, last: bool = False) -> float:
+        """Seconds of compute action `a`; split: its backward is split; last: it is its stage's
+        last weight-gradient action of the step."""
+
         def at(value: float | Sequence[float]) -> float:
             return value if isinstance(value, (int, float)) else value[a.stage]
 
+        extra = at(self.tail) if last else 0.0
         if a.kind == "F":
             return at(self.forward)
         if a.kind == "W":
-            return at(self.weight)
-        return at(self.backward) + (0.0 if split else at(self.weight))
+            return at(self.weight) + extra
+        if split:
+            return at(self.backward)
+        if self.whole is not None:
+            return at(self.whole) + extra
+        return at(self.backward) + at(self.weight) + extra
 
 
 @dataclass
@@ -88,12 +105,14 @@ def simulate(
     actions: dict[int, list[Action]], placement: Placement, costs: Costs | None = None
 ) -> SimResult:
     """Run the compute actions of a (valid) schedule against `costs`; messages are not actions
-    here, they add `costs.send` to every dependency that crosses ranks."""
+    here, they add `costs.send` to every dependency that crosses ranks. A rank starts an action
+    `costs.gap` after its previous one at the earliest (its own overhead, idle, not busy)."""
     costs = costs or Costs()
     pp = len(actions)
     last = placement.num_stages - 1
     compute = {r: [a for a in acts if a.kind in ("F", "B", "W")] for r, acts in actions.items()}
     split = {(a.stage, a.microbatch) for acts in compute.values() for a in acts if a.kind == "W"}
+    last_weight = last_weight_actions(a for acts in compute.values() for a in acts)
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
@@ -121,8 +140,10 @@ def simulate(
                 ready = [
                     done[k] + (costs.send if placement.rank_of(k[1]) != r else 0.0) for k in needed
                 ]
-                start[a] = max([clock[r], *ready])
-                duration = costs.of(a, (a.stage, a.microbatch) in split)
+                free = clock[r] + (costs.gap if pc[r] else 0.0)
+                start[a] = max([free, *ready])
+                closes = last_weight.get(a.stage) == (a.kind, a.microbatch)
+                duration = costs.of(a, (a.stage, a.microbatch) in split, closes)
                 end[a] = clock[r] = start[a] + duration
                 busy[r] += duration
                 done[(a.kind, a.stage, a.microbatch)] = end[a]
