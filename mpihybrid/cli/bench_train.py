@@ -37,6 +37,7 @@ the per-step metrics collective included). Reported:
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -45,29 +46,16 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid.config import Job, to_toml
-from mpihybrid.nn.cost import microbatch_rows, model_costs, stage_work
+from mpihybrid.nn.cost import gemm_flops, microbatch_rows, model_gemms, stage_work
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.layers import PASSES, Gemm
 from mpihybrid.nn.model import block_costs, build_blocks
 from mpihybrid.trace.recorder import KIND, step_times
 
 
-def model_gemms(job: Job) -> list[Gemm]:
-    """Every matmul of one micro-batch's forward and backward through the whole model, as the
-    layers declare them (Layer.cost: the roofline runs the model's own shapes)."""
-    rows = microbatch_rows(job)[1]
-    return [
-        g for block in model_costs(job, rows) for c in block for p in PASSES for g in c.gemms[p]
-    ]
-
-
 def chunk_gemm_flops(job: Job) -> list[int]:
     """Matmul FLOPs of one micro-batch's forward + backward through each model chunk."""
     return [int(sum(w.flops(p) for p in PASSES)) for w in stage_work(job)]
-
-
-def gemm_flops(gemms: list[Gemm]) -> int:
-    return sum(2 * b * m * k * n for b, m, k, n in gemms)
 
 
 def measure_gemm_rate(gemms: list[Gemm], repeats: int = 5) -> float:
@@ -310,6 +298,7 @@ def bench_train(
         "bubble_predicted": report["bubble"]["formula"],
         "bubble_simulated": report["bubble"]["predicted"],
         "gemm_rate_hot": hot,
+        "blas": blas_in_use(),
         **_roofline_figures(flops_per_token, throughputs, roofs, rates),
         **_busy_rows(job, report, events, warmup, wall),
         "time_split": _time_split(
@@ -325,6 +314,22 @@ def bench_train(
         "final_loss": float(last.losses[-1]) if last.losses else None,
         "against": _against(against, other_walls, throughputs, steps),
     }
+
+
+def blas_in_use() -> str:
+    """Which BLAS kernels the matmuls ran, and who chose them (mpihybrid/_blas.py)."""
+    from mpihybrid._blas import CORE_VAR
+    from mpihybrid.cli.bench_blas import openblas_core
+
+    core = openblas_core()
+    if not core:
+        return "numpy's BLAS (not OpenBLAS)"
+    chosen = os.environ.get(CORE_VAR)
+    return f"OpenBLAS, {core} kernels" + (
+        f" ({CORE_VAR}={chosen}: `mpihybrid bench blas --save` or the environment)"
+        if chosen
+        else " (OpenBLAS's own pick; `mpihybrid bench blas` times the others)"
+    )
 
 
 def _job_summary(job: Job, per_step: int) -> dict:
@@ -472,6 +477,7 @@ def format_bench(result: dict) -> str:
         + " + ".join(f"{r / g:.1f}" for r in result["gemm_rate_per_rank"])
         + " (the model's GEMMs, every rank at once; one core, hot: "
         + f"{result['gemm_rate_hot'] / g:.1f})",
+        f"blas           {result['blas']}",
         f"of roofline    {100 * result['roofline_fraction']:.1f}% (median; repeats, each against "
         "the roofline measured right after it: "
         + ", ".join(

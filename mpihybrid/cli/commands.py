@@ -20,6 +20,7 @@ from typing import NoReturn
 
 import click
 
+from mpihybrid.cli.bench_blas import bench_blas  # click and the standard library only
 from mpihybrid.files import release_all
 from mpihybrid.pipeline.schedules import SCHEDULES  # pure Python: --help stays fast
 from mpihybrid.pipeline.simulate import GRID_RANKS, GRID_ROWS
@@ -428,6 +429,9 @@ def _check_schedule_size(pp: int, microbatches: int, v: int) -> None:
 @main.group()
 def bench() -> None:
     """Benchmarks that print figures (run them under mpiexec)."""
+
+
+bench.add_command(bench_blas)
 
 
 @bench.command("allreduce")

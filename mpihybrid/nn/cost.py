@@ -69,6 +69,19 @@ def model_costs(job, rows: int) -> list[list[Cost]]:
     return out
 
 
+def model_gemms(job) -> list[Gemm]:
+    """Every matmul of one micro-batch's forward and backward through the whole model, as the
+    layers declare them (Layer.cost: the roofline runs the model's own shapes)."""
+    rows = microbatch_rows(job)[1]
+    return [
+        g for block in model_costs(job, rows) for c in block for p in PASSES for g in c.gemms[p]
+    ]
+
+
+def gemm_flops(gemms: list[Gemm]) -> int:
+    return sum(2 * b * m * k * n for b, m, k, n in gemms)
+
+
 def stage_work(job) -> list[ChunkWork]:
     """Every chunk's work per micro-batch of `job` (pp x virtual_stages chunks)."""
     m = job.model
