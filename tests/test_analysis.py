@@ -293,6 +293,29 @@ def test_simulated_trace_with_gaps_tails_and_whole_backwards_measures_what_it_pr
     assert plain.bubble_fraction < result["measured"] - 1e-3
 
 
+def test_predicted_bubble_averages_each_steps_simulation_as_the_measured_one_does():
+    # step 1 has equal costs, step 2 a slow last stage: each step is simulated with its own
+    # costs and the fractions averaged, as the measured fractions are
+    actions, placement = build_schedule("1f1b", 2, 4), Placement.loop(2)
+    code = {"F": "forward", "B": "backward", "W": "weight"}
+    sims, spec = [], []
+    for step, forward in ((1, [1.0, 1.0]), (2, [1.0, 3.0])):
+        sim = simulate(actions, placement, Costs(forward, 2.0, 0.0))
+        sims.append(sim.bubble_fraction)
+        spec += [
+            (placement.rank_of(a.stage), a.stage, 0, code[a.kind], step, a.microbatch,
+             100.0 * step + t, 100.0 * step + sim.end[a])
+            for a, t in sim.start.items()
+        ]  # fmt: skip
+    result = bubble_summary(rows(spec), "1f1b", 2, 4, 1, 1)
+    assert result["steps"] == [1, 2]
+    assert result["predicted"] == pytest.approx(sum(sims) / 2, abs=1e-12)
+    assert result["measured"] == pytest.approx(sum(sims) / 2, abs=1e-12)
+    # one simulation of the costs averaged over the steps is not what the steps idled
+    means = simulate(actions, placement, Costs([1.0, 2.0], 2.0, 0.0)).bubble_fraction
+    assert abs(means - result["measured"]) > 0.01
+
+
 def test_idle_gap_leaves_out_waits_for_a_message():
     def gap(f1_end: float, send: float = 0.0) -> float:
         spec = [

@@ -161,12 +161,15 @@ def bubble_summary(
     measured: per step and replica, the phase spans the earliest F/B/W start to the latest F/B/W
     end over that replica's ranks; a rank's idle = phase - its F+B+W time. The mean of idle/phase
     over ranks and steps (the first `skip_steps` are warm-up and left out while later ones exist).
-    predicted: simulate() of the schedule as the run executed it (early_grad_send) with the
-    run's own measured costs (stage_costs: each stage's mean F, B, W and whole B, the extra time
-    of its last weight-gradient action, a rank's gap between actions) and the measured message
-    latency (message_latency) on every cross-rank dependency. Both sides count the same thing:
-    time inside a phase that is not F/B/W work on a rank.
-    Returns {"measured", "predicted", "per_rank": {rank: measured}, "costs", "steps"}.
+    predicted: simulate() of the schedule as the run executed it (early_grad_send), once per
+    phase with that phase's own costs (stage_costs: each stage's mean F, B, W and whole B, the
+    extra time of its last weight-gradient action, a rank's gap between actions) and the window's
+    message latency (message_latency) on every cross-rank dependency; the mean over phases, as
+    the measured fractions are averaged (one simulation of costs averaged over steps idles less
+    than the steps did when some steps are slower than others). Both sides count the same
+    thing: time inside a phase that is not F/B/W work on a rank.
+    Returns {"measured", "predicted", "per_rank": {rank: measured}, "costs" (the window's
+    means), "steps"}.
     """
     from mpihybrid.pipeline.schedules import build_schedule, placement_of
     from mpihybrid.pipeline.simulate import Costs, simulate
@@ -193,10 +196,16 @@ def bubble_summary(
     send = message_latency(events[np.isin(events["step"], steps)])
     costs = stage_costs(compute, num_stages, send) | {"send": send}
     actions = build_schedule(schedule, pp, num_microbatches, virtual_stages, early_grad_send)
-    sim = simulate(actions, placement_of(schedule, pp, virtual_stages), Costs(**costs))
+    placement = placement_of(schedule, pp, virtual_stages)
+    order = np.argsort(phase_of, kind="stable")
+    cut = np.flatnonzero(np.diff(phase_of[order])) + 1
+    predicted = [
+        simulate(actions, placement, Costs(**stage_costs(rows, num_stages, send), send=send))
+        for rows in (np.split(compute[order], cut) if len(compute) else [])
+    ]
     return {
         "measured": measured,
-        "predicted": float(sim.bubble_fraction),
+        "predicted": float(np.mean([sim.bubble_fraction for sim in predicted] or [0.0])),
         "per_rank": per_rank,
         "costs": costs,
         "steps": [int(s) for s in steps],
