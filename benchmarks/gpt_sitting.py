@@ -1,0 +1,121 @@
+"""The GPT table of docs/performance.md in one sitting: mpihybrid's runs of jobs/gpt_bench.toml
+beside the same workload on torch.distributed.pipelining, round after round, so that every ratio
+pairs runs made minutes apart under the same load.
+
+    flock -x /tmp/mh_heavy.lock python benchmarks/gpt_sitting.py --rounds 3 \\
+        --kernels off,Haswell                # OpenBLAS's own pick against the Haswell kernels
+
+Each round runs, in this order: torch 1F1B (`benchmarks/torch_pipelining.py --schedule 1f1b`),
+then for each kernel set (MPIHYBRID_BLAS, mpihybrid/_blas.py: `off` = OpenBLAS's own pick, a
+name = that set, `cache` = what `mpihybrid bench blas --save` chose) every mpihybrid run:
+`mpiexec -n 2 mpihybrid bench train jobs/gpt_bench.toml --json --repeats 1` with zb-v, with 1F1B
+and at pp=1 x dp=2. A run's roofline is measured right after it, with its own kernels. Printed:
+per run the median over rounds of tokens/s and of roofline fraction with their ranges, and the
+ratios paired within each round: against torch, against 1F1B (same kernels) and kernel set
+against the first. Needs torch (CPU) for the torch column; never runs in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = str(ROOT / "jobs" / "gpt_bench.toml")
+RUNS = {  # name -> bench train overrides
+    "zb-v, pp=2": ["train.schedule=zb-v"],
+    "1f1b, pp=2": ["train.schedule=1f1b"],
+    "pp=1 x dp=2": ["grid.pp=1", "grid.dp=2"],
+}
+
+
+def _env(kernels: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("OPENBLAS_CORETYPE", None)
+    env.pop("MPIHYBRID_BLAS", None)
+    if kernels != "cache":
+        env["MPIHYBRID_BLAS"] = kernels
+    return env
+
+
+def torch_run(steps: int) -> float:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "torch_pipelining.py"), "--schedule", "1f1b",
+         "--repeats", "1", "--steps", str(steps)],
+        capture_output=True, text=True, check=True, env=_env("off"),
+    ).stdout  # fmt: skip
+    return float(re.search(r": ([\d,]+) tokens/s", out).group(1).replace(",", ""))
+
+
+def bench_run(sets: list[str], kernels: str, steps: int) -> dict:
+    from tests.helpers import mpiexec
+
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "mpihybrid", "bench", "train", JOB,
+           "--json", "--quiet", "--repeats", "1", "--steps", str(steps)]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=_env(kernels))
+    r = json.loads(out.stdout)
+    return {"tokens": r["throughput"], "roofline": r["roofline_fraction"], "blas": r["blas"]}
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}" \
+           f"..{format(max(values), fmt)})"  # fmt: skip
+
+
+def _ratio(these: list[float], those: list[float], fmt: str) -> str:
+    """Round by round this / that: the median and range."""
+    return _spread([a / b for a, b in zip(these, those, strict=True)], fmt)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per run")
+    parser.add_argument("--kernels", default="cache", help="comma list: off, cache or a name")
+    parser.add_argument("--no-torch", action="store_true")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    kernel_sets = args.kernels.split(",")
+    seen: dict[tuple[str, str], list[dict]] = {}
+    torch: list[float] = []
+    for r in range(args.rounds):
+        if not args.no_torch:
+            torch.append(torch_run(args.steps))
+        for k in kernel_sets:
+            for name, sets in RUNS.items():
+                seen.setdefault((k, name), []).append(bench_run(sets, k, args.steps))
+        print(f"[{r + 1}/{args.rounds}] round done", file=sys.stderr, flush=True)
+
+    lines = ["| kernels | run | tokens/s | of roofline | vs torch 1F1B | vs 1F1B | vs "
+             f"{kernel_sets[0]} |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for k in kernel_sets:
+        for name in RUNS:
+            runs = seen[k, name]
+            tokens = [x["tokens"] for x in runs]
+            base = [x["tokens"] for x in seen[k, "1f1b, pp=2"]]
+            first = [x["tokens"] for x in seen[kernel_sets[0], name]]
+            vs_torch = _ratio(tokens, torch, ".2f") if torch else "-"
+            vs_1f1b = _ratio(tokens, base, ".3f") if name == "zb-v, pp=2" else "-"
+            vs_k = _ratio(tokens, first, ".3f") if k != kernel_sets[0] else "-"
+            lines.append(
+                f"| {runs[0]['blas'].split(' (')[0]} | {name} | {_spread(tokens, ',.0f')} | "
+                f"{_spread([100 * x['roofline'] for x in runs], '.1f')} % | {vs_torch} | "
+                f"{vs_1f1b} | {vs_k} |"
+            )
+    if torch:
+        lines.append(f"\ntorch.distributed.pipelining 1F1B: {_spread(torch, ',.0f')} tokens/s")
+    print(f"{args.rounds} rounds, {args.steps} measured steps per run; median (min..max), "
+          "ratios paired within a round")  # fmt: skip
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
