@@ -61,8 +61,8 @@ def openblas_core() -> str:
     return ""
 
 
-def probe(gemms: list[list[int]], repeats: int) -> dict:
-    """This process's kernel set and the median seconds of one pass over `gemms`."""
+def gemm_pass_seconds(gemms, repeats: int) -> float:
+    """Median seconds of one pass over `gemms` (b, m, k, n), each on operands of its own."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -77,7 +77,12 @@ def probe(gemms: list[list[int]], repeats: int) -> dict:
         for a, w, out in operands:
             np.matmul(a, w, out=out)
         times.append(time.perf_counter() - start)
-    return {"core": openblas_core(), "seconds": statistics.median(times[1:])}
+    return statistics.median(times[1:])
+
+
+def probe(gemms: list[list[int]], repeats: int) -> dict:
+    """This process's kernel set and the median seconds of one pass over `gemms`."""
+    return {"core": openblas_core(), "seconds": gemm_pass_seconds(gemms, repeats)}
 
 
 def _environ(core: str) -> dict[str, str]:

@@ -60,22 +60,9 @@ def chunk_gemm_flops(job: Job) -> list[int]:
 
 def measure_gemm_rate(gemms: list[Gemm], repeats: int = 5) -> float:
     """FLOP/s of running `gemms` in order, each on operands of its own (median of repeats)."""
-    rng = np.random.default_rng(0)
-    operands = [
-        (
-            rng.standard_normal((b, m, k), np.float32),
-            rng.standard_normal((b, k, n), np.float32),
-            np.empty((b, m, n), np.float32),
-        )
-        for b, m, k, n in gemms
-    ]
-    times = []
-    for _ in range(repeats + 1):  # the first pass warms up
-        start = time.perf_counter()
-        for a, b, out in operands:
-            np.matmul(a, b, out=out)
-        times.append(time.perf_counter() - start)
-    return gemm_flops(gemms) / statistics.median(times[1:])
+    from mpihybrid.cli.bench_blas import gemm_pass_seconds
+
+    return gemm_flops(gemms) / gemm_pass_seconds(gemms, repeats)
 
 
 def hot_gemm_rate(gemm: Gemm, seconds: float = 0.3) -> float:
