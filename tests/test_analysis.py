@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mpihybrid.analysis.costs import stage_costs
-from mpihybrid.analysis.metrics import analyze, bubble_summary, match_messages
+from mpihybrid.analysis.metrics import analyze, bubble_summary, match_messages, message_latency
 from mpihybrid.analysis.report import format_analysis
 from mpihybrid.config import load_job
 from mpihybrid.nn.model import build_stage
@@ -314,6 +314,21 @@ def test_predicted_bubble_averages_each_steps_simulation_as_the_measured_one_doe
     # one simulation of the costs averaged over the steps is not what the steps idled
     means = simulate(actions, placement, Costs([1.0, 2.0], 2.0, 0.0)).bubble_fraction
     assert abs(means - result["measured"]) > 0.01
+
+
+def test_message_latency_median_and_mean():
+    spec = []
+    for mb, hop in enumerate((0.125, 0.125, 0.5)):  # three hops, the receiver already waiting
+        t = 10.0 * mb
+        spec += [
+            (0, 0, 0, "forward", 1, mb, t, t + 1.0),
+            (0, 0, 0, "send", 1, mb, t + 1.0, t + 1.0),
+            (1, 1, 0, "recv", 1, mb, t + 0.5, t + 1.0 + hop),
+            (1, 1, 0, "forward", 1, mb, t + 1.0 + hop, t + 2.0 + hop),
+        ]
+    events = rows(spec)
+    assert message_latency(events) == 0.125  # a typical hop
+    assert message_latency(events, mean=True) == 0.25  # what the three cost, each
 
 
 def test_idle_gap_leaves_out_waits_for_a_message():

@@ -50,7 +50,7 @@ def stage_costs(events: np.ndarray, num_stages: int, send: float = 0.0) -> dict:
     tail: how much longer the stage's last weight-gradient action of a step (its last W or whole
         B: actions.last_weight_actions) runs than the others of its kind: the gradient buckets'
         work done inside it (the means above leave those actions out, where others exist);
-    gap: the median time a rank spends between two compute actions when it waits for nothing
+    gap: the mean time a rank spends between two compute actions when it waits for nothing
         (the next one's input was produced on the same rank, or at least `send` seconds before
         the previous one ended): posting sends, receives already there, tracing, Python.
     """
@@ -101,7 +101,7 @@ def stage_costs(events: np.ndarray, num_stages: int, send: float = 0.0) -> dict:
 
 
 def _idle_gap(rows: np.ndarray, send: float) -> float:
-    """stage_costs' gap: the median time between two consecutive compute rows of a rank and step
+    """stage_costs' gap: the mean time between two consecutive compute rows of a rank and step
     where the second waited for nothing (its input made on its rank, or at least `send` seconds
     before the first ended); 0.0 with no such pair."""
     order = np.lexsort((rows["start"], rows["step"], rows["rank"]))
@@ -120,4 +120,4 @@ def _idle_gap(rows: np.ndarray, send: float) -> float:
     ready = np.ones(len(nxt), dtype=bool)
     ready[remote] = rows["end"][producer[remote]] + send <= prev["end"][remote]
     gaps = nxt["start"][ready] - prev["end"][ready]
-    return float(np.median(gaps)) if len(gaps) else 0.0
+    return float(np.mean(gaps)) if len(gaps) else 0.0

@@ -131,16 +131,22 @@ def match_messages(events: np.ndarray) -> Messages:
     )
 
 
-def message_latency(events: np.ndarray, messages: Messages | None = None) -> float:
+def message_latency(
+    events: np.ndarray, messages: Messages | None = None, mean: bool = False
+) -> float:
     """Median seconds from the end of a producing F/B to the start of its consumer on another
     rank, over the messages whose receiver was already waiting (so the gap is the hop itself:
-    send post, transfer, wake-up); 0.0 when no receiver ever waited."""
+    send post, transfer, wake-up); 0.0 when no receiver ever waited. mean: the mean instead, what
+    the hops cost in total (a rank waiting for a core makes a few hops long: the median is a
+    typical hop, the mean what the bubble pays)."""
     messages = messages if messages is not None else match_messages(events)
     if not len(messages):
         return 0.0
     waited = events["start"][messages.recv] <= events["start"][messages.send]
     hops = (messages.consumer_start - messages.producer_end)[waited]
-    return float(np.median(hops)) if len(hops) else 0.0
+    if not len(hops):
+        return 0.0
+    return float(np.mean(hops) if mean else np.median(hops))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +170,7 @@ def bubble_summary(
     predicted: simulate() of the schedule as the run executed it (early_grad_send), once per
     phase with that phase's own costs (stage_costs: each stage's mean F, B, W and whole B, the
     extra time of its last weight-gradient action, a rank's gap between actions) and the window's
-    message latency (message_latency) on every cross-rank dependency; the mean over phases, as
+    mean message latency (message_latency) on every cross-rank dependency; the mean over phases, as
     the measured fractions are averaged (one simulation of costs averaged over steps idles less
     than the steps did when some steps are slower than others). Both sides count the same
     thing: time inside a phase that is not F/B/W work on a rank.
@@ -193,7 +199,7 @@ def bubble_summary(
     measured = float(fraction.mean()) if len(fraction) else 0.0
 
     num_stages = pp * virtual_stages
-    send = message_latency(events[np.isin(events["step"], steps)])
+    send = message_latency(events[np.isin(events["step"], steps)], mean=True)
     costs = stage_costs(compute, num_stages, send) | {"send": send}
     actions = build_schedule(schedule, pp, num_microbatches, virtual_stages, early_grad_send)
     placement = placement_of(schedule, pp, virtual_stages)
