@@ -104,9 +104,12 @@ class RingAllreduce:
         backend: Backend = CPU,
         transport: str = "auto",
         gather_only: bool = False,
+        cuts: tuple[int, ...] = (),
     ) -> None:
         """gather_only: a ring that only runs gather_steps (the distributed optimizer's weight
-        all-gather): no reduce-scatter receive buffers."""
+        all-gather): no reduce-scatter receive buffers. cuts: offsets where a segment ends
+        besides every `segment` elements (the weight gather's tensor boundaries: a lossy
+        codec's block then never holds two tensors, whose magnitudes may differ 100x)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if count < 0:
@@ -129,19 +132,22 @@ class RingAllreduce:
             self.residual = backend.zeros(count, np.float32) if residual is None else residual
             if self.residual.shape != (count,) or self.residual.dtype != np.float32:
                 raise ValueError(f"residual must be float32 of length {count}")
-        self._layout(segment, transport)
+        self._layout(segment, transport, cuts)
 
-    def _layout(self, segment: int, transport: str) -> None:
+    def _layout(self, segment: int, transport: str, cuts: tuple[int, ...]) -> None:
         """Chunks, their segments, and each segment's slot in the wire buffers."""
         p, codec = self.dp_size, self.codec
         bounds = [int(b) for b in chunk_bounds(self.count, p)]
+        cuts = cuts if self.compress else ()  # fp32 copies bits: no block to keep apart
         # segments[c] = [(lo, hi, wire offset, wire bytes), ...] over the whole vector
         self.segments: list[list[tuple[int, int, int, int]]] = []
         offset = 0
         for c in range(p):
-            segs = []
-            for lo in range(bounds[c], bounds[c + 1], segment):
-                hi = min(lo + segment, bounds[c + 1])
+            segs, end = [], bounds[c + 1]
+            edges = sorted(
+                {*range(bounds[c], end, segment), *(x for x in cuts if bounds[c] < x < end)}
+            )
+            for lo, hi in itertools.pairwise([*edges, end]):
                 nbytes = codec.nbytes(hi - lo) if self.compress else 4 * (hi - lo)
                 segs.append((lo, hi, offset, nbytes))
                 offset += _aligned(nbytes)

@@ -97,8 +97,10 @@ class Reducer:
         segment: int,
         flat_params: np.ndarray | None = None,
         param_codec: Codec | None = None,
+        tensor_offsets: tuple[int, ...] = (),
     ) -> None:
-        """param_codec (with flat_params): shard the optimizer, gather the weights in it."""
+        """param_codec (with flat_params): shard the optimizer, gather the weights in it, in
+        segments that end where a tensor does (tensor_offsets: where each one starts)."""
         self.owner, self.stage, self.flat_grads = owner, stage, flat_grads
         self.flat_params = flat_params
         n = flat_grads.size
@@ -117,7 +119,7 @@ class Reducer:
         self.param_rings = None if param_codec is None else [
             RingAllreduce(
                 owner.dp_comm, hi - lo, param_codec, False, segment, None, owner.backend,
-                gather_only=True,
+                gather_only=True, cuts=tuple(x - lo for x in tensor_offsets if lo < x < hi),
             )
             for lo, hi in self.buckets
         ]  # fmt: skip
@@ -242,11 +244,12 @@ class GradientComm:
         bucket_bytes: int = 4 << 20,
         flat_params: np.ndarray | None = None,
         param_codec: Codec | None = None,
+        tensor_offsets: tuple[int, ...] = (),
     ) -> Reducer:
         """param_codec (with flat_params): the distributed optimizer (module docstring)."""
         red = Reducer(
             self, stage, flat_grads, param_ranges, codec, error_feedback, bucket_bytes,
-            self.segment, flat_params, param_codec,
+            self.segment, flat_params, param_codec, tensor_offsets,
         )  # fmt: skip
         self.reducers.append(red)
         return red

@@ -200,11 +200,13 @@ class Stage:
         """Hand every layer its views of the flat parameter and gradient buffers."""
         offset = 0
         self.param_ranges: list[tuple[int, int]] = []  # layer i's parameters: [lo, hi) of flat
+        self.tensor_offsets: list[int] = []  # where each parameter tensor starts in flat
         for layer in self.layers:
             params, grads = {}, {}
             lo = offset
             for name, shape in layer.param_shapes().items():
                 size = math.prod(shape)
+                self.tensor_offsets.append(offset)
                 params[name] = self.flat_params[offset : offset + size].reshape(shape)
                 grads[name] = self.flat_grads[offset : offset + size].reshape(shape)
                 offset += size

@@ -257,7 +257,7 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     rings = {
         s: gradcomm.reducer(
             s, st.flat_grads, st.param_ranges, codec, c.error_feedback, c.bucket_kb * 1024,
-            st.flat_params, param_codec,
+            st.flat_params, param_codec, tuple(st.tensor_offsets),
         )
         for s, st in stages.items()
     }  # fmt: skip
