@@ -6,6 +6,9 @@ cuts     an int8 weight gather of a vector of three tensors, a LayerNorm-like ga
          bias of 1e-3's and a weight of 0.02's, in blocks larger than each: the error of each
          tensor relative to half a step of its own absmax scale (<= 1 with the tensor
          boundaries as cuts; without them the small tensors share the gain's scale)
+buffers  (--buffers, under MPIR_CVAR_NOLOCAL=1: rings of messages) the bytes a GPT stage's rings
+         allocate (wire buffers, residual, master) against the memory model's "ring buffers",
+         sharded and not, lossy or not; and what a one-half ring refuses to run
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def gather_errors(cuts: tuple[int, ...], transport: str) -> list[float]:
     ]
     truth = np.concatenate(tensors)
     ring = RingAllreduce(comm, truth.size, get_codec("int8", 256), segment=128,
-                         transport=transport, gather_only=True, cuts=cuts)  # fmt: skip
+                         transport=transport, role="all_gather", cuts=cuts)  # fmt: skip
     flat = np.zeros_like(truth)
     lo, hi = ring.own_range
     for request in ring.gather_steps(flat, truth[lo:hi].copy()):
@@ -56,6 +59,56 @@ def gather_errors(cuts: tuple[int, ...], transport: str) -> list[float]:
         for a, b in zip(edges[:-1], edges[1:], strict=True)
     ]
 
+
+def ring_buffers(sets: list[str]) -> dict:
+    """A GPT stage's rings as the trainer builds them: allocated bytes against the model's."""
+    from mpihybrid.config import load_job
+    from mpihybrid.nn.cost import stage_work
+    from mpihybrid.pipeline.schedules import build_schedule
+    from mpihybrid.train import loop, memory
+
+    base = ["model.kind=gpt", "data.kind=random-tokens", "model.hidden=64", "model.depth=1",
+            "model.heads=2", "data.vocab=64", "data.seq_len=8", "grid.pp=1",
+            f"grid.dp={comm.size}", "train.global_batch=6", "train.microbatches=1",
+            "train.steps=0", "train.optimizer=adamw", "comm.block=64", "trace.path="]  # fmt: skip
+    job = load_job(None, [*base, *sets], comm.size)
+    run = loop._build(job, comm, loop.select_backend("cpu", False, comm))
+    red, opt = run.rings[0], run.optimizers[0]
+    rings = red.rings + (red.param_rings or [])
+    assert all(ring.shared is None for ring in rings), "run with MPIR_CVAR_NOLOCAL=1"
+    master = getattr(opt, "master", None)
+    allocated = sum(ring.buffer_bytes for ring in rings)
+    allocated += sum(a.nbytes for a in (red.residual, master) if a is not None)
+    # a one-half ring refuses the other half (calling an allowed one would start messages)
+    refused = []
+    other = {"reduce_scatter": ("steps", "gather_steps"),
+             "all_gather": ("steps", "reduce_scatter_steps")}  # fmt: skip
+    for ring in rings:
+        for call in other.get(ring.role, ()):
+            try:
+                next(getattr(ring, call)(np.zeros(ring.count, np.float32)), None)
+            except ValueError:
+                refused.append(f"{ring.role}.{call}")
+    actions = build_schedule("1f1b", 1, 1)[0]
+    model = memory.rank_memory(job, stage_work(job), actions, ring_shared=False)["parts"]
+    gathers = [ring.gather_wire.nbytes for ring in red.rings]
+    red.close()
+    run.gradcomm.close()
+    run.grid.free()
+    return {"allocated": allocated, "model": model["ring buffers"], "refused": sorted(set(refused)),
+            "gradient_gather_wires": gathers}  # fmt: skip
+
+
+if "--buffers" in sys.argv:
+    for sets in (
+        ["comm.codec=int8"],
+        ["comm.codec=int8", "train.shard_optimizer=true"],
+        ["comm.codec=int8", "train.shard_optimizer=true", "comm.param_codec=int8"],
+        ["comm.codec=fp32", "train.shard_optimizer=true", "comm.param_codec=int8"],
+        ["comm.codec=bf16", "train.shard_optimizer=true", "comm.param_codec=bf16"],
+    ):
+        emit(case="buffers", sets=sets, **ring_buffers(sets))  # fmt: skip
+    sys.exit(0)
 
 for transport in ("auto", "mpi"):
     emit(case="cuts", transport=transport, with_cuts=gather_errors((70, 115), transport),

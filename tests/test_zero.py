@@ -104,3 +104,23 @@ def test_the_weight_gather_quantises_each_tensor_with_its_own_scale():
         print(r)
         assert max(r["with_cuts"]) <= 1.0 + 1e-6, r  # half a step of each tensor's own scale
         assert r["without"][1] > 10, r  # the bias took the gain's scale: it reads 0
+
+
+@pytest.mark.mpi
+def test_rings_allocate_what_the_memory_model_counts():
+    """dp = 3 over messages (no shared windows): a stage's rings, residual and master allocate
+    the memory model's "ring buffers" (to alignment and per-chunk scales); a sharded run's
+    gradient ring, a reduce-scatter alone, holds no all-gather wire; one-half rings refuse the
+    other half."""
+    proc = run_mpi(3, "tests/_mpi_gather.py", "--buffers", env={"MPIR_CVAR_NOLOCAL": "1"},
+                   timeout=60)  # fmt: skip
+    rows = results(proc)
+    assert len(rows) == 5, proc.stdout
+    for r in rows:
+        print(r)
+        assert r["allocated"] == pytest.approx(r["model"], rel=1e-3), r
+        if "train.shard_optimizer=true" in r["sets"]:
+            assert r["gradient_gather_wires"] == [0] * len(r["gradient_gather_wires"]), r
+            assert len(r["refused"]) == 4, r
+        else:
+            assert min(r["gradient_gather_wires"]) > 0 and r["refused"] == [], r

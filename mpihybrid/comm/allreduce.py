@@ -10,7 +10,7 @@ rank r sends to (r + 1) % p and receives from (r - 1) % p.
         add it to our own; afterwards rank r holds the full sum of chunk (r + 1) % p.
     all-gather, step s = 0..p-2: send chunk (r + 1 - s) % p, receive chunk (r - s) % p.
 
-Pipelined: every chunk is cut into segments of `segment` elements, each a message of its own, and
+Pipelined: every chunk is cut into segments (comm.ring_layout), each a message of its own, and
 all of them are non-blocking (Isend/Irecv). A segment moves on as soon as it is ready: segment k
 of step s is added (reduce-scatter) or forwarded (all-gather) the moment it arrives, while k + 1
 is still on the wire and k - 1 is being encoded for the next step; a segment of the rank's own
@@ -44,12 +44,11 @@ The distributed optimizer (ZeRO-1) splits the two halves around its update:
     optimizer.update(...own_range...)                         # only this rank's chunk
     for r in param_ring.gather_steps(flat_param, master): r.Wait()  # the updated weights
 
-The owner's chunk of a reduce-scatter alone is never encoded again: it stays exact (its share of
-the residual joins it and is then spent). The weight all-gather runs on a ring of its own codec
-(comm.param_codec), without residual: the owner encodes its chunk once (from `master`, its fp32
-copy of those weights, when the codec is lossy), decodes its own bytes like every other replica,
-so replicas stay bit-identical, and the error never accumulates because the next step encodes
-from the master again.
+A ring of one half (`role`) allocates that half's buffers alone. A reduce-scatter leaves the
+owner's chunk exact (its share of the residual joins it and is spent). The weight all-gather
+(comm.param_codec, no residual, segments cut at tensor boundaries) encodes the owner's fp32
+`master` once and every replica, the owner too, decodes those bytes: replicas stay identical,
+and the next step encodes from the master again, so the error never accumulates.
 """
 
 from __future__ import annotations
@@ -62,6 +61,7 @@ from mpi4py import MPI
 
 from mpihybrid.comm.codecs import Codec
 from mpihybrid.comm.device import CPU, Backend
+from mpihybrid.comm.ring_layout import aligned, chunk_bounds, segment_layout
 from mpihybrid.comm.shm import SharedWire, node_local
 
 # the ring's message tags on dp_comm (its own communicator: no clash with pipeline tags)
@@ -69,18 +69,8 @@ TAG_REDUCE_SCATTER = 101
 TAG_ALL_GATHER = 102
 DEFAULT_SEGMENT = 1 << 19  # elements per message: 2 MiB of float32 (measured: bench allreduce)
 TRANSPORTS = ("auto", "mpi")  # auto: shared memory where the whole ring is on one node
+ROLES = ("allreduce", "reduce_scatter", "all_gather")  # both halves, or one (module docstring)
 _SERIAL = itertools.count()  # names each ring's staging buffers (an id() is reused once freed)
-
-
-def chunk_bounds(count: int, parts: int) -> np.ndarray:
-    """Start offsets of `parts` chunks plus the end, like np.array_split: bounds[i]..bounds[i+1]."""
-    base, extra = divmod(count, parts)
-    i = np.arange(parts + 1)
-    return i * base + np.minimum(i, extra)
-
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + 7) // 8 * 8  # slots start on 8 bytes: float views of a slot stay aligned
 
 
 class RingAllreduce:
@@ -103,13 +93,14 @@ class RingAllreduce:
         residual: np.ndarray | None = None,
         backend: Backend = CPU,
         transport: str = "auto",
-        gather_only: bool = False,
+        role: str = "allreduce",
         cuts: tuple[int, ...] = (),
     ) -> None:
-        """gather_only: a ring that only runs gather_steps (the distributed optimizer's weight
-        all-gather): no reduce-scatter receive buffers. cuts: offsets where a segment ends
-        besides every `segment` elements (the weight gather's tensor boundaries: a lossy
-        codec's block then never holds two tensors, whose magnitudes may differ 100x)."""
+        """role: "reduce_scatter" or "all_gather" allocates what that half needs alone (the
+        distributed optimizer's gradient ring, its weight ring: steps() is refused). cuts:
+        where a lossy ring's segments also end (comm.ring_layout: the weight gather's tensors)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if count < 0:
@@ -126,9 +117,9 @@ class RingAllreduce:
         self.prev_rank = (self.dp_rank - 1) % self.dp_size
         self.bytes_sent: dict[str, int] = {"reduce_scatter": 0, "all_gather": 0}
         self.compress = codec.lossy and self.dp_size > 1 and count > 0
-        self.gather_only = gather_only
+        self.role = role
         self.residual: np.ndarray | None = None
-        if codec.lossy and error_feedback and not gather_only:
+        if codec.lossy and error_feedback and role != "all_gather":
             self.residual = backend.zeros(count, np.float32) if residual is None else residual
             if self.residual.shape != (count,) or self.residual.dtype != np.float32:
                 raise ValueError(f"residual must be float32 of length {count}")
@@ -138,20 +129,11 @@ class RingAllreduce:
         """Chunks, their segments, and each segment's slot in the wire buffers."""
         p, codec = self.dp_size, self.codec
         bounds = [int(b) for b in chunk_bounds(self.count, p)]
-        cuts = cuts if self.compress else ()  # fp32 copies bits: no block to keep apart
-        # segments[c] = [(lo, hi, wire offset, wire bytes), ...] over the whole vector
-        self.segments: list[list[tuple[int, int, int, int]]] = []
-        offset = 0
-        for c in range(p):
-            segs, end = [], bounds[c + 1]
-            edges = sorted(
-                {*range(bounds[c], end, segment), *(x for x in cuts if bounds[c] < x < end)}
-            )
-            for lo, hi in itertools.pairwise([*edges, end]):
-                nbytes = codec.nbytes(hi - lo) if self.compress else 4 * (hi - lo)
-                segs.append((lo, hi, offset, nbytes))
-                offset += _aligned(nbytes)
-            self.segments.append(segs)
+        # fp32 copies bits: no codec block to keep apart, no cut
+        self.segments, offset = segment_layout(
+            self.count, p, segment, cuts if self.compress else (),
+            codec.nbytes if self.compress else lambda n: 4 * n,
+        )  # fmt: skip
         self.chunk_nbytes = [sum(s[3] for s in segs) for segs in self.segments]
         own = (self.dp_rank + 1) % p  # the chunk this rank's reduce-scatter completes
         self.own_range = (bounds[own], bounds[own + 1])
@@ -165,22 +147,32 @@ class RingAllreduce:
             self.gather_wire = self.recv_buf = self.backend.empty(0, np.uint8)
             self._token = np.empty(0, np.uint8)
             return
-        # compressed: the wire holds every chunk's encoded segments (sent, or received and
-        # forwarded); fp32 sends from the vector and receives the reduce-scatter into recv_buf
-        self.wire = self.backend.empty(offset if self.compress else 0, np.uint8)
         # compressed: the all-gather lands in a wire of its own, so its receives can be posted
         # before the reduce-scatter and the neighbour's early segments move whenever either
         # rank is inside MPI (fp32 lands in the vector, after the reduce-scatter's sends)
-        self.gather_wire = self.backend.empty(offset if self.compress else 0, np.uint8)
+        gathers = self.compress and self.role != "reduce_scatter"
+        self.gather_wire = self.backend.empty(offset if gathers else 0, np.uint8)
+        # compressed: the wire holds every chunk's encoded segments (sent, or received and
+        # forwarded); fp32 sends from the vector and receives the reduce-scatter into recv_buf.
+        # A weight gather encodes its own chunk into the gather wire, where nothing lands
+        alone = self.role == "all_gather"
+        self.wire = (
+            self.gather_wire if alone else self.backend.empty(offset * self.compress, np.uint8)
+        )
         # the reduce-scatter receives step s into half s % 2 (two steps may be in flight)
-        half = max((self._span(c) for c in range(p)), default=0) if not self.gather_only else 0
-        self.recv_buf = self.backend.empty(2 * half if p > 1 else 0, np.uint8)
+        half = max((self._span(c) for c in range(p)), default=0) if not alone else 0
+        self.recv_buf = self.backend.empty(min(2, p - 1) * half, np.uint8)
         self._recv_half = half
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of this rank's wire buffers (shared: its window)."""
+        return sum({id(a): a.nbytes for a in (self.wire, self.gather_wire, self.recv_buf)}.values())
 
     def _span(self, c: int) -> int:
         """Bytes chunk c's segments occupy in a wire buffer, alignment included."""
         segs = self.segments[c]
-        return segs[-1][2] + _aligned(segs[-1][3]) - segs[0][2] if segs else 0
+        return segs[-1][2] + aligned(segs[-1][3]) - segs[0][2] if segs else 0
 
     def _slot(self, c: int, k: int) -> np.ndarray:
         """Segment k of chunk c in the wire buffer."""
@@ -216,7 +208,9 @@ class RingAllreduce:
         lo, hi, _, _ = self.segments[c][k]
         return self.residual[lo:hi]
 
-    def _check(self, flat: np.ndarray, op: str) -> None:
+    def _check(self, flat: np.ndarray, op: str, *roles: str) -> None:
+        if self.role not in roles:
+            raise ValueError(f"a ring of role {self.role!r} cannot run this ({', '.join(roles)})")
         if op not in ("mean", "sum"):
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         if flat.dtype != np.float32 or flat.shape != (self.count,) or not flat.flags.c_contiguous:
@@ -234,7 +228,7 @@ class RingAllreduce:
     def steps(self, flat: np.ndarray, op: str = "mean") -> Iterator[MPI.Request]:
         """The all-reduce as a generator: each item is a request that must complete before the
         generator is resumed (a driver Waits on it, or Tests it between other work)."""
-        self._check(flat, op)
+        self._check(flat, op, "allreduce")
         self.last_sent = 0
         if self.dp_size == 1 or self.count == 0:
             return
@@ -253,7 +247,7 @@ class RingAllreduce:
         """The reduce-scatter alone, as a generator of requests (like steps): afterwards
         flat[own_range] holds the sum (op="mean": the mean) over the ring, in fp32; the rest of
         `flat` holds partial sums that nobody reads."""
-        self._check(flat, op)
+        self._check(flat, op, "allreduce", "reduce_scatter")
         self.last_sent = 0
         if self.dp_size > 1 and self.count > 0:
             yield from self._reduce_scatter(flat, None)
@@ -270,7 +264,7 @@ class RingAllreduce:
         requests. master (length of own_range): what the owner sends instead of flat[own_range]
         (its fp32 master weights); lossy codecs encode it once and every rank, the owner
         included, decodes the same bytes into flat, so all replicas end bit-identical."""
-        self._check(flat, "sum")
+        self._check(flat, "sum", "allreduce", "all_gather")
         lo, hi = self.own_range
         if master is not None and master.shape != (hi - lo,):
             raise ValueError(f"master must have the own chunk's length {hi - lo}")

@@ -112,6 +112,7 @@ class Reducer:
             RingAllreduce(
                 owner.dp_comm, hi - lo, codec, error_feedback, segment,
                 None if self.residual is None else self.residual[lo:hi], owner.backend,
+                role="allreduce" if param_codec is None else "reduce_scatter",
             )
             for lo, hi in self.buckets
         ]  # fmt: skip
@@ -119,7 +120,7 @@ class Reducer:
         self.param_rings = None if param_codec is None else [
             RingAllreduce(
                 owner.dp_comm, hi - lo, param_codec, False, segment, None, owner.backend,
-                gather_only=True, cuts=tuple(x - lo for x in tensor_offsets if lo < x < hi),
+                role="all_gather", cuts=tuple(x - lo for x in tensor_offsets if lo < x < hi),
             )
             for lo, hi in self.buckets
         ]  # fmt: skip

@@ -70,8 +70,9 @@ def rank_memory(
     # the reduce-scatter receives step s into slot s % 2 of two chunk-sized ones (comm.allreduce)
     slots = min(2, g.dp - 1)
     if lossy:  # per bucket: its encoded vector twice (the wire and the all-gather's, or on one
-        # node the neighbours' shared slots it decodes from), and apart from those the slots
-        ring += 2 * codec.nbytes(params)
+        # node the neighbours' shared slots it decodes from), and apart from those the slots;
+        # sharded, off one node, the reduce-scatter alone: its wire once
+        ring += (1 if t.shard_optimizer and not ring_shared else 2) * codec.nbytes(params)
         if not ring_shared:
             ring += slots * codec.nbytes(math.ceil(params / g.dp))
     elif g.dp > 1:
@@ -93,11 +94,12 @@ def rank_memory(
             recv += t.microbatches * work[s + 1].input_bytes  # their gradients from the next
     per_param = {"adamw": 2, "sgd": 1 if t.momentum else 0}[t.optimizer]  # moments, velocity
     # train.shard_optimizer: state for the owned 1/dp; a lossy weight gather adds the owner's
-    # fp32 master of it and the gather's encoded vector twice (its wire and the one it receives)
+    # fp32 master of it and the gather's encoded vector once (the owner's chunk, encoded where
+    # nothing lands, and the others', received or read from their shared slots)
     owned = math.ceil(params / g.dp) if t.shard_optimizer else params
     gather = get_codec(c.param_codec or "fp32", c.block)
     if t.shard_optimizer and gather.lossy and g.dp > 1:
-        ring += FLOAT * owned + 2 * gather.nbytes(params)
+        ring += FLOAT * owned + gather.nbytes(params)
     parts = {
         "parameters": FLOAT * params,
         "gradients": FLOAT * params,
