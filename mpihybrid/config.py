@@ -59,7 +59,7 @@ class ModelConfig:
     norm: bool = False  # mlp: LayerNorm after each hidden Linear (gpt is always pre-norm)
     heads: int = 4  # gpt: attention heads (hidden must be divisible by heads)
     ffn: int = 0  # gpt: feed-forward width; 0 = 4 * hidden
-    partition: str | list = "cost"  # cost | uniform | [layers per chunk]
+    partition: str | list = "cost"  # cost | uniform | timed | [layers per chunk]
 
 
 @dataclass(frozen=True)
@@ -436,24 +436,25 @@ def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:
     chunks = pp * virtual_stages
     formula = f"pp({pp}) * virtual_stages({virtual_stages}) = {chunks}"
     # cost partitions blocks (gpt: embedding and head are blocks too); the others split layers
-    if m.kind == "gpt" and m.partition == "cost":
+    if m.kind == "gpt" and m.partition in ("cost", "timed"):
         if m.depth + 2 < chunks:
             raise ConfigError(
                 f"model.depth({m.depth}) + 2 (embedding, head) = {m.depth + 2} blocks < {formula}:"
                 " every stage needs at least one block"
             )
-    elif m.depth < chunks:
+    elif m.depth < chunks and not isinstance(m.partition, list):  # a list: check_counts says
         raise ConfigError(
             f"model.depth({m.depth}) < {formula}: every stage needs at least one layer"
         )
     if isinstance(m.partition, list):
         try:
-            check_counts(m.partition, m.depth, chunks)
+            check_counts(m.partition, m.depth, chunks, ends_may_be_empty=m.kind == "gpt")
         except ValueError as exc:
             raise ConfigError(f"{exc} ({formula})") from None
-    elif m.partition not in ("cost", "uniform"):
+    elif m.partition not in ("cost", "uniform", "timed"):
         raise ConfigError(
-            f"model.partition = {m.partition!r}: use 'cost', 'uniform' or a list of layer counts"
+            f"model.partition = {m.partition!r}: use 'cost', 'uniform', 'timed' or a list of "
+            "layer counts"
         )
 
 

@@ -304,7 +304,7 @@ def test_explicit_and_uniform_counts():
     [
         ([4], r"1 counts for 2 chunks"),
         ([2, 1, 1], r"3 counts for 2 chunks"),
-        ([4, 0], r"integer >= 1"),
+        ([-1, 5], r"integer >= 1"),
         ([2.0, 2], r"integer >= 1"),
         ([True, 3], r"integer >= 1"),
         ([2, 1], r"counts add up to 3, the model has 4 layers"),
@@ -331,10 +331,10 @@ GPT_JOB = ["model.kind=gpt", "data.kind=random-tokens", "model.depth=4"]
 
 BAD_PARTITIONS = {
     "[4]": r"\[4\]: 1 counts for 2 chunks .*pp\(2\) \* virtual_stages\(1\) = 2",
-    "[4, 0]": r"\[4, 0\]: every count must be an integer >= 1",
+    "[-1, 5]": r"\[-1, 5\]: every count must be an integer >= 1 \(0 allowed first and last",
     "[2, 1]": r"\[2, 1\]: counts add up to 3, the model has 4 layers",
     "[5, 1]": r"counts add up to 6, the model has 4 layers",
-    "balanced": r"'balanced': use 'cost', 'uniform' or a list",
+    "balanced": r"'balanced': use 'cost', 'uniform', 'timed' or a list",
     "3": r"model.partition = 3: expected str, got int",
 }
 

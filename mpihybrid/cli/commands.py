@@ -8,6 +8,7 @@ mpiexec -n 4 mpihybrid bench allreduce
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -157,6 +158,11 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debu
     error, job, resume_from = None, None, None
     try:
         job = load_job(job_file, overrides, world.Get_size())
+    except ConfigError as exc:
+        error = str(exc)
+    exit_on_any_error(world, error)
+    job = _timed_partition(job, world)  # collective: before the checkpoints are compared
+    try:
         if world.rank == 0:
             resume_from = _preflight(job, resume, force)
     except (ConfigError, CheckpointError, TraceError) as exc:
@@ -179,6 +185,23 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debu
         from mpihybrid.train.report import format_report
 
         click.echo(format_report(job, summary))
+
+
+def _timed_partition(job, world):
+    """model.partition = "timed" fixed as rank 0 measures it (or as the checkpoint to resume
+    was split), the same on every rank; any other partition as it is."""
+    from mpihybrid.train.partition import resolve_partition
+
+    if job.model.partition != "timed":
+        return job
+    counts = None
+    if world.rank == 0:
+        try:
+            counts = resolve_partition(job).model.partition
+        except Exception as exc:  # rank 0 alone, while the others wait in bcast: end them all
+            abort_job(world, exc, "timing the model's blocks", _debug_env())
+    counts = world.bcast(counts, root=0)
+    return dataclasses.replace(job, model=dataclasses.replace(job.model, partition=counts))
 
 
 def _run_training(job, world, quiet: bool, resume_from, debug: bool):
@@ -601,6 +624,9 @@ def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json, q
     except ConfigError as exc:
         error = str(exc)
     exit_on_any_error(world, error)
+    job = _timed_partition(job, world)
+    if other is not None:
+        other = (_timed_partition(other[0], world), other[1])
     from mpihybrid.cli.bench_train import bench_train as run
     from mpihybrid.cli.bench_train import format_bench
     from mpihybrid.cli.progress import progress_echo

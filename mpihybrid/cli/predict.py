@@ -41,13 +41,17 @@ def job_path(job_file: str) -> str:
     return str(packaged) if packaged.is_file() else job_file
 
 
-def _load_job(job_file: str, overrides: list[str]):
+def _load_job(job_file: str, overrides: list[str], search: bool = False):
     from mpihybrid.config import build_job, load_table, resolve
+    from mpihybrid.train.partition import resolve_partition
 
     job = build_job(load_table(job_path(job_file)), overrides)
     if job.grid.dp == -1:
         raise ValueError("grid.dp = -1 takes the world size from mpiexec: give --set grid.dp=N")
-    return resolve(job, job.grid.pp * max(job.grid.dp, 1))
+    if search and job.model.partition == "timed":
+        raise ValueError("model.partition = 'timed' times one layout and --search varies them: "
+                         "search with 'cost', then time the layout chosen")  # fmt: skip
+    return resolve_partition(resolve(job, job.grid.pp * max(job.grid.dp, 1)))
 
 
 def _calibrate(trace_path: str, cluster_name: str, out: str | None, echo) -> Path:
@@ -169,7 +173,7 @@ def predict(
     # with --json the calibration's lines go to stderr: stdout stays one JSON document
     echo = (lambda line: click.echo(line, err=True)) if as_json else click.echo
     try:
-        job = _load_job(job_file, list(overrides))
+        job = _load_job(job_file, list(overrides), search)
         if cluster_out is not None and trace_path is None:
             raise ValueError("--cluster-out is where --calibrate writes: give --calibrate TRACE")
         if trace_path is not None:

@@ -564,6 +564,9 @@ def _prepare(world, job_file, overrides, schedules, microbatches, repeats, virtu
         if value < low:
             raise ConfigError(f"{option} = {value}: must be >= {low}")
     job = load_job(job_file, list(overrides), world.Get_size())
+    if job.model.partition == "timed":
+        raise ConfigError("model.partition = 'timed' times one layout and a sweep varies the "
+                          "schedule: sweep with 'cost' or a list of layer counts")  # fmt: skip
     check_size(len(names), len(ms), repeats, job.train.steps)
     if job.train.steps <= warmup_steps:
         raise ConfigError(

@@ -19,6 +19,7 @@ in, so any split of the model holds exactly the parameters of the unsplit model.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -161,6 +162,47 @@ def partition(param_counts: list[int], num_chunks: int) -> list[range]:
         ranges.append(range(s, i))
         i = s
     return ranges[::-1]
+
+
+MAX_SPLITS = 200_000  # balanced_for_ranks tries every split up to this many, else partition()
+
+
+def balanced_for_ranks(costs: list[float], rank_of: list[int]) -> list[range]:
+    """Split blocks into len(rank_of) contiguous non-empty chunks, chunk c running on rank
+    rank_of[c]: the busiest rank's total as small as possible, then the largest chunk, then the
+    sum of squares (the earliest boundaries keep a tie). With one chunk per rank this is
+    partition()'s answer; a V (rank r holds chunks r and 2p-1-r) or a loop of several chunks per
+    rank balances the ranks, not the chunks. Tries every split; when there are more than
+    MAX_SPLITS, partition()'s."""
+    n, k = len(costs), len(rank_of)
+    if k > n:
+        return partition(costs, k)  # raises: too few blocks
+    if math.comb(n - 1, k - 1) > MAX_SPLITS:
+        return partition(costs, k)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best, best_bounds = None, None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        sizes = [prefix[bounds[i + 1]] - prefix[bounds[i]] for i in range(k)]
+        loads: dict[int, float] = {}
+        for r, size in zip(rank_of, sizes, strict=True):
+            loads[r] = loads.get(r, 0.0) + size
+        key = (max(loads.values()), max(sizes), sum(x * x for x in sizes))
+        if best is None or key < best:
+            best, best_bounds = key, bounds
+    return [range(best_bounds[i], best_bounds[i + 1]) for i in range(k)]
+
+
+def layer_counts(cfg, ranges: list[range]) -> list[int]:
+    """A split of the blocks as `model.partition`'s list: the layers of each chunk (gpt: the
+    embedding rides with the first chunk and the head with the last, so those may count 0)."""
+    counts = [len(r) for r in ranges]
+    if cfg.kind == "gpt":
+        counts[0] -= 1
+        counts[-1] -= 1
+    return counts
 
 
 class Recompute(NamedTuple):
@@ -332,23 +374,39 @@ def chunk_ranges(cfg, blocks: list[Block], num_chunks: int) -> list[range]:
         counts = [base + (c < extra) for c in range(num_chunks)]
     elif isinstance(mode, list):
         counts = list(mode)
-        check_counts(counts, layers, num_chunks)
+        check_counts(counts, layers, num_chunks, ends_may_be_empty=cfg.kind == "gpt")
+    elif mode == "timed":
+        raise ValueError(
+            "model.partition = 'timed' is measured before the run "
+            "(train.partition.resolve_partition): resolve the job first"
+        )
     else:
-        raise ValueError(f"model.partition = {mode!r}: use 'cost', 'uniform' or a list of counts")
+        raise ValueError(
+            f"model.partition = {mode!r}: use 'cost', 'uniform', 'timed' or a list of counts"
+        )
     # the embedding (gpt) joins the first chunk; whatever follows the layers joins the last
     bounds = [0] + [lead + sum(counts[: c + 1]) for c in range(num_chunks - 1)] + [len(blocks)]
     return [range(bounds[c], bounds[c + 1]) for c in range(num_chunks)]
 
 
-def check_counts(counts: list, layers: int, num_chunks: int) -> None:
-    """An explicit partition: one positive layer count per chunk, adding up to the model."""
+def check_counts(counts: list, layers: int, num_chunks: int, ends_may_be_empty=False) -> None:
+    """An explicit partition: one positive layer count per chunk, adding up to the model.
+    ends_may_be_empty (gpt): the first and the last count may be 0, a chunk that holds only
+    the embedding or only the head."""
     if len(counts) != num_chunks:
         raise ValueError(
             f"model.partition = {counts}: {len(counts)} counts for {num_chunks} chunks "
             f"(pp * virtual_stages)"
         )
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts):
-        raise ValueError(f"model.partition = {counts}: every count must be an integer >= 1")
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts) or any(
+        n < (0 if ends_may_be_empty and c in (0, num_chunks - 1) else 1)
+        for c, n in enumerate(counts)
+    ):
+        least = "(0 allowed first and last: the embedding or the head alone)" if ends_may_be_empty \
+            else ""  # fmt: skip
+        raise ValueError(
+            f"model.partition = {counts}: every count must be an integer >= 1 {least}".rstrip()
+        )
     if sum(counts) != layers:
         raise ValueError(f"model.partition = {counts}: counts add up to {sum(counts)}, "
                          f"the model has {layers} layers")  # fmt: skip
