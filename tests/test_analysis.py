@@ -355,3 +355,36 @@ def test_analyze_a_synthetic_trace_without_a_job():
     assert result["bubble"]["measured"] == 0.0
     assert result["throughput"]["samples_per_s"] is None  # no job, no batch size
     assert "bubble" in format_analysis(result)
+
+
+def test_a_sharded_runs_two_ring_rows_are_two_phases_with_their_own_busbw():
+    """train.shard_optimizer: per bucket a rank records the gradient reduce-scatter, then (after
+    the update) the weight all-gather, both as allreduce rows. Each is its own phase: a ring
+    reduce-scatter or all-gather moves (n-1)/n of the vector (busbw = algbw (n-1)/n), an
+    all-reduce 2(n-1)/n. Times per ring call: the shortest rank's; per step: over buckets."""
+    from mpihybrid.analysis.bandwidth import allreduce_bandwidth
+
+    n, params = 4, [1000]
+    spec, wire = [], []
+    for step in (1, 2):
+        for bucket in (0, 1):
+            t = 10.0 * step + 4 * bucket
+            for rank in range(n):
+                late = 0.5 * rank  # the shortest duration is the ring's own time: rank 0's
+                spec.append((rank, 0, rank, "allreduce", step, bucket, t, t + 1 + late))  # RS
+                spec.append((rank, 0, rank, "allreduce", step, bucket, t + 2, t + 4 + late))
+                wire += [300, 100]  # the gather sends int8: fewer bytes
+    events = rows(spec)
+    events["bytes"] = wire
+    out = allreduce_bandwidth(events[::-1], params, n, sharded=True)  # row order must not matter
+    assert [(r["stage"], r["phase"]) for r in out] == [(0, "reduce-scatter"), (0, "all-gather")]
+    rs, ag = out
+    assert rs["seconds"] == pytest.approx(2 * 1.0) and ag["seconds"] == pytest.approx(2 * 2.0)
+    assert rs["algbw"] == pytest.approx(4000 / 2.0) and ag["algbw"] == pytest.approx(4000 / 4.0)
+    assert rs["busbw"] == pytest.approx(rs["algbw"] * 3 / 4)
+    assert ag["busbw"] == pytest.approx(ag["algbw"] * 3 / 4)
+    assert (rs["wire_bytes"], ag["wire_bytes"]) == (600, 200)  # one rank, one step: 2 buckets
+    (whole,) = allreduce_bandwidth(events, params, n)  # unsharded: one ring, both rows its own
+    assert whole["phase"] == "all-reduce" and whole["busbw"] == pytest.approx(
+        whole["algbw"] * 2 * 3 / 4
+    )

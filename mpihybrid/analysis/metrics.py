@@ -19,6 +19,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from mpihybrid.analysis.bandwidth import allreduce_bandwidth
 from mpihybrid.analysis.costs import stage_costs
 from mpihybrid.analysis.rows import durations, group_max, group_min, group_sum, groups
 from mpihybrid.pipeline.liveness import replay_rows
@@ -270,40 +271,6 @@ def _peak_activations(events: np.ndarray, num_stages: int) -> tuple[list[int], l
     return peak_count, peak_bytes
 
 
-def _allreduce_bandwidth(rows: np.ndarray, params: list[int] | None, n: int) -> list[dict]:
-    """nccl-tests figures per stage: size = the fp32 gradient, algbw = size / time,
-    busbw = algbw * 2(n-1)/n; time = the mean over steps of the sum over the stage's buckets
-    (the microbatch column; -1 in traces from before buckets) of each ring's shortest duration.
-    A bucket that overlapped compute shares the core with it: its bandwidth reads low."""
-    out = []
-    # a ring finishes together: the last rank to arrive waits least, so the shortest duration
-    # of one call is the collective's own time (nccl-tests times after a barrier)
-    calls, call_of = groups(rows["stage"], rows["step"], rows["microbatch"])
-    shortest = group_min(call_of, durations(rows), len(calls))
-    stage_steps, step_of = groups(calls[:, 0], calls[:, 1])  # (stage, step): its buckets
-    per_step = group_sum(step_of, shortest, len(stage_steps))
-    rank_calls, _ = groups(rows["stage"], rows["step"], rows["rank"])
-    wire = group_sum(rows["stage"] - rows["stage"].min(), rows["bytes"], 0) if len(rows) else []
-    for s in np.unique(rows["stage"]):
-        seconds = float(per_step[stage_steps[:, 0] == s].mean())
-        calls = int(np.sum(rank_calls[:, 0] == s))  # one rank's reduction of one step
-        wire_bytes = float(wire[s - rows["stage"].min()])
-        size = 4 * params[s] if params is not None else None
-        algbw = size / seconds if size is not None and seconds > 0 else None
-        out.append(
-            {
-                "stage": int(s),
-                "ranks": n,
-                "size_bytes": size,
-                "seconds": seconds,
-                "algbw": algbw,
-                "busbw": algbw * 2 * (n - 1) / n if algbw is not None else None,
-                "wire_bytes": wire_bytes / calls,  # one rank, one step
-            }
-        )
-    return out
-
-
 def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     """Everything `mpihybrid analyze` reports, as plain numbers (JSON-ready).
 
@@ -342,7 +309,8 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     allreduce = []
     if dp > 1:  # with one replica nothing travels
         params = _stage_param_counts(trace, num_stages)
-        allreduce = _allreduce_bandwidth(of["allreduce"], params, dp)
+        sharded = bool(config.get("train.shard_optimizer", False))
+        allreduce = allreduce_bandwidth(of["allreduce"], params, dp, sharded)
 
     step_time = _step_time(all_steps, steps)
     run["world_size"] = int(attrs.get("world_size", len(ranks)))

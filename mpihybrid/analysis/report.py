@@ -221,6 +221,7 @@ def _bytes_lines(result: dict) -> list[str]:
         rows = [
             [
                 str(a["stage"]),
+                a.get("phase", "all-reduce"),
                 str(a["ranks"]),
                 human_bytes(a["size_bytes"]) if a["size_bytes"] is not None else "-",
                 f"{1e6 * a['seconds']:.0f}",
@@ -230,6 +231,8 @@ def _bytes_lines(result: dict) -> list[str]:
             ]
             for a in result["allreduce"]
         ]
-        lines += ["", "all-reduce per stage (size = fp32 gradient; busbw = algbw * 2(n-1)/n)"]
-        lines += table(["stage", "n", "size", "time us", "algbw", "busbw", "wire/rank"], rows)
+        lines += ["", "all-reduce per stage (size = the fp32 vector; busbw = algbw * 2(n-1)/n, "
+                  "a reduce-scatter's or all-gather's algbw * (n-1)/n)"]  # fmt: skip
+        heads = ["stage", "phase", "n", "size", "time us", "algbw", "busbw", "wire/rank"]
+        lines += table(heads, rows)
     return lines
