@@ -7,9 +7,11 @@ Trains the job once for --steps steps and prints per rank: the peak resident set
 training steps (VmHWM, the trace's peak_rss_bytes), predict's memory (the repository's
 clusters/local.toml), the pre-run estimate (train.memory), the optimizer state the rank holds
 (its master copy included), the peak activation bytes the runtime counted in the last step
-(trace rows' liveness) beside predict's, and the mean step time (a rough figure, not a
-benchmark: bench train --against pairs those). One job per launch: a process keeps the memory
-numpy freed (keep_freed_host_memory), so a second run in it would count the first's.
+(trace rows' liveness) beside predict's, the most bytes the W caches of split backwards (the
+Linear inputs and output gradients kept from a B to its W) held at once, and the mean step time
+(a rough figure, not a benchmark: bench train --against pairs those). One job per launch: a
+process keeps the memory numpy freed (keep_freed_host_memory), so a second run in it would count
+the first's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mpi4py import MPI  # noqa: E402
 
 from mpihybrid.config import load_job  # noqa: E402
+from mpihybrid.nn.model import Stage  # noqa: E402
 from mpihybrid.pipeline.liveness import replay_rows  # noqa: E402
 from mpihybrid.predict.cluster import load_cluster  # noqa: E402
 from mpihybrid.predict.model import predict  # noqa: E402
@@ -50,13 +53,32 @@ def measure(job, world) -> dict | None:
         )
         return run
 
+    # the W caches: bytes each B hands to its W, while they wait
+    held = {"now": 0, "peak": 0}
+    sizes: dict[int, int] = {}
+    backward_input, backward_weight = Stage.backward_input, Stage.backward_weight
+
+    def spy_b(stage, *a, **k):
+        dx, wcache = backward_input(stage, *a, **k)
+        sizes[id(wcache)] = stage.activation_nbytes(wcache)
+        held["now"] += sizes[id(wcache)]
+        held["peak"] = max(held["peak"], held["now"])
+        return dx, wcache
+
+    def spy_w(stage, wcache, *a, **k):
+        backward_weight(stage, wcache, *a, **k)
+        held["now"] -= sizes.pop(id(wcache))
+
     loop._build = spy
+    Stage.backward_input, Stage.backward_weight = spy_b, spy_w
     reset_peak_rss()
     try:
         summary = loop.train(job, world, quiet=True)
     finally:
         loop._build = build
+        Stage.backward_input, Stage.backward_weight = backward_input, backward_weight
     states = world.gather(state["bytes"], root=0)
+    wcaches = world.gather(held["peak"], root=0)
     if world.rank != 0:
         return None
     g = job.grid
@@ -74,6 +96,7 @@ def measure(job, world) -> dict | None:
         "activations": measured_acts,
         "estimate": [sum(rank_estimate(job, p).values()) for p in pp_of],
         "optimizer_state": states,
+        "wcache_peak": wcaches,
         "step_s": summary.runtime_s / max(summary.steps - summary.start, 1),
     }
 
@@ -103,7 +126,8 @@ def main() -> None:
             f"{r['estimate'][rank] / MIB:7.1f}, optimizer state "
             f"{r['optimizer_state'][rank] / MIB:6.1f} MiB, activations "
             f"{r['activations'][rank] / MIB:6.1f} MiB (predicted "
-            f"{r['predicted_activations'][rank] / MIB:.1f}), {1e3 * r['step_s']:.0f} ms/step"
+            f"{r['predicted_activations'][rank] / MIB:.1f}), W caches "
+            f"{r['wcache_peak'][rank] / MIB:.1f} MiB, {1e3 * r['step_s']:.0f} ms/step"
         )
 
 
