@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from mpihybrid.analysis.metrics import analyze
 from mpihybrid.cli import main
 from mpihybrid.config import ConfigError, load_job
-from mpihybrid.pipeline.csv_schedule import dump_csv, parse_csv, read_csv
+from mpihybrid.pipeline.csv_schedule import dump_csv, from_trace, parse_csv, read_csv
 from mpihybrid.pipeline.schedules import (
     SCHEDULES,
     ScheduleError,
@@ -18,6 +19,8 @@ from mpihybrid.pipeline.schedules import (
     placement_of,
 )
 from mpihybrid.pipeline.simulate import simulate, unit_costs
+from mpihybrid.trace.file import load
+from tests.helpers import run_mpi
 
 # Written the way torch.distributed.pipelining's ScheduleZBVZeroBubble(pp=2, n_microbatches=4)
 # fills pipeline_order (its _calculate_single_rank_operations: rank r's row starts with r idle
@@ -124,3 +127,49 @@ def test_schedule_show_writes_and_reads_csv(tmp_path):
     assert "3F0" in again.output and "placement v: stages per rank r0:0,3 r1:1,2" in again.output
     bad = runner.invoke(main, ["schedule", "show", "--schedule", "csv:/no/such.csv"])
     assert bad.exit_code == 2 and "csv:/no/such.csv: cannot read it" in bad.output
+
+
+def test_a_trace_carrying_its_csv_resolves_to_that_copy(tmp_path):
+    # two runs of one path whose file changed between them, and the file gone: each trace's
+    # schedule is the CSV it carries
+    gpipe = dump_csv(build_schedule("gpipe", 2, 2), simulate(
+        build_schedule("gpipe", 2, 2), placement_of("gpipe", 2, 1)).start)  # fmt: skip
+    zbv = TORCH_ZBV.read_bytes().decode()
+    name = f"csv:{tmp_path / 'gone.csv'}"
+    first = from_trace({"schedule": name, "schedule_csv": zbv})
+    second = from_trace({"schedule": name, "schedule_csv": gpipe})
+    assert first != second and first.startswith(name)
+    assert build_schedule(first, 2, 4, 2) == build_schedule("zb-v", 2, 4, 2)
+    assert build_schedule(second, 2, 2, 1) == build_schedule("gpipe", 2, 2)
+    assert from_trace({"schedule": "zb-v"}) == "zb-v"
+    assert from_trace({"schedule": name}) == name  # an older trace: the file, as before
+    with pytest.raises(ScheduleError, match="cannot read it"):
+        build_schedule(name, 2, 4, 2)
+
+
+@pytest.mark.mpi
+def test_csv_run_is_analysed_after_its_file_is_deleted(tmp_path):
+    csv_file, trace = tmp_path / "zbv.csv", tmp_path / "run.h5"
+    csv_file.write_bytes(TORCH_ZBV.read_bytes())
+    proc = run_mpi(2, "-m", "mpihybrid", "train", "--quiet", "--trace", str(trace),
+                   "--set", f"train.schedule=csv:{csv_file}", "--set", "model.depth=8",
+                   "--set", "model.hidden=16", "--set", "train.steps=2",
+                   "--set", "train.microbatches=4")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    csv_file.unlink()
+    run = load(trace)
+    assert run.attrs["schedule"] == f"csv:{csv_file}"
+    assert run.attrs["schedule_csv"] == TORCH_ZBV.read_bytes().decode()  # as it ran
+    result = analyze(run)
+    assert result["run"]["schedule"] == f"csv:{csv_file}"
+    assert 0.0 < result["bubble"]["predicted"] < 1.0
+    assert [s["predicted_peak_inflight"] for s in result["stages"]] == [4, 3, 2, 1]
+    runner = CliRunner()
+    for command in (["analyze", str(trace)], ["timeline", str(trace), "--ascii"],
+                    ["schedule", "show", "--trace", str(trace)]):  # fmt: skip
+        shown = runner.invoke(main, command)
+        assert shown.exit_code == 0 and "cannot read it" not in shown.output, shown.output
+    shown = runner.invoke(main, ["schedule", "show", "--trace", str(trace), "--csv",
+                                 str(tmp_path / "back.csv")])  # fmt: skip
+    assert (tmp_path / "back.csv").read_bytes() == TORCH_ZBV.read_bytes()
+    assert "placement v: stages per rank r0:0,3 r1:1,2" in shown.output

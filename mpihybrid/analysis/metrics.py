@@ -22,6 +22,7 @@ except ModuleNotFoundError:  # Python 3.10
 from mpihybrid.analysis.bandwidth import allreduce_bandwidth
 from mpihybrid.analysis.costs import stage_costs
 from mpihybrid.analysis.rows import durations, group_max, group_min, group_sum, groups
+from mpihybrid.pipeline.csv_schedule import from_trace
 from mpihybrid.pipeline.liveness import replay_rows
 from mpihybrid.trace.file import Trace
 from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS, step_times
@@ -290,7 +291,8 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     run["oversubscribed"] = oversubscription(attrs)
     if not trace.has_actions:
         return _steps_only(trace, run, config, skip_steps)
-    pp, dp, schedule, m = run["pp"], run["dp"], run["schedule"], run["microbatches"]
+    pp, dp, m = run["pp"], run["dp"], run["microbatches"]
+    schedule = from_trace(attrs)  # a csv: schedule from the trace's copy of its CSV
     v, early = run["virtual_stages"], run["early_grad_send"]
     num_stages = pp * v
     all_steps = ev[ev["kind"] == KIND["step"]]

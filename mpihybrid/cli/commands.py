@@ -405,14 +405,34 @@ def schedule() -> None:
     help="Also write the schedule as torch.distributed.pipelining's compute-only CSV "
     '(_dump_csv; train.schedule = "csv:FILE" reads it back).',
 )
-def schedule_show(name, pp, microbatches, virtual, show_all, early_grad_send, grid, csv_path):
+@click.option(
+    "--trace",
+    "trace_path",
+    metavar="RUN.h5",
+    default=None,
+    help="The schedule a traced run ran: its schedule, pp, M, v and early gradient sends "
+    "(a csv: schedule from the trace's copy of the file).",
+)
+def schedule_show(
+    name, pp, microbatches, virtual, show_all, early_grad_send, grid, csv_path, trace_path
+):
     """Print a schedule's step x rank grid, predicted bubble and peak activations."""
-    from mpihybrid.pipeline.csv_schedule import dump_csv
+    from mpihybrid.pipeline.csv_schedule import dump_csv, from_trace
     from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, chunks_for, placement_of
     from mpihybrid.pipeline.simulate import compare, describe, simulate, unit_costs
 
-    if show_all and csv_path:
-        _fail("--csv writes one schedule: name it with --schedule instead of --all")
+    if show_all and (csv_path or trace_path):
+        _fail(f"{'--csv' if csv_path else '--trace'} shows one schedule, not --all")
+    if trace_path:
+        from mpihybrid.trace.file import TraceError, load
+
+        try:
+            attrs = load(trace_path).attrs
+        except TraceError as exc:
+            _fail(str(exc))
+        name, pp, microbatches = from_trace(attrs), int(attrs["pp"]), int(attrs["microbatches"])
+        virtual = int(attrs.get("virtual_stages", 1))
+        early_grad_send = bool(attrs.get("early_grad_send", False))
     try:
         v = virtual if virtual is not None else (2 if show_all else chunks_for(name))
         _check_schedule_size(pp, microbatches, v)

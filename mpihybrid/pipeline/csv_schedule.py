@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import hashlib
 import io
 import os
 import re
@@ -96,31 +97,61 @@ def parse_csv(text: str, source: str) -> tuple[dict[int, list[Action]], Placemen
     return actions, placement, m
 
 
+# csv:PATH@HASH -> the CSV text a trace carries (from_trace): what ran, whatever PATH holds now
+_EMBEDDED: dict[str, str] = {}
+
+
 @functools.lru_cache(maxsize=16)
-def _read(path: str, stamp: tuple[int, int]) -> tuple[dict[int, list[Action]], Placement, int]:
+def _file_text(path: str, stamp: tuple[int, int]) -> str:
     try:
         with open(path, newline="") as fh:
-            text = fh.read()
+            return fh.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ScheduleError(f"csv:{path}: cannot read it ({exc})") from None
-    return parse_csv(text, f"csv:{path}")
 
 
-def read_csv(path: str) -> tuple[dict[int, list[Action]], Placement, int]:
-    """The file's compute lists, placement and micro-batch count (cached while unchanged)."""
+def csv_text(name: str) -> str:
+    """The CSV text of schedule `name` (csv:PATH): a trace's copy for a name from_trace gave,
+    else the file's (cached while the file is unchanged)."""
+    if name in _EMBEDDED:
+        return _EMBEDDED[name]
+    path = name[len("csv:") :]
     try:
         st = os.stat(path)
     except OSError as exc:
         raise ScheduleError(f"csv:{path}: cannot read it ({exc.strerror})") from None
-    actions, placement, m = _read(path, (st.st_mtime_ns, st.st_size))
+    return _file_text(path, (st.st_mtime_ns, st.st_size))
+
+
+def from_trace(attrs: dict) -> str:
+    """The schedule name to build a trace's schedule by: for a csv: schedule whose trace carries
+    its CSV (the `schedule_csv` attribute), a name that resolves to that copy, so the trace is
+    analysed as it ran though the file be gone or changed; otherwise the `schedule` attribute."""
+    name, text = str(attrs["schedule"]), attrs.get("schedule_csv")
+    if not name.startswith("csv:") or text is None:
+        return name
+    text = str(text)
+    key = f"{name}@{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    _EMBEDDED[key] = text
+    return key
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(text: str, source: str) -> tuple[dict[int, list[Action]], Placement, int]:
+    return parse_csv(text, source)
+
+
+def read_csv(name: str) -> tuple[dict[int, list[Action]], Placement, int]:
+    """The compute lists, placement and micro-batch count of `name` (csv:PATH, or a bare PATH)."""
+    name = name if name.startswith("csv:") else f"csv:{name}"
+    actions, placement, m = _parsed(csv_text(name), name)
     return {r: list(acts) for r, acts in actions.items()}, placement, m
 
 
 def csv_spec(name: str) -> ScheduleSpec:
     """The ScheduleSpec of `csv:PATH`: the file's lists, its rows' placement, its M; no closed
     bubble formula (simulate.bubble_formula simulates it)."""
-    path = name[len("csv:") :]
-    actions, placement, m_file = read_csv(path)
+    actions, placement, m_file = read_csv(name)
 
     def check(pp: int, m: int, v: int) -> None:
         if pp != placement.pp:

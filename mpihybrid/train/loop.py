@@ -34,6 +34,7 @@ from mpihybrid.nn.data import build_task, heldout, replica_microbatches, task_di
 from mpihybrid.nn.model import block_costs, boundary_shapes, build_blocks, build_stage
 from mpihybrid.nn.optim import ShardedOptimizer, build_optimizer
 from mpihybrid.pipeline.as_run import grid_as_run
+from mpihybrid.pipeline.csv_schedule import csv_text
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
 from mpihybrid.pipeline.schedules import build_schedule, lower, placement_of
 from mpihybrid.trace.file import TraceWriter
@@ -780,7 +781,10 @@ def _placement(job: Job):
 
 
 def layout_attrs(job: Job, world_size: int) -> dict:
-    """The trace attributes that say how the run was laid out (what analysis reads back)."""
+    """The trace attributes that say how the run was laid out (what analysis reads back); a
+    csv: schedule's text goes with them, so its trace is analysed without the file."""
+    schedule = job.train.schedule
+    text = {"schedule_csv": csv_text(schedule)} if schedule.startswith("csv:") else {}
     return {
         "world_size": world_size,
         "pp": job.grid.pp,
@@ -792,6 +796,7 @@ def layout_attrs(job: Job, world_size: int) -> dict:
         "early_grad_send": job.train.early_grad_send,
         "codec": job.comm.codec,
         "device": job.grid.device,
+        **text,
     }
 
 
