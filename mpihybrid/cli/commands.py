@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -33,6 +34,7 @@ EXIT_PREEMPTED = 3  # a signal asked the job to stop; a checkpoint was written (
 MAX_REPEATS = 10_000
 MAX_STEPS = 100_000
 MAX_SIZES = 64  # bench allreduce --sizes (each size: what the node's memory holds)
+ABORT_DRAIN_S = 0.25  # abort_job: time for the launcher to forward the rank's last line
 DEBUG_ENV = "MPIHYBRID_DEBUG"  # set (not 0): a failing rank prints its full traceback
 
 
@@ -267,6 +269,10 @@ def abort_job(world, exc: BaseException, what: str, debug: bool) -> NoReturn:
     sys.stderr.write(f"mpihybrid: error: {what} failed on {where}: {_one_line(exc)}\n")
     sys.stdout.flush()
     sys.stderr.flush()
+    # The launcher forwards a rank's stderr on its own time, and MPI_Abort can end the
+    # forwarding before it has read the line (the line was lost once in a loaded test run):
+    # give it a moment, on this failure path only.
+    time.sleep(ABORT_DRAIN_S)
     try:
         world.Abort(EXIT_FAILED)
     finally:
