@@ -124,3 +124,34 @@ def test_rings_allocate_what_the_memory_model_counts():
             assert len(r["refused"]) == 4, r
         else:
             assert min(r["gradient_gather_wires"]) > 0 and r["refused"] == [], r
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_recompute_under_a_w_split_counts_the_w_caches(schedule):
+    """train.recompute = full drops a micro-batch's forward cache, but a split backward keeps
+    what its W reads (each Linear's input and output gradient) from the B to the W: the memory
+    model counts those on top of the inputs in flight and the one cache a backward rebuilds."""
+    from mpihybrid.config import load_job
+    from mpihybrid.nn.cost import stage_work
+    from mpihybrid.pipeline.schedules import build_schedule
+    from mpihybrid.train.memory import rank_memory, wcache_bytes
+
+    sets = [f"train.schedule={schedule}", "train.microbatches=8", "train.global_batch=16"]
+    full = load_job("jobs/gpt_bench.toml", [*sets, "train.recompute=full"], 2)
+    work = stage_work(full)
+    t = full.train
+    lists = build_schedule(schedule, 2, 8, t.virtual_stages, t.early_grad_send)
+    for rank, actions in lists.items():
+        waiting, most = set(), 0  # the W caches alive at once, in bytes
+        for a in actions:
+            if a.kind == "B" and any(w.kind == "W" and w.stage == a.stage for w in actions):
+                waiting.add((a.stage, a.microbatch))
+            elif a.kind == "W":
+                waiting.discard((a.stage, a.microbatch))
+            most = max(most, sum(wcache_bytes(work[s]) for s, _ in waiting))
+        assert most > 0
+        mine = {a.stage for a in actions}
+        counted = rank_memory(full, work, actions, False)["parts"]["activations"]
+        rebuilt = max(work[s].activation_bytes for s in mine)
+        print(schedule, rank, counted, most, rebuilt)
+        assert counted >= most + rebuilt

@@ -47,6 +47,12 @@ def data_bytes(job: Job) -> int:
     return 2 * 8 * d.seq_len * (t.global_batch + d.test_samples)  # tokens and targets, int64
 
 
+def wcache_bytes(work: ChunkWork) -> int:
+    """Bytes a split backward keeps from its B to its W for one micro-batch: the operands of
+    the W's GEMMs (each Linear's input and output gradient)."""
+    return sum(FLOAT * b * (m * k + k * n) for b, m, k, n in work.gemms("W"))
+
+
 def rank_memory(
     job: Job,
     work: list[ChunkWork],
@@ -80,11 +86,18 @@ def rank_memory(
     split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
     live = Liveness(split)
     recompute = t.recompute == "full"  # a micro-batch in flight keeps its input alone
+    waiting, peak = {}, 0  # recompute: a split B's W caches until its W, and the peak with them
     for a in actions:
         held = work[a.stage].input_bytes if recompute else work[a.stage].activation_bytes
         live.step(a.kind, a.stage, a.microbatch, held)
+        if recompute and (a.stage, a.microbatch) in split and a.kind in "BW":
+            if a.kind == "B":  # what its W's GEMMs read: the Linear inputs, output gradients
+                waiting[a.stage, a.microbatch] = wcache_bytes(work[a.stage])
+            else:
+                waiting.pop((a.stage, a.microbatch))
+        peak = max(peak, live.total_bytes + sum(waiting.values()))
     if recompute:  # and one micro-batch's forward cache lives again during its backward
-        live.peak_total_bytes += max(work[s].activation_bytes for s in mine)
+        live.peak_total_bytes = peak + max(work[s].activation_bytes for s in mine)
     # every receive of a step is posted when it starts: one buffer per (direction, mb)
     last, recv = len(work) - 1, 0
     for s in mine:
