@@ -16,7 +16,7 @@ from tests.helpers import ROOT, results, run_mpi
 pytestmark = pytest.mark.mpi
 
 TORCH_ZBV = f"csv:{ROOT / 'tests' / 'data' / 'torch_zbv_pp2_m4.csv'}"
-NEW = "zb-h2,zb-v,dualpipev"
+NEW = "zb-h2,zb-v,dualpipev,v-half"
 TINY_GPT = ["model.kind=gpt", "model.hidden=16", "model.heads=2", "model.ffn=32", "data.vocab=37",
             "data.seq_len=8", "data.test_samples=4", "data.kind=markov"]  # fmt: skip
 
@@ -36,7 +36,7 @@ def _run(n: int, schedules: str, settings: list[str], timeout: float = 120) -> l
         # dualpipev's fewest micro-batches (2p); zb-v below 2p-1 (torch's padding) at pp=3
         (2, 2, 4, f"{NEW},{TORCH_ZBV}", "mlp"),
         (3, 1, 6, NEW, "mlp"),
-        (3, 1, 3, "zb-h2,zb-v", "mlp"),
+        (3, 1, 3, "zb-h2,zb-v,v-half", "mlp"),
         (4, 1, 8, NEW, "mlp"),
         (2, 1, 6, NEW, "gpt"),
         (2, 2, 4, "zb-v,dualpipev", "gpt"),

@@ -62,6 +62,7 @@ def read_csv(path) -> list[dict]:
 def test_parse_schedules_and_microbatches():
     assert parse_schedules("all") == [
         "naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev",
+        "v-half",
     ]  # fmt: skip
     assert parse_schedules("zb-h1,gpipe") == ["zb-h1", "gpipe"]
     assert parse_microbatches("2,4,8") == [2, 4, 8]

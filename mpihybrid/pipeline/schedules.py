@@ -29,7 +29,7 @@ from mpihybrid.pipeline.actions import (
 from mpihybrid.pipeline.csv_schedule import csv_spec
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.spec import ScheduleSpec
-from mpihybrid.pipeline.v_schedules import dualpipev, zb_h2, zb_v
+from mpihybrid.pipeline.v_schedules import dualpipev, v_half, zb_h2, zb_v
 
 __all__ = [
     "Action", "COMM_KINDS", "COMPUTE_KINDS", "Placement", "ScheduleError", "ScheduleSpec",
@@ -177,6 +177,12 @@ SPECS: dict[str, ScheduleSpec] = {
             True, "p+1",
             note="dualpipev: each overlapped F&B pair runs as F then B on a CPU rank (one "
             "core's compute; DualPipe overlaps them on two CUDA streams)",
+        ),
+        ScheduleSpec(
+            "v-half", v_half, "v", 2, _one, "simulated (no closed form)", None, True,
+            "(p+2)//2",
+            note="v-half: a V holding at most (p+2)//2 micro-batches of a rank's share, "
+            "list-scheduled (not the paper's building block); its bubble is about 1F1B's or less",
         ),
     )
 }  # fmt: skip

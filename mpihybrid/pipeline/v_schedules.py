@@ -165,11 +165,17 @@ def dualpipev(pp: int, m: int, v: int = 2) -> dict[int, list[Action]]:
 # ---------------------------------------------------------------- the list scheduler
 
 
-def _greedy(placement: Placement, m: int, limit: list[int]) -> dict[int, list[Action]]:
+def _greedy(
+    placement: Placement, m: int, limit: list[int], reserve: int = 0
+) -> dict[int, list[Action]]:
     """Unit time, F = B = W: at every step each rank runs one action: a B whose gradient has
     arrived (the oldest micro-batch first), else an F whose input has arrived while the rank
     holds fewer than limit[rank] chunk micro-batches (the latest stage first, pushing work down
-    the pipe), else the oldest deferred W. Messages arrive the step after they are sent."""
+    the pipe), else the oldest deferred W. Messages arrive the step after they are sent.
+    reserve: on a rank of two chunks, forwards of its first chunk stop `reserve` short of the
+    limit, so the second chunk's forward, which turns a micro-batch back towards its
+    backward, always has room (without it a V fills every rank with first-chunk forwards and
+    stalls)."""
     last = placement.num_stages - 1
     done: set[tuple[str, int, int]] = set()
     next_f = dict.fromkeys(range(last + 1), 0)
@@ -190,17 +196,20 @@ def _greedy(placement: Placement, m: int, limit: list[int]) -> dict[int, list[Ac
                 and ("F", s, next_b[s]) in done
                 and (s == last or ("B", s + 1, next_b[s]) in done)
             ]
+            first = stages[0] if len(stages) > 1 else None
             forwards = [
                 (-s, s)
                 for s in stages
-                if next_f[s] < m and (s == 0 or ("F", s - 1, next_f[s]) in done)
+                if next_f[s] < m
+                and (s == 0 or ("F", s - 1, next_f[s]) in done)
+                and alive[r] < limit[r] - (reserve if s == first else 0)
             ]
             if backwards:
                 _, _, s = min(backwards)
                 a = Action(s, "B", next_b[s])
                 next_b[s] += 1
                 deferred[r].append((s, a.microbatch))
-            elif forwards and alive[r] < limit[r]:
+            elif forwards:
                 _, s = min(forwards)
                 a = Action(s, "F", next_f[s])
                 next_f[s] += 1
@@ -227,3 +236,12 @@ def zb_h2(pp: int, m: int, v: int = 1) -> dict[int, list[Action]]:
     paper drops the optimizer's synchronisation); a step here ends with a world Allreduce (the
     loss, the stop agreement), so one step idles like ZB-H1, (p-1)/(3m+p-1)."""
     return _greedy(Placement.loop(pp), m, [max(pp, 2 * (pp - r) - 1) for r in range(pp)])
+
+
+def v_half(pp: int, m: int, v: int = 2) -> dict[int, list[Action]]:
+    """V-Half (the controllable-memory paper's memory column, (p+2)//2 micro-batches of a
+    rank's share, about half of 1F1B's p): the list scheduler on the V with each rank holding
+    at most 2 * ((p+2)//2) chunk micro-batches, one of them kept for its second chunk. Not the
+    paper's building-block construction: its bubble with equal costs is below 1F1B's from
+    p = 3 on and equal at p = 2, above the paper's V-Half (about p/(2m))."""
+    return _greedy(Placement.v(pp), m, [2 * ((pp + 2) // 2)] * pp, reserve=1)
