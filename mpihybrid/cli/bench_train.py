@@ -37,6 +37,7 @@ the per-step metrics collective included). Reported:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import statistics
 import sys
@@ -379,9 +380,24 @@ def _run_repeats(
     from mpihybrid.train.memory import reset_peak_rss
 
     runs, other_walls, summary, roofs, peak_rss = [], [], None, [], None
-    for _ in range(repeats):
+
+    def fresh_train(which: Job):
+        gc.collect()  # the last run's cycles are freed now, not inside this run's steps
+        world.Barrier()
+        return train(which, world, quiet=True)
+
+    def run_other() -> None:
+        other_summary = fresh_train(other)
+        if world.rank == 0:
+            other_walls.append(_measured_wall(other_summary.events, warmup))
+
+    for i in range(repeats):
+        # pairs in ABBA order: whatever running first or second does to a run (the heap the
+        # run before left, the roofline pass) falls on both jobs alike over two repeats
+        if other is not None and i % 2:
+            run_other()
         reset_peak_rss()  # the last repeat's roofline pass and the other job do not count
-        summary = train(job, world, quiet=True)
+        summary = fresh_train(job)
         if world.rank == 0:
             mine = summary.peak_rss_bytes
             peak_rss = mine if peak_rss is None else list(map(max, peak_rss, mine))
@@ -396,10 +412,8 @@ def _run_repeats(
             if progress is not None:
                 step_ms = 1e3 * runs[-1][1]
                 progress(f"[{len(runs)}/{repeats}] repeat {len(runs)}: {step_ms:.1f} ms/step")
-        if other is not None:
-            other_summary = train(other, world, quiet=True)
-            if world.rank == 0:
-                other_walls.append(_measured_wall(other_summary.events, warmup))
+        if other is not None and not i % 2:
+            run_other()
     return runs, other_walls, summary, roofs, peak_rss
 
 
