@@ -611,7 +611,7 @@ def test_bench_train_reports_consistent_figures():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    other = out["against"]  # gpipe, run right after each 1f1b repeat
+    other = out["against"]  # gpipe, run beside each 1f1b repeat (ABBA)
     assert other["overrides"] == ["train.schedule=gpipe"] and len(other["throughputs"]) == 2
     assert other["ratios"] == pytest.approx(
         [a / b for a, b in zip(out["throughputs"], other["throughputs"], strict=True)]

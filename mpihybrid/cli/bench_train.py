@@ -29,9 +29,9 @@ the per-step metrics collective included). Reported:
                    before each repeat, read after its last step: neither evaluation nor the
                    roofline pass counts), the largest over repeats; peak activations per
                    stage, measured and predicted by the schedule
-    against        (--against KEY=VALUE) the job with those overrides, run right after each
-                   repeat: its tokens/s, and this job's over it repeat by repeat (pairs in time
-                   cancel most of a drifting machine's noise)
+    against        (--against KEY=VALUE) the job with those overrides, run beside each repeat
+                   (after it, then before the next: ABBA): its tokens/s, and this job's over it
+                   repeat by repeat (pairs in time cancel most of a drifting machine's noise)
 """
 
 from __future__ import annotations
@@ -245,8 +245,8 @@ def bench_train(
 ) -> dict | None:
     """Run the benchmark on every rank; rank 0 gets the results (progress: a line per repeat).
 
-    against: (another job, the overrides that made it): each repeat also runs that job, right
-    after this one, so the two are compared pair by pair under the same machine drift.
+    against: (another job, the overrides that made it): each repeat also runs that job, after
+    this one and before it in turn, so the two are compared pair by pair under the same drift.
     """
     # Over 60 lines because most of it is the one literal of the result (--json prints it):
     # its keys read in the order the report prints them.
@@ -371,7 +371,7 @@ def _run_repeats(
     gemms: list[Gemm],
     progress=None,
 ):
-    """Train the job `repeats` times (and `other` right after each); on rank 0 the runs as
+    """Train the job `repeats` times (and `other` beside each, ABBA); on rank 0 the runs as
     (wall, median step time, analysis, events), the other job's walls, the last Summary, per
     repeat every rank's GEMM rate measured right after it, and every rank's peak resident set
     over the training steps (the largest of the repeats)."""

@@ -625,8 +625,8 @@ def bench_codecs(size, codecs, repeats, as_json) -> None:
     "--against",
     multiple=True,
     metavar="SECTION.KEY=VALUE",
-    help="Also run the job with this override (repeatable), right after each repeat, and "
-    "print the throughput ratio repeat by repeat.",
+    help="Also run the job with this override (repeatable) beside each repeat (after it, then "
+    "before the next: ABBA), and print the throughput ratio repeat by repeat.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress line per repeat on stderr.")
