@@ -9,10 +9,11 @@ Each round runs, in this order: torch 1F1B (`benchmarks/torch_pipelining.py --sc
 then for each kernel set (MPIHYBRID_BLAS, mpihybrid/_blas.py: `off` = OpenBLAS's own pick, a
 name = that set, `cache` = what `mpihybrid bench blas --save` chose) every mpihybrid run:
 `mpiexec -n 2 mpihybrid bench train jobs/gpt_bench.toml --json --repeats 1` with zb-v, with 1F1B
-and at pp=1 x dp=2 (without and with train.shard_optimizer: fp32 ZeRO-1 has the same bits). A run's roofline is measured right after it, with its own kernels. Printed:
-per run the median over rounds of tokens/s and of roofline fraction with their ranges, and the
-ratios paired within each round: against torch, against 1F1B (same kernels) and kernel set
-against the first. Needs torch (CPU) for the torch column; never runs in CI.
+and at pp=1 x dp=2 (without and with train.shard_optimizer: fp32 ZeRO-1 has the same bits).
+A run's roofline is measured right after it, with its own kernels. Printed: per run the median
+over rounds of tokens/s and of roofline fraction with their ranges, and the ratios paired within
+each round: against torch, against 1F1B (same kernels) and kernel set against the first. Needs
+torch (CPU) for the torch column; never runs in CI.
 """
 
 from __future__ import annotations
