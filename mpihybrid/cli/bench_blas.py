@@ -8,7 +8,8 @@ each kernel set is timed in fresh processes: `--ranks` of them at once (default:
 as training runs, every core busy), each timing one pass over the job's GEMMs (the shapes its
 layers declare, Layer.cost: the roofline's list) `--repeats` times. The kernel sets take turns
 round after round, so a change in the machine's load falls on all alike; a set's time is the
-median over rounds of its slowest process. `--save` writes the winner to the cache that
+least over rounds of its slowest process (another process can only slow a round: a noisy
+round must not choose the kernels). `--save` writes the winner to the cache that
 mpihybrid/_blas.py reads before numpy loads (OpenBLAS's own pick wins ties within 1 %).
 Measured once per machine; results depend on the kernels (the bits of a run change with them).
 """
@@ -133,7 +134,7 @@ def measure(gemms: list, ranks: int, repeats: int, rounds: int, echo=None) -> li
     for name, times in seen.items():
         if name != DEFAULT and kernels[name] == kernels.get(DEFAULT):
             continue  # the same kernels as OpenBLAS's own pick
-        t = statistics.median(times)
+        t = min(times)
         gflops = flops / t / 1e9
         rows.append({"name": name, "kernels": kernels[name], "seconds": t, "gflops": gflops})
     base = next((row["seconds"] for row in rows if row["name"] == DEFAULT), None)
@@ -197,7 +198,7 @@ def _job(job_file: str | None, overrides: list[str], ranks: int):
 @click.option("--ranks", type=click.IntRange(1, 1024), default=None,
               help="Processes timed at once (default: the machine's cores).")  # fmt: skip
 @click.option("--repeats", type=click.IntRange(1, 1000), default=5, show_default=True)
-@click.option("--rounds", type=click.IntRange(1, 100), default=3, show_default=True)
+@click.option("--rounds", type=click.IntRange(1, 100), default=5, show_default=True)
 @click.option("--save", "do_save", is_flag=True,
               help="Write the fastest to the cache every mpihybrid run reads.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
