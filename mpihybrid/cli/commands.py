@@ -203,6 +203,11 @@ def _timed_partition(job, world):
         except Exception as exc:  # rank 0 alone, while the others wait in bcast: end them all
             abort_job(world, exc, "timing the model's blocks", _debug_env())
     counts = world.bcast(counts, root=0)
+    logging.getLogger("mpihybrid").info(
+        "model.partition = 'timed': %s layers per chunk (embedding with the first, head with "
+        "the last)",
+        counts,
+    )
     return dataclasses.replace(job, model=dataclasses.replace(job.model, partition=counts))
 
 
