@@ -64,15 +64,20 @@ def cpu_info() -> tuple[str, set[str]]:
     return model, flags
 
 
-def openblas_file() -> str:
-    """File name of the OpenBLAS that numpy bundles ("" if none is found): names its build."""
+def openblas_path() -> str:
+    """Path of the OpenBLAS that numpy bundles ("" if none is found), without importing numpy."""
     spec = importlib.util.find_spec("numpy")
     if spec is None or not spec.origin:
         return ""
     here = os.path.dirname(spec.origin)
     found = sorted(glob.glob(os.path.join(here, os.pardir, "numpy.libs", "*openblas*")))
     found += sorted(glob.glob(os.path.join(here, ".dylibs", "*openblas*")))
-    return os.path.basename(found[0]) if found else ""
+    return found[0] if found else ""
+
+
+def openblas_file() -> str:
+    """File name of numpy's OpenBLAS ("" if none is found): it names the build."""
+    return os.path.basename(openblas_path())
 
 
 def machine_key() -> dict[str, str]:

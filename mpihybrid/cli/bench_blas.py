@@ -34,7 +34,7 @@ from mpihybrid._blas import (
     candidates,
     cpu_info,
     machine_key,
-    openblas_file,
+    openblas_path,
 )
 
 DEFAULT = "default"  # OpenBLAS's own pick: OPENBLAS_CORETYPE unset
@@ -43,22 +43,18 @@ TIE = 0.01  # a kernel set must beat OpenBLAS's own pick by this much to be chos
 
 def openblas_core() -> str:
     """The kernel set numpy's OpenBLAS runs in this process ("" if numpy's BLAS is another)."""
-    import numpy as np
+    import numpy as np  # noqa: F401  (loads the library: the CDLL below is the same handle)
 
-    name = openblas_file()
-    if not name:
+    path = openblas_path()
+    if not path:
         return ""
-    here = os.path.dirname(np.__file__)
-    for folder in (os.path.join(here, os.pardir, "numpy.libs"), os.path.join(here, ".dylibs")):
-        path = os.path.join(folder, name)
-        if os.path.exists(path):
-            lib = ctypes.CDLL(path)  # already loaded by numpy: the same handle
-            for symbol in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename",
-                           "openblas_get_corename64_", "openblas_get_corename"):  # fmt: skip
-                fn = getattr(lib, symbol, None)
-                if fn is not None:
-                    fn.restype = ctypes.c_char_p
-                    return fn().decode()
+    lib = ctypes.CDLL(path)
+    for symbol in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename",
+                   "openblas_get_corename64_", "openblas_get_corename"):  # fmt: skip
+        fn = getattr(lib, symbol, None)
+        if fn is not None:
+            fn.restype = ctypes.c_char_p
+            return fn().decode()
     return ""
 
 
@@ -206,7 +202,7 @@ def bench_blas(job_file, overrides, ranks, repeats, rounds, do_save, as_json) ->
     """Time JOB_FILE's matmuls under each OpenBLAS kernel set; --save keeps the fastest."""
     from mpihybrid.nn.cost import model_gemms
 
-    if not openblas_file():
+    if not openblas_path():
         click.echo("mpihybrid: error: numpy's BLAS is not OpenBLAS: no kernel set to choose",
                    err=True)  # fmt: skip
         sys.exit(2)
