@@ -20,6 +20,7 @@ from typing import Any
 from mpihybrid.comm.buckets import PROGRESS
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
+from mpihybrid.comm.layout import ORDERS, Layout
 from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
 
 if sys.version_info >= (3, 11):
@@ -28,7 +29,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OPTIMIZERS = ("sgd", "adamw")
-ORDERS = ("pipeline-inner", "data-inner")
 PARAM_CODECS = ("fp32", "bf16", "int8")  # the weight all-gather of train.shard_optimizer
 RECOMPUTE = ("none", "full")
 DATA_FOR_MODEL = {"mlp": ("teacher",), "gpt": ("random-tokens", "markov", "tokens")}
@@ -48,6 +48,11 @@ class GridConfig:
         "pipeline-inner"  # pipeline-inner: rank = dp_rank*pp + pp_rank; data-inner: swapped
     )
     device: str = "cpu"  # cpu (numpy) | cuda (CuPy, GPU local_rank % GPUs on the node)
+
+    @property
+    def layout(self) -> Layout:
+        """Where each rank sits (a resolved grid: dp known)."""
+        return Layout(self.pp, self.dp, self.order)
 
 
 @dataclass(frozen=True)

@@ -14,17 +14,18 @@ ALL_SCHEDULES = "naive,gpipe,1f1b,interleaved-1f1b,zb-h1"
 
 
 @pytest.mark.parametrize(
-    "pp, dp, schedules",
+    "pp, dp, schedules, order",
     [
-        (1, 1, "gpipe,1f1b"),
-        (2, 1, ALL_SCHEDULES),
-        (1, 2, "gpipe,1f1b"),
-        (2, 2, ALL_SCHEDULES),
-        (4, 1, ALL_SCHEDULES),
-        (3, 4, "gpipe,1f1b,zb-h1"),
+        (1, 1, "gpipe,1f1b", "pipeline-inner"),
+        (2, 1, ALL_SCHEDULES, "pipeline-inner"),
+        (1, 2, "gpipe,1f1b", "pipeline-inner"),
+        (2, 2, ALL_SCHEDULES, "pipeline-inner"),
+        (4, 1, ALL_SCHEDULES, "pipeline-inner"),
+        (3, 4, "gpipe,1f1b,zb-h1", "pipeline-inner"),
+        (2, 2, "1f1b", "data-inner"),  # a stage's replicas on consecutive ranks
     ],
 )
-def test_hybrid_equals_serial(pp, dp, schedules):
+def test_hybrid_equals_serial(pp, dp, schedules, order):
     m = 2 * pp if pp > 1 else 3  # interleaved needs M % pp == 0
     proc = run_mpi(
         pp * dp,
@@ -32,6 +33,8 @@ def test_hybrid_equals_serial(pp, dp, schedules):
         "--serial",
         "--schedules",
         schedules,
+        "--set",
+        f"grid.order={order}",
         "--set",
         f"grid.pp={pp}",
         "--set",

@@ -1,9 +1,5 @@
-"""ProcessGrid: world = pp x dp ranks as a 2-D Cartesian grid, with a communicator per axis.
-
-pipeline-inner (default): rank = dp_rank * pp + pp_rank  -- a pipeline's stages are neighbours
-data-inner:               rank = pp_rank * dp + dp_rank  -- a stage's replicas are consecutive ranks
-                          (what a cluster with fast intra-node links wants for the all-reduce)
-"""
+"""ProcessGrid: world = pp x dp ranks, a communicator per axis; where a rank sits is its Layout
+(comm/layout.py: pipeline-inner or data-inner)."""
 
 from __future__ import annotations
 
@@ -11,10 +7,13 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from mpihybrid.comm.layout import Layout
+
 
 @dataclass
 class ProcessGrid:
     world: MPI.Comm
+    layout: Layout
     pp_comm: MPI.Comm  # my pipeline: the pp stages that hold my replica index
     dp_comm: MPI.Comm  # my stage's replicas
     pp_rank: int
@@ -23,22 +22,18 @@ class ProcessGrid:
     dp_size: int
 
     @classmethod
-    def build(cls, world: MPI.Comm, pp: int, dp: int, order: str = "pipeline-inner") -> ProcessGrid:
-        if pp * dp != world.Get_size():
-            raise ValueError(f"pp({pp}) * dp({dp}) = {pp * dp} != world size {world.Get_size()}")
-        # Row-major Cartesian ranks: the last dimension varies fastest.
-        dims = [dp, pp] if order == "pipeline-inner" else [pp, dp]
-        cart = world.Create_cart(dims, periods=[False, False], reorder=False)
-        coords = cart.Get_coords(cart.Get_rank())
-        if order == "pipeline-inner":
-            dp_rank, pp_rank = coords
-            pp_comm, dp_comm = cart.Sub([False, True]), cart.Sub([True, False])
-        else:
-            pp_rank, dp_rank = coords
-            pp_comm, dp_comm = cart.Sub([True, False]), cart.Sub([False, True])
-        cart.Free()
+    def build(cls, world: MPI.Comm, layout: Layout) -> ProcessGrid:
+        if layout.world != world.Get_size():
+            raise ValueError(
+                f"pp({layout.pp}) * dp({layout.dp}) = {layout.world} != world size "
+                f"{world.Get_size()}"
+            )
+        pp_rank, dp_rank = layout.coords(world.Get_rank())
+        # ranked by position: pp_comm's rank is the stage position, dp_comm's the replica index
+        pp_comm = world.Split(color=dp_rank, key=pp_rank)
+        dp_comm = world.Split(color=pp_rank, key=dp_rank)
         assert pp_comm.Get_rank() == pp_rank and dp_comm.Get_rank() == dp_rank
-        return cls(world, pp_comm, dp_comm, pp_rank, pp, dp_rank, dp)
+        return cls(world, layout, pp_comm, dp_comm, pp_rank, layout.pp, dp_rank, layout.dp)
 
     @property
     def rank(self) -> int:
@@ -61,10 +56,9 @@ class ProcessGrid:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    def world_rank_of(self, pp_rank: int, dp_rank: int, order: str = "pipeline-inner") -> int:
-        if order == "pipeline-inner":
-            return dp_rank * self.pp_size + pp_rank
-        return pp_rank * self.dp_size + dp_rank
+    def replica_neighbour(self, step: int) -> int:
+        """World rank of my stage's replica `step` places along the ring (+1 next, -1 previous)."""
+        return self.layout.rank(self.pp_rank, (self.dp_rank + step) % self.dp_size)
 
     def tag(self) -> str:
         """Log prefix: [r3 pp1 dp1]."""

@@ -345,8 +345,7 @@ def _base_memory(trace: Trace, job, cluster: Cluster) -> tuple[float, str]:
         device=dataclasses.replace(cluster.device, base_memory_bytes=0.0, kernel_memory_bytes=0.0),
     )
     arrays = [rank_memory(job, work, actions[r], bare)["total_bytes"] for r in range(g.pp)]
-    pp_of = [r % g.pp if g.order == "pipeline-inner" else r // g.dp for r in range(len(measured))]
-    rest = [float(m) - arrays[pp_of[r]] for r, m in enumerate(measured)]
+    rest = [float(m) - arrays[g.layout.coords(r)[0]] for r, m in enumerate(measured)]
     kernels = cluster.device.kernel_memory_bytes if runs_compiled_kernels(job) else 0.0
     mib = ", ".join(f"{m / 2**20:.0f}" for m in measured)
     return statistics.median(rest) - kernels, (

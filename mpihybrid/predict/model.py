@@ -81,13 +81,6 @@ def job_placement(job: Job):
     return placement_of(job.train.schedule, job.grid.pp, job.train.virtual_stages)
 
 
-def world_rank(job: Job, pp_rank: int, dp_rank: int) -> int:
-    g = job.grid
-    if g.order == "pipeline-inner":
-        return dp_rank * g.pp + pp_rank
-    return pp_rank * g.dp + dp_rank
-
-
 def _node(rank: int, cluster: Cluster) -> int:
     return rank // cluster.node.ranks_per_node
 
@@ -103,16 +96,11 @@ def _crossing(edges: list[tuple[int, int]], cluster: Cluster) -> tuple[bool, int
 
 def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
     """The slowest pipeline hop (activation or its gradient) between neighbouring chunks."""
-    g, placement = job.grid, job_placement(job)
+    layout, placement = job.grid.layout, job_placement(job)
     worst = 0.0
     for c in range(1, len(work)):
-        edges = [
-            (
-                world_rank(job, placement.rank_of(c - 1), d),
-                world_rank(job, placement.rank_of(c), d),
-            )
-            for d in range(g.dp)
-        ]
+        sources = layout.replica_ranks(placement.rank_of(c - 1))
+        edges = list(zip(sources, layout.replica_ranks(placement.rank_of(c)), strict=True))
         if all(a == b for a, b in edges):
             continue  # both chunks on one rank (interleaved, pp = 1)
         crosses, flows = _crossing(edges, cluster)
@@ -123,9 +111,12 @@ def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
 
 def _ring_crosses(job: Job, pp_rank: int, cluster: Cluster) -> bool:
     """Whether the ring of pp position `pp_rank`'s replicas leaves a node."""
-    p = job.grid.dp
-    ranks = [world_rank(job, pp_rank, d) for d in range(p)]
-    return _crossing([(ranks[d], ranks[(d + 1) % p]) for d in range(p)], cluster)[0]
+    return _crossing(_ring_edges(job.grid.layout.replica_ranks(pp_rank)), cluster)[0]
+
+
+def _ring_edges(ranks: list[int]) -> list[tuple[int, int]]:
+    """Each rank of a ring to the next."""
+    return [(r, ranks[(i + 1) % len(ranks)]) for i, r in enumerate(ranks)]
 
 
 def ring_seconds(job: Job, chunk: int, params: int, cluster: Cluster) -> tuple[float, float]:
@@ -157,11 +148,7 @@ def ring_half(
         return 0.0, 0.0
     crosses = _ring_crosses(job, job_placement(job).rank_of(chunk), cluster)
     # every stage's ring runs at about the same time: count all of them on the node's way out
-    all_edges = [
-        (world_rank(job, r, d), world_rank(job, r, (d + 1) % p))
-        for r in range(g.pp)
-        for d in range(p)
-    ]
+    all_edges = [e for r in range(g.pp) for e in _ring_edges(g.layout.replica_ranks(r))]
     _, flows = _crossing(all_edges, cluster)
     link: Link = cluster.links["network" if crosses else "node"]
     n = params / p

@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 
 from mpihybrid.comm.codecs import CODECS
+from mpihybrid.comm.layout import ORDERS
 from mpihybrid.config import ConfigError, Job, resolve
 from mpihybrid.pipeline.schedules import SCHEDULES, ScheduleError, chunks_for
 from mpihybrid.predict.cluster import Cluster
@@ -29,7 +30,6 @@ from mpihybrid.predict.model import pipeline, predict
 
 BUCKETS_KB = (256, 1024, 4096, 16384)
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
-ORDERS = ("pipeline-inner", "data-inner")
 
 
 class SearchError(ValueError):

@@ -230,7 +230,7 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     """Grid, task, this rank's stages, its action list, runtime, rings and optimizers."""
     g, t, c = job.grid, job.train, job.comm
     on_host = backend.xp is np
-    grid = ProcessGrid.build(world, g.pp, g.dp, g.order)
+    grid = ProcessGrid.build(world, g.layout)
     task = build_task(job.data)
     M, v = t.microbatches, t.virtual_stages
     placement = placement_of(t.schedule, g.pp, v)
@@ -247,7 +247,7 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     mb_size = t.global_batch // (g.dp * M)
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, mb_size)
     recorder, trace = _build_trace(job, world, grid.dp_rank, len(actions))
-    peer_ranks = [grid.world_rank_of(p, grid.dp_rank, g.order) for p in range(g.pp)]
+    peer_ranks = grid.layout.pipeline_ranks(grid.dp_rank)
     # a GPU's arrays belong to the main thread's device context: its buckets go after the step;
     # its rings encode on the device and MPI sees the encoded bytes (staged through the host)
     overlap = c.overlap if on_host else "off"
@@ -280,7 +280,7 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
         gradcomm=gradcomm,
         rings=rings,
         optimizers={s: _optimizer(t, st, rings[s]) for s, st in stages.items()},
-        ring_peer=grid.world_rank_of(grid.pp_rank, (grid.dp_rank + 1) % grid.dp_size, g.order),
+        ring_peer=grid.replica_neighbour(+1),
         peak_inflight=dict.fromkeys(stages, 0),
         trace=trace,
     )
@@ -362,7 +362,7 @@ def _train_step(job: Job, world: MPI.Comm, run: _Run, step: int, quiet: bool) ->
     _begin_updates(run)
     result = run.runtime.run_step(step, batches)
     # the ring waits on its predecessor most directly (with dp = 1 there is no ring)
-    source = grid.world_rank_of(grid.pp_rank, (grid.dp_rank - 1) % grid.dp_size, g.order)
+    source = grid.replica_neighbour(-1)
     i = run.flight.begin("grad_wait", step + 1, peer=source if grid.dp_size > 1 else -1)
     _reduce_and_update(run, step)
     run.flight.end(i)

@@ -287,7 +287,7 @@ def check_fits(
     what to compare with (tests); None / True read /proc/meminfo and the cgroup."""
     g = job.grid
     rank = world.Get_rank()
-    pp_rank = rank % g.pp if g.order == "pipeline-inner" else rank // g.dp
+    pp_rank, _ = g.layout.coords(rank)
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         ranks = node.Get_size()
