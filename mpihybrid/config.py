@@ -21,6 +21,7 @@ from mpihybrid.comm.buckets import PROGRESS
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
 from mpihybrid.comm.layout import ORDERS, Layout
+from mpihybrid.nn.kinds import KINDS, model_kind
 from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
 
 if sys.version_info >= (3, 11):
@@ -31,7 +32,6 @@ else:  # pragma: no cover
 OPTIMIZERS = ("sgd", "adamw")
 PARAM_CODECS = ("fp32", "bf16", "int8")  # the weight all-gather of train.shard_optimizer
 RECOMPUTE = ("none", "full")
-DATA_FOR_MODEL = {"mlp": ("teacher",), "gpt": ("random-tokens", "markov", "tokens")}
 # keys that take a value of more than one type: (section, key) -> the types allowed
 _UNION_KEYS = {("model", "partition"): (str, list), ("comm", "cuda_aware"): (str, bool)}
 
@@ -151,6 +151,16 @@ class Job:
     comm: CommConfig = field(default_factory=CommConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def microbatch_size(self) -> int:
+        """Samples in one micro-batch: the global batch over dp replicas of M micro-batches."""
+        return self.train.global_batch // (self.grid.dp * self.train.microbatches)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """What a sample counts in rows and throughput: its tokens (a GPT), or itself."""
+        return model_kind(self.model.kind).tokens_per_sample(self.data.seq_len)
 
 
 SECTIONS = {f.name: f.type for f in fields(Job)}
@@ -305,9 +315,9 @@ def _check_names(job: Job) -> None:
     _one_of("grid.device", g.device, DEVICES)
     if c.cuda_aware != "auto" and not isinstance(c.cuda_aware, bool):
         raise ConfigError(f"comm.cuda_aware = {c.cuda_aware!r}: choose auto, true or false")
-    _one_of("model.kind", m.kind, tuple(DATA_FOR_MODEL))
+    _one_of("model.kind", m.kind, tuple(KINDS))
     _one_of("model.activation", m.activation, ("relu", "gelu"))
-    _one_of("data.kind", d.kind, DATA_FOR_MODEL[m.kind])
+    _one_of("data.kind", d.kind, KINDS[m.kind].data_kinds)
     try:
         get_spec(t.schedule)  # a registered name, or csv:PATH of a readable schedule
     except ScheduleError as exc:
@@ -378,8 +388,8 @@ def validate(job: Job) -> None:
             f"train.global_batch({t.global_batch}) is not divisible by "
             f"dp({g.dp}) * microbatches({t.microbatches}) = {per_step}"
         )
-    if m.kind == "gpt" and m.hidden % m.heads:
-        raise ConfigError(f"model.hidden({m.hidden}) is not divisible by model.heads({m.heads})")
+    if wrong := KINDS[m.kind].check(m):
+        raise ConfigError(wrong)
     if d.kind == "tokens":
         for where, value in (("data.train", d.train), ("data.val", d.val)):
             if not value:
@@ -440,12 +450,14 @@ def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:
 
     chunks = pp * virtual_stages
     formula = f"pp({pp}) * virtual_stages({virtual_stages}) = {chunks}"
+    ends = model_kind(m.kind).ends
     # cost partitions blocks (gpt: embedding and head are blocks too); the others split layers
-    if m.kind == "gpt" and m.partition in ("cost", "timed"):
-        if m.depth + 2 < chunks:
+    if ends and m.partition in ("cost", "timed"):
+        blocks = m.depth + len(ends)
+        if blocks < chunks:
             raise ConfigError(
-                f"model.depth({m.depth}) + 2 (embedding, head) = {m.depth + 2} blocks < {formula}:"
-                " every stage needs at least one block"
+                f"model.depth({m.depth}) + {len(ends)} ({', '.join(ends)}) = {blocks} blocks"
+                f" < {formula}: every stage needs at least one block"
             )
     elif m.depth < chunks and not isinstance(m.partition, list):  # a list: check_counts says
         raise ConfigError(
@@ -453,7 +465,7 @@ def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:
         )
     if isinstance(m.partition, list):
         try:
-            check_counts(m.partition, m.depth, chunks, ends_may_be_empty=m.kind == "gpt")
+            check_counts(m.partition, m.depth, chunks, ends_may_be_empty=bool(ends))
         except ValueError as exc:
             raise ConfigError(f"{exc} ({formula})") from None
     elif m.partition not in ("cost", "uniform", "timed"):

@@ -22,6 +22,7 @@ except ModuleNotFoundError:  # Python 3.10
 from mpihybrid.analysis.bandwidth import allreduce_bandwidth
 from mpihybrid.analysis.costs import stage_costs
 from mpihybrid.analysis.rows import durations, group_max, group_min, group_sum, groups
+from mpihybrid.nn.kinds import KINDS as KINDS_OF_MODEL
 from mpihybrid.pipeline.csv_schedule import from_trace
 from mpihybrid.pipeline.liveness import replay_rows
 from mpihybrid.trace.file import Trace
@@ -523,7 +524,8 @@ def _throughput(step_time: dict, config: dict, num_steps: int) -> dict:
     global_batch = config.get("train.global_batch")
     samples = int(global_batch) * num_steps if global_batch is not None else None
     per_s = samples / seconds if samples is not None and seconds > 0 else None
-    seq_len = config.get("data.seq_len") if config.get("model.kind") == "gpt" else None
+    kind = KINDS_OF_MODEL.get(config.get("model.kind"))
+    seq_len = config.get("data.seq_len") if kind is not None and kind.tokens else None
     return {
         "samples": samples,
         "seconds": seconds,

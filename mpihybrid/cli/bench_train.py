@@ -220,11 +220,6 @@ def _rank_profiles(ranks: list[dict], chunks: dict[int, dict[str, float]]) -> di
     return out
 
 
-def _units_per_sample(job: Job) -> int:
-    """What throughput counts in one sample: its tokens (token data), or the sample itself."""
-    return job.data.seq_len if job.data.kind != "teacher" else 1
-
-
 def _bench_job(job: Job, steps: int) -> Job:
     return dataclasses.replace(
         job,
@@ -252,7 +247,7 @@ def bench_train(
     # its keys read in the order the report prints them.
     job = _bench_job(job, warmup + steps)
     other = _bench_job(against[0], warmup + steps) if against else None
-    tokens = _units_per_sample(job)
+    tokens = job.tokens_per_sample
     blocks = build_blocks(job.model, *task_dims(job.data))
     rows = microbatch_rows(job)[1]
     gemms = model_gemms(job)
@@ -442,7 +437,7 @@ def _against(against, walls: list[float], throughputs: list[float], steps: int) 
     if against is None:
         return None
     other = against[0]
-    theirs = [steps * other.train.global_batch * _units_per_sample(other) / wall for wall in walls]
+    theirs = [steps * other.train.global_batch * other.tokens_per_sample / wall for wall in walls]
     ratios = [mine / other for mine, other in zip(throughputs, theirs, strict=True)]
     return {
         "overrides": against[1],

@@ -27,6 +27,7 @@ import numpy as np
 
 from mpihybrid.config import ConfigError, Job, load_job, resolve
 from mpihybrid.files import write_atomic
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.pipeline.liveness import replay_rows
 from mpihybrid.pipeline.schedules import SCHEDULES, ScheduleError, chunks_for, get_spec
 from mpihybrid.trace.recorder import step_times
@@ -112,7 +113,7 @@ def cell_job(job: Job, cell: Cell, world_size: int, fixed_batch: bool = False) -
     or, with fixed_batch, the job's global batch split into M micro-batches. Raises ConfigError
     when the schedule (or, fixed_batch, the global batch) rejects the combination."""
     t, dp = job.train, job.grid.dp
-    microbatch_size = t.global_batch // (dp * t.microbatches)
+    microbatch_size = job.microbatch_size
     train = dataclasses.replace(
         t,
         schedule=cell.schedule,
@@ -217,12 +218,14 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
         "pp": g.pp,
         "dp": g.dp,
         "global_batch": t.global_batch,
-        "microbatch_size": t.global_batch // (g.dp * m),
+        "microbatch_size": job.microbatch_size,
         "measured_steps": t.steps - warmup_steps,
         "step_ms": 1e3 * step_s,
         "samples_per_s": t.global_batch / step_s,
         "tokens_per_s": (
-            t.global_batch * job.data.seq_len / step_s if job.model.kind == "gpt" else None
+            t.global_batch * job.tokens_per_sample / step_s
+            if model_kind(job.model.kind).tokens
+            else None
         ),
         "bubble_measured": float(bubble["measured"]),
         "bubble_predicted": float(bubble["predicted"]),

@@ -271,6 +271,7 @@ def load_model(path: Path):
 
     from mpihybrid.config import ConfigError, build_job
     from mpihybrid.config import tomllib as toml
+    from mpihybrid.nn.kinds import KINDS
     from mpihybrid.nn.model import build_stage
     from mpihybrid.nn.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_beside
     from mpihybrid.nn.tokens import DataError
@@ -288,7 +289,7 @@ def load_model(path: Path):
         job = build_job(toml.loads(manifest["job"]))
     except (checkpoint.CheckpointError, ConfigError, KeyError, toml.TOMLDecodeError) as exc:
         raise DataError(f"{path}: not a readable mpihybrid checkpoint ({exc})") from None
-    if job.model.kind != "gpt":
+    if job.model.kind not in KINDS or not KINDS[job.model.kind].tokens:
         raise DataError(f"{path}: a {job.model.kind} model; generate samples from a gpt")
     kept, beside = path / TOKENIZER_FILE, tokenizer_beside(job.data.train or ".")
     if kept.is_file():

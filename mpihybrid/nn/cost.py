@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from mpihybrid.nn.data import task_dims
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.nn.layers import FLOAT, PASSES, Cost, Gemm, layer_costs
 from mpihybrid.nn.model import boundary_shapes, build_blocks, chunk_ranges
 
@@ -50,9 +51,7 @@ class ChunkWork:
 
 def microbatch_rows(job) -> tuple[int, int]:
     """(samples, rows) of one micro-batch: rows are samples x tokens for a GPT."""
-    g, t = job.grid, job.train
-    samples = t.global_batch // (g.dp * t.microbatches)
-    return samples, samples * (job.data.seq_len if job.model.kind == "gpt" else 1)
+    return job.microbatch_size, job.microbatch_size * job.tokens_per_sample
 
 
 def model_costs(job, rows: int) -> list[list[Cost]]:
@@ -60,7 +59,7 @@ def model_costs(job, rows: int) -> list[list[Cost]]:
     layer without its input gradient)."""
     m = job.model
     in_features, num_classes = task_dims(job.data)
-    width = 0 if m.kind == "gpt" else in_features  # a GPT's first layer takes token ids
+    width = model_kind(m.kind).input_width(in_features)  # a GPT's first layer takes token ids
     out = []
     for g, block in enumerate(build_blocks(m, in_features, num_classes)):
         costs = layer_costs(block, rows, width, need_dx=g > 0)

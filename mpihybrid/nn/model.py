@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mpihybrid.nn.layers import GELU, Layer, LayerNorm, Linear, ReLU
-from mpihybrid.nn.transformer import GPT_INIT_STD, CausalAttention, Embedding, Residual
+from mpihybrid.nn.kinds import model_kind
+from mpihybrid.nn.layers import Layer
 
 GradHook = Callable[[int], None]  # on_grad(lo): every gradient at flat offsets >= lo is written
 
@@ -35,75 +35,10 @@ GradHook = Callable[[int], None]  # on_grad(lo): every gradient at flat offsets 
 
 Block = list[Layer]
 
-_ACTIVATIONS = {"relu": ReLU, "gelu": GELU}
-
 
 def build_blocks(cfg, in_features: int, num_classes: int) -> list[Block]:
-    """The model's blocks in order, for `cfg.kind` "mlp" or "gpt"."""
-    if cfg.kind == "mlp":
-        return _mlp_blocks(cfg, in_features, num_classes)
-    if cfg.kind == "gpt":
-        return _gpt_blocks(cfg, in_features, num_classes)
-    raise ValueError(f"model.kind = {cfg.kind!r}: choose mlp or gpt")
-
-
-def _mlp_blocks(cfg, in_features: int, num_classes: int) -> list[Block]:
-    """`depth - 1` hidden blocks [Linear, (LayerNorm), act], then the head.
-
-    `cfg` needs: hidden, depth (number of Linear layers), activation, norm.
-    """
-    if cfg.depth < 1:
-        raise ValueError(f"model.depth = {cfg.depth}: need at least 1 Linear layer")
-    if cfg.activation not in _ACTIVATIONS:
-        raise ValueError(
-            f"model.activation = {cfg.activation!r}: choose one of {sorted(_ACTIVATIONS)}"
-        )
-    blocks: list[Block] = []
-    width = in_features
-    for _ in range(cfg.depth - 1):
-        block: Block = [Linear(width, cfg.hidden)]
-        if cfg.norm:
-            block.append(LayerNorm(cfg.hidden))
-        block.append(_ACTIVATIONS[cfg.activation]())
-        blocks.append(block)
-        width = cfg.hidden
-    blocks.append([Linear(width, num_classes)])
-    return blocks
-
-
-def _gpt_blocks(cfg, seq_len: int, vocab: int) -> list[Block]:
-    """[Embedding], `depth` pre-norm transformer layers, [LayerNorm, LM head].
-
-    `cfg` needs: hidden (width C), depth (layers), heads, ffn (0 = 4 C). Linear weights are
-    drawn from N(0, 0.02^2), the residual projections' scaled by 1/sqrt(2 depth) (GPT-2).
-    """
-    width, ffn = cfg.hidden, cfg.ffn or 4 * cfg.hidden
-    if cfg.depth < 1:
-        raise ValueError(f"model.depth = {cfg.depth}: need at least 1 transformer layer")
-    if width % cfg.heads:
-        raise ValueError(f"model.hidden({width}) is not divisible by model.heads({cfg.heads})")
-    out_std = GPT_INIT_STD / math.sqrt(2 * cfg.depth)
-    blocks: list[Block] = [[Embedding(vocab, seq_len, width)]]
-    for _ in range(cfg.depth):
-        attention = Residual(
-            [
-                LayerNorm(width),
-                Linear(width, 3 * width, init_std=GPT_INIT_STD),
-                CausalAttention(width, cfg.heads, seq_len),
-                Linear(width, width, init_std=out_std),
-            ]
-        )
-        mlp = Residual(
-            [
-                LayerNorm(width),
-                Linear(width, ffn, init_std=GPT_INIT_STD),
-                GELU(),
-                Linear(ffn, width, init_std=out_std),
-            ]
-        )
-        blocks.append([attention, mlp])
-    blocks.append([LayerNorm(width), Linear(width, vocab, init_std=GPT_INIT_STD)])
-    return blocks
+    """The model's blocks in order, as its kind (`cfg.kind`, nn/kinds.py) builds them."""
+    return model_kind(cfg.kind).blocks(cfg, in_features, num_classes)
 
 
 def block_num_params(block: Block) -> int:
@@ -198,10 +133,10 @@ def balanced_for_ranks(costs: list[float], rank_of: list[int]) -> list[range]:
 def layer_counts(cfg, ranges: list[range]) -> list[int]:
     """A split of the blocks as `model.partition`'s list: the layers of each chunk (gpt: the
     embedding rides with the first chunk and the head with the last, so those may count 0)."""
+    kind = model_kind(cfg.kind)
     counts = [len(r) for r in ranges]
-    if cfg.kind == "gpt":
-        counts[0] -= 1
-        counts[-1] -= 1
+    counts[0] -= len(kind.lead)
+    counts[-1] -= len(kind.trail)
     return counts
 
 
@@ -353,7 +288,8 @@ def block_costs(blocks: list[Block]) -> list[int]:
 
 def _inner(cfg, num_blocks: int) -> tuple[int, int]:
     """(blocks before the partitioned layers, number of those layers): gpt's embedding leads."""
-    return (1, num_blocks - 2) if cfg.kind == "gpt" else (0, num_blocks)
+    kind = model_kind(cfg.kind)
+    return len(kind.lead), num_blocks - len(kind.ends)
 
 
 def chunk_ranges(cfg, blocks: list[Block], num_chunks: int) -> list[range]:
@@ -374,7 +310,7 @@ def chunk_ranges(cfg, blocks: list[Block], num_chunks: int) -> list[range]:
         counts = [base + (c < extra) for c in range(num_chunks)]
     elif isinstance(mode, list):
         counts = list(mode)
-        check_counts(counts, layers, num_chunks, ends_may_be_empty=cfg.kind == "gpt")
+        check_counts(counts, layers, num_chunks, ends_may_be_empty=bool(model_kind(cfg.kind).ends))
     elif mode == "timed":
         raise ValueError(
             "model.partition = 'timed' is measured before the run "
@@ -448,8 +384,8 @@ def boundary_shapes(
 
     gpt: chunk 0 takes the tokens (batch, T); every later chunk a (batch, T, C) activation.
     """
-    if cfg.kind == "gpt":
-        return [(batch, in_features)] + [(batch, in_features, cfg.hidden)] * (num_chunks - 1)
+    kind = model_kind(cfg.kind)
     blocks = build_blocks(cfg, in_features, num_classes)
     ranges = chunk_ranges(cfg, blocks, num_chunks)
-    return [(batch, blocks[r.start][0].in_features) for r in ranges]
+    after = [(batch, *kind.activation(cfg, in_features, blocks[r.start][0])) for r in ranges[1:]]
+    return [(batch, in_features), *after]

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from mpihybrid.nn.data import build_task, microbatches
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.nn.layers import GELU, LayerNorm, Linear, SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
 from mpihybrid.nn.transformer import CausalAttention, Embedding, Residual
@@ -61,10 +62,10 @@ def chunk_inputs(job, chunk: int, seed: int = 0):
     if chunk == 0:
         return [b[0] for b in batches], [b[1] for b in batches]
     rng = np.random.default_rng(seed)
-    shape = (len(batches[0][0]), *([task.in_features] if job.model.kind == "gpt" else []))
     stage = build_stage(job.model, task.in_features, task.num_classes, chunk, num_chunks(job), 0)
-    width = job.model.hidden if job.model.kind == "gpt" else stage.layers[0].in_features
-    inputs = [rng.standard_normal((*shape, width)).astype(np.float32) for _ in range(m)]
+    kind = model_kind(job.model.kind)
+    shape = (len(batches[0][0]), *kind.activation(job.model, task.in_features, stage.layers[0]))
+    inputs = [rng.standard_normal(shape).astype(np.float32) for _ in range(m)]
     return inputs, [b[1] for b in batches]
 
 
@@ -134,12 +135,8 @@ def timed_block_costs(job, repeats: int = 3) -> list[float]:
 def timed_partition(job, repeats: int = 3) -> tuple[list[int], list[float]]:
     """(layers per chunk, seconds per block): the split of `model.partition` that balances the
     blocks' measured seconds (nn.model.partition on them), as a list a job file takes."""
-    from mpihybrid.nn.model import partition
+    from mpihybrid.nn.model import layer_counts, partition
 
     costs = timed_block_costs(job, repeats)
-    ranges = partition(costs, num_chunks(job))
-    counts = [len(r) for r in ranges]
-    if job.model.kind == "gpt":  # the embedding and the head ride with the first and last chunk
-        counts[0] -= 1
-        counts[-1] -= 1
-    return counts, costs
+    # the embedding and the head (gpt) ride with the first and last chunk
+    return layer_counts(job.model, partition(costs, num_chunks(job))), costs

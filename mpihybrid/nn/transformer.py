@@ -22,7 +22,7 @@ import numpy as np
 
 from mpihybrid.comm.device import array_module
 from mpihybrid.nn import kernels
-from mpihybrid.nn.layers import FLOAT, GELU, Cost, Layer, Linear, layer_costs
+from mpihybrid.nn.layers import FLOAT, GELU, Cost, Layer, LayerNorm, Linear, layer_costs
 
 GPT_INIT_STD = 0.02  # GPT-2's initialisation of embeddings and linear weights
 
@@ -267,3 +267,39 @@ class Residual(Layer):
 
     def flops(self, batch: int) -> int:
         return sum(layer.flops(batch) for layer in self.branch)
+
+
+def gpt_blocks(cfg, seq_len: int, vocab: int) -> list[list[Layer]]:
+    """[Embedding], `depth` pre-norm transformer layers, [LayerNorm, LM head].
+
+    `cfg` needs: hidden (width C), depth (layers), heads, ffn (0 = 4 C). Linear weights are
+    drawn from N(0, 0.02^2), the residual projections' scaled by 1/sqrt(2 depth) (GPT-2).
+    Its entry in the registry of model kinds is `kinds.GPT`.
+    """
+    width, ffn = cfg.hidden, cfg.ffn or 4 * cfg.hidden
+    if cfg.depth < 1:
+        raise ValueError(f"model.depth = {cfg.depth}: need at least 1 transformer layer")
+    if width % cfg.heads:
+        raise ValueError(f"model.hidden({width}) is not divisible by model.heads({cfg.heads})")
+    out_std = GPT_INIT_STD / math.sqrt(2 * cfg.depth)
+    blocks: list[list[Layer]] = [[Embedding(vocab, seq_len, width)]]
+    for _ in range(cfg.depth):
+        attention = Residual(
+            [
+                LayerNorm(width),
+                Linear(width, 3 * width, init_std=GPT_INIT_STD),
+                CausalAttention(width, cfg.heads, seq_len),
+                Linear(width, width, init_std=out_std),
+            ]
+        )
+        mlp = Residual(
+            [
+                LayerNorm(width),
+                Linear(width, ffn, init_std=GPT_INIT_STD),
+                GELU(),
+                Linear(ffn, width, init_std=out_std),
+            ]
+        )
+        blocks.append([attention, mlp])
+    blocks.append([LayerNorm(width), Linear(width, vocab, init_std=GPT_INIT_STD)])
+    return blocks

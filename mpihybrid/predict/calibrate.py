@@ -147,6 +147,7 @@ def warm_runtime() -> None:
     tiny GPT and MLP step, each codec, both optimizers); prints this process's peak RSS (VmHWM)."""
     from mpi4py import MPI  # noqa: F401  (MPI_Init: its shared memory counts)
 
+    from mpihybrid.nn.data import task_dims
     from mpihybrid.nn.model import build_stage
     from mpihybrid.nn.optim import SGD, AdamW
 
@@ -158,9 +159,7 @@ def warm_runtime() -> None:
         (["model.hidden=32", "data.features=8"], np.ones((4, 8), np.float32)),
     ):  # fmt: skip
         job = build_job({}, sets)
-        in_features = job.data.seq_len if job.model.kind == "gpt" else job.data.features
-        classes = job.data.vocab if job.model.kind == "gpt" else 2
-        stage = build_stage(job.model, in_features, classes, 0, 1, seed=0)
+        stage = build_stage(job.model, *task_dims(job.data), 0, 1, seed=0)
         y, cache = stage.forward(x)
         dx, wcache = stage.backward_input(np.ones_like(y), cache, False)
         stage.backward_weight(wcache)

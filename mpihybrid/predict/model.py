@@ -31,6 +31,7 @@ from mpihybrid.comm.buckets import bucket_ranges
 from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import Job
 from mpihybrid.nn.cost import FLOAT, ChunkWork, Cost, Gemm, stage_work
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.pipeline.schedules import Action, build_schedule, placement_of
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
 from mpihybrid.predict.cluster import Cluster, Device, Link, shared_cores
@@ -281,7 +282,8 @@ def runs_compiled_kernels(job: Job) -> bool:
     if not _numba.ENABLED or job.grid.device != "cpu":
         return False
     lossy = job.grid.dp > 1 and c.codec != "fp32"
-    return m.kind == "gpt" or m.activation == "gelu" or m.norm or t.optimizer == "adamw" or lossy
+    layers = bool(model_kind(m.kind).kernels(m))
+    return layers or t.optimizer == "adamw" or lossy
 
 
 # ---------------------------------------------------------------------------------------------

@@ -244,7 +244,7 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     if not on_host:
         for st in stages.values():
             st.to_device(backend.asarray)  # initialised on the host: the same draws everywhere
-    mb_size = t.global_batch // (g.dp * M)
+    mb_size = job.microbatch_size
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, mb_size)
     recorder, trace = _build_trace(job, world, grid.dp_rank, len(actions))
     peer_ranks = grid.layout.pipeline_ranks(grid.dp_rank)
@@ -449,7 +449,7 @@ def _log_step(job: Job, world: MPI.Comm, run: _Run, step: int) -> None:
     run.log_from = (step + 1, now, run.eval_s)
     steps = step + 1 - first
     per_step = (now - since - (run.eval_s - evals)) / max(steps, 1)  # evaluations left out
-    tokens = job.data.seq_len if job.model.kind == "gpt" else 1
+    tokens = job.tokens_per_sample
     rows_per_s = t.global_batch * tokens / per_step if per_step > 0 else 0.0
     unit = "tokens/s" if tokens > 1 else "samples/s"
     parts = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from mpihybrid.config import Job
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.units import human_bytes
 
 
@@ -12,8 +13,8 @@ def format_report(job: Job, summary) -> str:
     g, t, c = job.grid, job.train, job.comm
     v = f", v={t.virtual_stages}" if t.virtual_stages > 1 else ""
     rate = f"{summary.samples_per_s:,.0f} samples/s"
-    if job.data.kind != "teacher":
-        rate = f"{summary.samples_per_s * job.data.seq_len:,.0f} tokens/s"
+    if model_kind(job.model.kind).tokens:
+        rate = f"{summary.samples_per_s * job.tokens_per_sample:,.0f} tokens/s"
     ran = summary.steps - summary.start  # a resumed run ran only the steps after its checkpoint
     lines = [
         "",

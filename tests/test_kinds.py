@@ -1,0 +1,90 @@
+"""The registry of model kinds: each kind declares what the rest of the code asks of it, and a
+kind added to the registry alone is one the job, the model split and the cost model take."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpihybrid.config import ConfigError, build_job, resolve
+from mpihybrid.nn import kernels
+from mpihybrid.nn.cost import microbatch_rows, stage_work
+from mpihybrid.nn.data import task_dims
+from mpihybrid.nn.kinds import KINDS, ModelKind, model_kind
+from mpihybrid.nn.layers import Linear
+from mpihybrid.nn.model import boundary_shapes, build_blocks, build_stage, layer_counts
+
+
+def test_the_registered_kinds():
+    assert list(KINDS) == ["mlp", "gpt"]
+    assert model_kind("mlp").data_kinds == ("teacher",)
+    assert model_kind("gpt").data_kinds == ("random-tokens", "markov", "tokens")
+    assert model_kind("gpt").tokens_per_sample(64) == 64
+    assert model_kind("mlp").tokens_per_sample(64) == 1
+    assert model_kind("gpt").ends == ("embedding", "head") and model_kind("mlp").ends == ()
+    with pytest.raises(ValueError, match="model.kind = 'cnn': choose one of mlp, gpt"):
+        model_kind("cnn")
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["model.kind=gpt", "data.kind=markov", "model.hidden=16", "model.heads=2"],
+        ["model.activation=gelu", "model.norm=true"],
+        ["model.activation=relu", "model.norm=false"],
+    ],
+)
+def test_every_declared_kernel_is_one_of_nn_kernels(sets):
+    job = build_job({}, sets)
+    names = model_kind(job.model.kind).kernels(job.model)
+    assert all(callable(getattr(kernels, name, None)) for name in names), names
+    # what the layers take: a GELU or a LayerNorm (every GPT has both) has kernels, ReLU none
+    layers = {type(layer).__name__ for block in build_blocks(job.model, 8, 4) for layer in block}
+    assert bool(names) == bool(layers & {"GELU", "LayerNorm", "Residual"})
+
+
+def test_job_answers_microbatch_size_and_tokens_per_sample():
+    sets = ["model.kind=gpt", "data.kind=markov", "model.hidden=16", "model.heads=2"]
+    sets += ["data.seq_len=8", "train.global_batch=24", "train.microbatches=3", "grid.pp=2"]
+    gpt = resolve(build_job({}, sets), 4)
+    assert gpt.microbatch_size == 24 // (2 * 3) and gpt.tokens_per_sample == 8
+    assert microbatch_rows(gpt) == (4, 32)
+    mlp = resolve(build_job({}, ["train.global_batch=24", "train.microbatches=2"]), 3)
+    assert mlp.microbatch_size == 4 and mlp.tokens_per_sample == 1
+    assert microbatch_rows(mlp) == (4, 4)
+
+
+def _linear_blocks(cfg, in_features: int, num_classes: int):
+    """A third kind, as its own module would write it: `depth` Linear layers, no activation."""
+    widths = [in_features] + [cfg.hidden] * (cfg.depth - 1) + [num_classes]
+    return [[Linear(a, b)] for a, b in zip(widths[:-1], widths[1:], strict=True)]
+
+
+LINEAR = ModelKind(
+    name="linear",
+    blocks=_linear_blocks,
+    data_kinds=("teacher",),
+    tokens=False,
+    activation=lambda cfg, in_features, first: (first.in_features,),
+    check=lambda cfg: "" if cfg.hidden >= 2 else f"model.hidden({cfg.hidden}) < 2",
+    kernels=lambda cfg: (),
+)
+
+
+def test_a_third_kind_is_one_entry(monkeypatch):
+    monkeypatch.setitem(KINDS, "linear", LINEAR)
+    sets = ["model.kind=linear", "model.depth=4", "model.hidden=6", "data.features=5"]
+    sets += ["grid.pp=2", "train.global_batch=8", "train.microbatches=2"]
+    job = resolve(build_job({}, sets), 2)
+    blocks = build_blocks(job.model, *task_dims(job.data))
+    assert [b[0].param_shapes()["weight"] for b in blocks] == [(5, 6), (6, 6), (6, 6), (6, 2)]
+    assert boundary_shapes(job.model, 5, 2, 2, 4) == [(4, 5), (4, 6)]
+    assert layer_counts(job.model, [range(0, 2), range(2, 4)]) == [2, 2]
+    assert [w.params for w in stage_work(job)] == [5 * 6 + 6 + 6 * 6 + 6, 6 * 6 + 6 + 6 * 2 + 2]
+    stage = build_stage(job.model, 5, 2, 1, 2, seed=0)
+    y, _ = stage.forward(np.ones((4, 6), np.float32))
+    assert y.shape == (4, 2)
+    with pytest.raises(ConfigError, match=r"model.hidden\(1\) < 2"):
+        resolve(build_job({}, [*sets, "model.hidden=1"]), 2)
+    with pytest.raises(ConfigError, match="data.kind = 'markov': unknown; choose one of teacher"):
+        resolve(build_job({}, [*sets, "data.kind=markov"]), 2)
