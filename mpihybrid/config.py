@@ -21,6 +21,7 @@ from mpihybrid.comm.buckets import PROGRESS
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
 from mpihybrid.comm.layout import ORDERS, Layout
+from mpihybrid.inputs import MAX_TOML_BYTES, InputFileError, read_text
 from mpihybrid.nn.kinds import KINDS, model_kind
 from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
 
@@ -214,16 +215,16 @@ def load_table(path: str | Path | None) -> dict:
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"job file {str(p)!r} is a directory, not a TOML file")
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"job file {str(p)!r} does not exist")
+    try:  # a FIFO or a device: refused before it is opened (every rank alike)
+        text = read_text(p, what="job file", limit=MAX_TOML_BYTES)
+    except InputFileError as exc:
+        raise ConfigError(str(exc)) from None
     try:
-        return tomllib.loads(p.read_text())
-    except OSError as exc:
-        raise ConfigError(f"job file {str(p)!r} cannot be read: {exc.strerror}") from None
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"job file {str(p)!r} is not valid TOML: {exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"job file {str(p)!r} is not a text file") from None
 
 
 def _check_type(where: str, value: Any, default: Any) -> Any:

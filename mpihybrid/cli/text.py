@@ -25,6 +25,7 @@ from mpihybrid.cli.commands import EXIT_USAGE
 
 SHARD_TOKENS = 100_000_000  # tokens per train shard (llm.c's fineweb shards are this size)
 DEFAULT_BPE_VOCAB = 4096
+MAX_TEXT_BYTES = 1 << 30  # one input file: held in memory as text, then as 2-byte tokens
 
 
 def _fail(message: str) -> None:
@@ -106,9 +107,10 @@ def prepare(texts, output, kind, vocab, val_fraction, pattern, exclude, overwrit
     p = counts[counts > 0] / len(train)
     entropy = float(-(p * np.log(p)).sum())
     click.echo(
-        f"{len(documents)} files ({nbytes:,} bytes; {skipped} skipped: empty, binary or not "
-        f"UTF-8) -> {out}: train {len(train):,} tokens, val {len(val):,} tokens, {kind} "
-        f"tokenizer of {tokenizer.vocab} tokens (data.vocab = {tokenizer.vocab})\n"
+        f"{len(documents)} files ({nbytes:,} bytes; {skipped} skipped: empty, binary, not "
+        f"UTF-8 or not a regular file) -> {out}: train {len(train):,} tokens, val "
+        f"{len(val):,} tokens, {kind} tokenizer of {tokenizer.vocab} tokens "
+        f"(data.vocab = {tokenizer.vocab})\n"
         f"unigram entropy of train: {entropy:.4f} nats/token ({entropy / math.log(2):.3f} "
         "bits/token): a model that learns nothing but token frequencies reaches this loss"
     )
@@ -131,13 +133,12 @@ def _walk(root: Path, pattern: str, exclude: tuple[str, ...]) -> list[Path]:
 
 
 def _text_of(path: Path) -> str:
-    """The file's text, or raises DataError naming why it is not UTF-8 text."""
+    """The file's text, or raises DataError naming why it is not UTF-8 text (InputFileError:
+    not a regular file, or over MAX_TEXT_BYTES)."""
+    from mpihybrid.inputs import read_regular
     from mpihybrid.nn.tokens import DataError
 
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"{path}: {exc.strerror or exc}") from None
+    raw = read_regular(path, what="text file", limit=MAX_TEXT_BYTES)
     if not raw:
         raise DataError(f"{path} is empty")
     if b"\0" in raw[: 1 << 16]:
@@ -149,8 +150,10 @@ def _text_of(path: Path) -> str:
 
 
 def read_texts(texts, pattern: str, exclude, progress) -> tuple[list[str], int, int]:
-    """Every text: named files must be UTF-8 text (else DataError); a directory's files that
-    are not are skipped and counted. Returns (documents, skipped, bytes)."""
+    """Every text: named files must be regular files of UTF-8 text (else DataError); a
+    directory's files that are not (a FIFO, a device, a binary file) are skipped and counted.
+    A file over MAX_TEXT_BYTES is refused wherever it is. Returns (documents, skipped, bytes)."""
+    from mpihybrid.inputs import InputFileError, InputTooLargeError
     from mpihybrid.nn.tokens import DataError
 
     named: list[tuple[Path, bool]] = []
@@ -170,9 +173,11 @@ def read_texts(texts, pattern: str, exclude, progress) -> tuple[list[str], int, 
         try:
             documents.append(_text_of(path))
             nbytes += len(documents[-1].encode("utf-8"))
-        except DataError:
+        except InputTooLargeError as exc:
+            raise DataError(f"{exc} (split it, or --exclude it)") from None
+        except (DataError, InputFileError) as exc:
             if must:
-                raise
+                raise DataError(str(exc)) from None
             skipped += 1
         if time.monotonic() - last > 2:
             progress(f"read {i + 1}/{len(named)} files")

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from mpihybrid.inputs import InputFileError, MiB, read_text
 from mpihybrid.nn.tokens import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
 FORMAT = "mpihybrid-tokenizer"
 END_OF_TEXT = "<|endoftext|>"  # bpe: between documents (token 0)
+MAX_TOKENIZER_BYTES = 64 * MiB  # a bpe of 65536 tokens is a few MiB of JSON
 
 
 class ByteTokenizer:
@@ -108,11 +110,13 @@ def tokenizer_from_dict(data: dict, where: str) -> ByteTokenizer | BpeTokenizer:
 def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | BpeTokenizer:
     """A tokenizer.json (DataError with one line when it is missing or not ours)."""
     path = Path(path)
+    if not path.exists():
+        raise DataError(f"no tokenizer at {path}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"no tokenizer at {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(read_text(path, what="tokenizer", limit=MAX_TOKENIZER_BYTES))
+    except InputFileError as exc:
+        raise DataError(str(exc)) from None
+    except json.JSONDecodeError as exc:
         raise DataError(f"{path}: unreadable tokenizer ({exc})") from None
     return tokenizer_from_dict(data, str(path))
 

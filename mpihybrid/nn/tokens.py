@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from mpihybrid.files import atomic_path
+from mpihybrid.inputs import InputFileError, open_regular
 
 MAGIC, VERSION = 20240520, 1
 HEADER_INTS = 256
@@ -50,12 +51,22 @@ def write_tokens(path: str | os.PathLike, tokens: np.ndarray, overwrite: bool = 
 def open_tokens(path: str | os.PathLike) -> np.memmap | np.ndarray:
     """The tokens of one file as a read-only memmap, its header checked against its size."""
     path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
+    try:  # a FIFO or a device: refused before it is opened
+        with open_regular(path, what="token file") as (fh, size):
             header = np.frombuffer(fh.read(HEADER_BYTES), "<i4")
+            count = _checked_count(path, header, size)
+            if count == 0:
+                return np.zeros(0, "<u2")
+            # mapped through the file checked above (mmap keeps its own reference to it)
+            return np.memmap(fh, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+    except InputFileError as exc:
+        raise DataError(str(exc)) from None
     except OSError as exc:
         raise DataError(f"token file {path}: {exc.strerror or exc}") from None
+
+
+def _checked_count(path: Path, header: np.ndarray, size: int) -> int:
+    """The header's token count, checked against the file's size (DataError otherwise)."""
     if len(header) < 3:
         raise DataError(f"token file {path}: {size} bytes, shorter than the 1024-byte header")
     magic, version, count = (int(v) for v in header[:3])
@@ -73,22 +84,21 @@ def open_tokens(path: str | os.PathLike) -> np.memmap | np.ndarray:
             f"token file {path}: {size} bytes, but its header's count {count} needs "
             f"1024 + 2 * {count} = {want} (truncated, or not written by an llm.c-format writer)"
         )
-    if count == 0:
-        return np.zeros(0, "<u2")
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+    return count
 
 
 def shard_paths(pattern: str, where: str) -> list[Path]:
     """A file, or a glob of shards (sorted); DataError when it names nothing."""
     if any(c in pattern for c in "*?["):
-        found = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_file())
+        # directories left out; a FIFO or a device matched is refused when opened
+        found = sorted(Path(p) for p in glob.glob(pattern) if not Path(p).is_dir())
         if not found:
             raise DataError(f"{where} = {pattern!r}: no file matches")
         return found
     path = Path(pattern)
     if path.is_dir():
         raise DataError(f"{where} = {pattern!r} is a directory; name a token file or a glob")
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"{where} = {pattern!r}: no such file")
     return [path]
 

@@ -22,10 +22,14 @@ import io
 import os
 import re
 
+from mpihybrid.inputs import InputFileError, MiB, read_text
 from mpihybrid.pipeline.actions import Action, ScheduleError
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.spec import ScheduleSpec
 
+MAX_CSV_BYTES = 16 * MiB  # pp = 64 ranks of 3 * 1024 actions take under 2 MiB
+MAX_CELL_CHARS = 64  # the longest action, (65535F65535;65535B65535)OVERLAP_F_B, is 39
+MAX_INDEX = 65535  # a stage or micro-batch index (a trace holds at most 2^16 micro-batches)
 _CELL = re.compile(r"(\d+)([A-Z_]+?)(\d*)")
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
 _SKIPPED = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
@@ -37,6 +41,11 @@ def _parse_cell(text: str, where: str) -> list[tuple[int, str, int]]:
     text = text.strip()
     if not text:
         return []
+    if len(text) > MAX_CELL_CHARS:
+        raise ScheduleError(
+            f"{where}: a cell of {len(text):,} characters (an action takes at most "
+            f"{MAX_CELL_CHARS}): {text[:24]!r}..."
+        )
     pair = _OVERLAP.fullmatch(text)
     if pair:
         parts = [p.strip() for p in pair.group(1).split(";")]
@@ -48,21 +57,27 @@ def _parse_cell(text: str, where: str) -> list[tuple[int, str, int]]:
         raise ScheduleError(
             f"{where}: {text!r} is not an action like 0F0, 1I2, 1W2, 0B3 or (0F1;3B0)OVERLAP_F_B"
         )
-    stage, kind, mb = int(match.group(1)), match.group(2), match.group(3)
+    stage, kind, mb = match.group(1), match.group(2), match.group(3)
     if kind in _SKIPPED:
         return []
+    for index in (stage, mb):
+        if len(index) > 5 or int(index or 0) > MAX_INDEX:  # int() of 10^5 digits: an error
+            raise ScheduleError(f"{where}: {text!r}: an index above {MAX_INDEX}")
     if kind not in _COMPUTE or not mb:
         raise ScheduleError(
             f"{where}: {text!r}: a compute-only schedule holds F, I, W and B actions"
             + (" (messages come from our lowering)" if kind.startswith(("SEND", "RECV")) else "")
         )
-    return [(stage, kind, int(mb))]
+    return [(int(stage), kind, int(mb))]
 
 
 def parse_csv(text: str, source: str) -> tuple[dict[int, list[Action]], Placement, int]:
     """Compute lists, placement and micro-batch count of a CSV schedule; ScheduleError naming
     the row (rank) and the cell of the first problem."""
-    rows = list(csv.reader(io.StringIO(text)))
+    try:
+        rows = list(csv.reader(io.StringIO(text)))
+    except csv.Error as exc:  # a cell past csv's field limit (128 KiB), a NUL byte
+        raise ScheduleError(f"{source}: not a CSV schedule ({exc})") from None
     while rows and not any(c.strip() for c in rows[-1]):
         rows.pop()  # a trailing blank line
     if not rows:
@@ -103,11 +118,10 @@ _EMBEDDED: dict[str, str] = {}
 
 @functools.lru_cache(maxsize=16)
 def _file_text(path: str, stamp: tuple[int, int]) -> str:
-    try:
-        with open(path, newline="") as fh:
-            return fh.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ScheduleError(f"csv:{path}: cannot read it ({exc})") from None
+    try:  # a FIFO or a device: refused before it is opened (on every rank alike)
+        return read_text(path, what="CSV schedule", limit=MAX_CSV_BYTES)
+    except InputFileError as exc:
+        raise ScheduleError(str(exc)) from None
 
 
 def csv_text(name: str) -> str:

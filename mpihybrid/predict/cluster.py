@@ -47,6 +47,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.files import write_atomic
+from mpihybrid.inputs import MAX_TOML_BYTES, InputFileError, read_text
 
 
 class ClusterError(ValueError):
@@ -232,11 +233,13 @@ def find_cluster(name: str | Path) -> Path:
 def load_cluster(path: str | Path) -> Cluster:
     """The cluster of a file, or of a name (find_cluster)."""
     p = find_cluster(path)
-    if not p.is_file():
+    if not p.exists():
         raise ClusterError(f"cluster file {str(p)!r} does not exist")
-    try:
-        data = tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    try:  # a FIFO or a device: refused before it is opened
+        data = tomllib.loads(read_text(p, what="cluster file", limit=MAX_TOML_BYTES))
+    except InputFileError as exc:
+        raise ClusterError(str(exc)) from None
+    except tomllib.TOMLDecodeError as exc:
         raise ClusterError(f"cluster file {str(p)!r} is not valid TOML: {exc}") from None
     try:
         return parse_cluster(data)

@@ -1,0 +1,122 @@
+"""Only regular files are read where a user names a path (mpihybrid/inputs.py): a FIFO, a device
+or a directory is one line and exit 2 before any open that could block, and each reader's bound
+is named when a file is over it. Every FIFO here is real (os.mkfifo) and every command runs in a
+subprocess with a timeout, so a regression fails instead of hanging the suite."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpihybrid.inputs import (
+    MAX_TOML_BYTES,
+    InputFileError,
+    InputTooLargeError,
+    NotRegularFileError,
+    read_regular,
+)
+from mpihybrid.nn.tokens import write_tokens
+from tests.helpers import ROOT, mpi_env, run_mpi
+
+TIMEOUT = 60  # seconds: a command blocked on a FIFO fails the test instead of hanging it
+
+
+def fifo(path):
+    os.mkfifo(path)
+    return path
+
+
+def mpihybrid(*args, cwd=None):
+    """`python -m mpihybrid ARGS` in one process (no mpiexec)."""
+    return subprocess.run([sys.executable, "-m", "mpihybrid", *map(str, args)],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=mpi_env(),
+                          cwd=cwd or ROOT)  # fmt: skip
+
+
+def one_error_line(proc, *words):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("mpihybrid: error:"), lines[0]
+    assert all(w in lines[0] for w in words), lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir", "device", "missing"])
+def test_read_regular_refuses_what_is_not_a_regular_file(tmp_path, kind):
+    made = {"fifo": lambda: fifo(tmp_path / "p"), "dir": lambda: tmp_path,
+            "device": lambda: "/dev/zero", "missing": lambda: tmp_path / "gone"}  # fmt: skip
+    path = made[kind]()
+    with pytest.raises(NotRegularFileError) as err:
+        read_regular(path, what="job file", limit=1024)
+    words = {"fifo": "is a FIFO", "dir": "is a directory", "device": "is a character device",
+             "missing": "no such file"}[kind]  # fmt: skip
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_read_regular_names_its_bound(tmp_path):
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (MAX_TOML_BYTES + 1))
+    with pytest.raises(InputTooLargeError, match="over the 1 MiB a job file may hold"):
+        read_regular(big, what="job file", limit=MAX_TOML_BYTES)
+    # a file whose size says 0 but which holds more (/proc) is bounded by what is read
+    with pytest.raises(InputTooLargeError, match="holds more than the 16 bytes"):
+        read_regular("/proc/self/status", what="status", limit=16)
+    assert read_regular(big, what="job file", limit=2 * MAX_TOML_BYTES)[:1] == b"#"
+
+
+def test_data_prepare_skips_a_fifo_in_a_directory_and_refuses_a_named_one(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text to train on\n" * 20)
+    fifo(corpus / "pipe.txt")
+    done = mpihybrid("data", "prepare", corpus, "-o", tmp_path / "out", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "1 files" in done.stdout and "1 skipped" in done.stdout
+    named = mpihybrid("data", "prepare", corpus / "pipe.txt", "-o", tmp_path / "o2")
+    one_error_line(named, "pipe.txt is a FIFO (named pipe), not a regular file")
+    device = mpihybrid("data", "prepare", "/dev/zero", "-o", tmp_path / "o3")
+    one_error_line(device, "/dev/zero is a character device")
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+def test_csv_schedule_and_cluster_file_on_a_fifo(tmp_path):
+    pipe = fifo(tmp_path / "s.csv")
+    shown = mpihybrid("schedule", "show", "--schedule", f"csv:{pipe}", "--pp", "2", "-m", "4")
+    one_error_line(shown, "CSV schedule", "is a FIFO")
+    cluster = fifo(tmp_path / "c.toml")
+    predicted = mpihybrid("predict", "jobs/seed_k3_d4.toml", "--cluster", cluster)
+    one_error_line(predicted, "cluster file", "is a FIFO")
+
+
+def test_token_files_and_tokenizer_on_a_fifo(tmp_path):
+    from mpihybrid.nn.tokenizer import load_tokenizer
+    from mpihybrid.nn.tokens import DataError, TokenShards
+
+    write_tokens(tmp_path / "a.bin", np.arange(64) % 7)
+    fifo(tmp_path / "b.bin")
+    with pytest.raises(DataError, match="b.bin is a FIFO"):
+        TokenShards(str(tmp_path / "*.bin"), 8)  # a glob matching a FIFO: refused, not skipped
+    with pytest.raises(DataError, match="b.bin is a FIFO"):
+        TokenShards(str(tmp_path / "b.bin"), 8)
+    with pytest.raises(DataError, match="tokenizer .* is a FIFO"):
+        load_tokenizer(fifo(tmp_path / "tokenizer.json"))
+
+
+@pytest.mark.mpi
+def test_config_time_fifos_exit_2_on_every_rank(tmp_path):
+    """A job file or a csv: schedule on a FIFO blocked every rank in open(); now each rank
+    refuses it from a stat, and all agree on the one line before any message is sent."""
+    job, csv = fifo(tmp_path / "job.toml"), fifo(tmp_path / "s.csv")
+    for args in ([str(job)], ["--set", f"train.schedule=csv:{csv}"]):
+        proc = run_mpi(2, "-m", "mpihybrid", "train", "--quiet", *args, timeout=TIMEOUT)
+        one_error_line(proc, "is a FIFO (named pipe), not a regular file")
+
+
+def test_bounds_are_input_file_errors():
+    assert issubclass(InputTooLargeError, InputFileError)
+    assert issubclass(NotRegularFileError, InputFileError)
