@@ -23,6 +23,7 @@ from mpihybrid.comm.device import DEVICES
 from mpihybrid.comm.layout import ORDERS, Layout
 from mpihybrid.inputs import MAX_TOML_BYTES, InputFileError, read_text
 from mpihybrid.nn.kinds import KINDS, model_kind
+from mpihybrid.nn.optim import check_settings
 from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
 
 if sys.version_info >= (3, 11):
@@ -93,7 +94,10 @@ class TrainConfig:
     virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b; a V schedule sets its 2)
     early_grad_send: bool = True  # a backward sends its input gradient before the weight gradient
     optimizer: str = "sgd"
-    lr: float = 0.01
+    lr: float = 0.01  # the peak rate (lr_schedule: the rate after the warmup)
+    lr_schedule: str = "constant"  # constant | cosine | linear: decay to min_lr at the last step
+    warmup_steps: int = 0  # linear warmup over this many first steps (nanoGPT's get_lr)
+    min_lr: float = 0.0  # cosine, linear: the rate the decay ends at
     momentum: float = 0.9  # sgd
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # adamw
@@ -382,7 +386,10 @@ def validate(job: Job) -> None:
     _check_finite(job)
     if t.lr <= 0:
         raise ConfigError(f"train.lr = {t.lr}: must be > 0")
-    _check_optimizer(t)
+    try:
+        check_settings(t)  # the optimizer's ranges, the rate's schedule
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     per_step = g.dp * t.microbatches
     if t.global_batch % per_step:
         raise ConfigError(
@@ -428,22 +435,6 @@ def _check_finite(job: Job) -> None:
             values = value if isinstance(value, list) else [value]
             if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 raise ConfigError(f"{section}.{f.name} = {value!r}: must be a finite number")
-
-
-def _check_optimizer(t: TrainConfig) -> None:
-    """Ranges of the optimizer's settings: a momentum of -5 or a beta of 1 diverges silently."""
-    if len(t.betas) != 2 or not all(
-        isinstance(b, (int, float)) and not isinstance(b, bool) for b in t.betas
-    ):
-        raise ConfigError(f"train.betas = {t.betas!r}: expected two numbers")
-    for where, value in [
-        ("train.momentum", t.momentum),
-        ("train.weight_decay", t.weight_decay),
-        ("train.betas[0]", t.betas[0]),
-        ("train.betas[1]", t.betas[1]),
-    ]:
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{where} = {value}: must be in [0, 1)")
 
 
 def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:

@@ -36,7 +36,7 @@ def test_step_line_has_throughput_memory_and_time_left(monkeypatch, caplog):
     job = resolve(build_job({"train": {"steps": 30, "global_batch": 64}}), 2)
     text = line(job, made_up_run(10, 2.0), 9, monkeypatch, caplog)  # 10 steps in 2 s
     assert text == (
-        "step 10/30  loss 0.5000  acc 0.750  200.0 ms/step  320 samples/s  "
+        "step 10/30  loss 0.5000  acc 0.750  lr 0.01  200.0 ms/step  320 samples/s  "
         "peak mem 3.00 MiB  left 4.0 s"
     )
 

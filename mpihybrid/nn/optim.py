@@ -3,10 +3,13 @@
 Every optimizer steps in two parts, so that a stage can update each bucket of its gradient as
 soon as that bucket's all-reduce is done:
 
-    opt.begin_step()              # once per step: the step count and the per-step scalars
+    opt.begin_step(lr)            # once per step: the step count, its rate, the scalars
     opt.update(grads, lo, hi)     # parameters [lo, hi) from grads[lo:hi]; any slices that
     ...                           # cover the buffer once, in any order
-    opt.step(grads)               # = begin_step(); update(grads, 0, n)
+    opt.step(grads, lr)           # = begin_step(lr); update(grads, 0, n)
+
+The rate of a step comes from `learning_rate(cfg, step)` (train.lr_schedule: nanoGPT's
+warmup then cosine or linear decay); begin_step() without one keeps the rate it had.
 
 The update is elementwise, so any such cover gives the same bits as one whole-buffer update
 (a test holds it). `apply(p, g, lo, hi)` is the same update on slices p, g whose state lives at
@@ -19,6 +22,8 @@ in the same order, hence the same bits as the numpy reference (tests/test_kernel
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -44,8 +49,9 @@ class SGD:
         self.buf = array_module(params).zeros(n, params.dtype) if momentum else None
         self.step_count = 0
 
-    def begin_step(self) -> None:
+    def begin_step(self, lr: float | None = None) -> None:
         self.step_count += 1
+        self.lr = self.lr if lr is None else lr
 
     def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
         self.apply(self.params[lo:hi], grads[lo:hi], lo, hi)
@@ -61,8 +67,8 @@ class SGD:
             g = buf
         p -= np.float32(self.lr) * g
 
-    def step(self, grads: np.ndarray) -> None:
-        self.begin_step()
+    def step(self, grads: np.ndarray, lr: float | None = None) -> None:
+        self.begin_step(lr)
         self.update(grads, 0, self.params.size)
 
     def state(self) -> dict[str, np.ndarray]:
@@ -102,8 +108,9 @@ class AdamW:
         self.step_count = 0
         self._scalars: tuple = ()
 
-    def begin_step(self) -> None:
+    def begin_step(self, lr: float | None = None) -> None:
         self.step_count += 1
+        self.lr = self.lr if lr is None else lr
         t = self.step_count
         f = self.params.dtype.type
         # p -= lr * m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) * scale + shift): the step size
@@ -146,8 +153,8 @@ class AdamW:
             np.divide(m, tmp, out=tmp)
             p -= tmp
 
-    def step(self, grads: np.ndarray) -> None:
-        self.begin_step()
+    def step(self, grads: np.ndarray, lr: float | None = None) -> None:
+        self.begin_step(lr)
         self.update(grads, 0, self.params.size)
 
     def state(self) -> dict[str, np.ndarray]:
@@ -192,8 +199,8 @@ class ShardedOptimizer:
             raise ValueError(f"offset {lo} is not in a chunk this replica owns")
         return self.offsets[i] + lo - self.owned[i][0]
 
-    def begin_step(self) -> None:
-        self.inner.begin_step()
+    def begin_step(self, lr: float | None = None) -> None:
+        self.inner.begin_step(lr)
 
     def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
         at = self._at(lo)
@@ -231,3 +238,56 @@ def build_optimizer(cfg, params: np.ndarray, state_size: int | None = None):
             params, cfg.lr, tuple(cfg.betas), weight_decay=cfg.weight_decay, state_size=state_size
         )
     raise ValueError(f"train.optimizer = {cfg.optimizer!r}: unknown")
+
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def learning_rate(cfg, step: int) -> float:
+    """The rate of step `step` (0-based), nanoGPT's get_lr with lr_decay_iters = train.steps:
+    train.warmup_steps of linear warmup (lr (step + 1) / (warmup + 1)), then train.lr
+    (constant) or a cosine or linear decay from train.lr to train.min_lr at train.steps.
+    A pure function of the step: a resumed run continues the schedule exactly."""
+    lr, warmup = cfg.lr, cfg.warmup_steps
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    if cfg.lr_schedule == "constant":
+        return lr
+    if step >= cfg.steps:
+        return cfg.min_lr
+    ratio = (step - warmup) / (cfg.steps - warmup)
+    if cfg.lr_schedule == "cosine":
+        coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+    else:
+        coeff = 1.0 - ratio
+    return cfg.min_lr + coeff * (lr - cfg.min_lr)
+
+
+def check_settings(cfg) -> None:
+    """Ranges of the optimizer's and the schedule's settings (ValueError, one line): a
+    momentum of -5 or a beta of 1 diverges silently, a min_lr above lr climbs."""
+    betas = cfg.betas
+    if len(betas) != 2 or not all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas
+    ):
+        raise ValueError(f"train.betas = {betas!r}: expected two numbers")
+    for where, value in [
+        ("train.momentum", cfg.momentum),
+        ("train.weight_decay", cfg.weight_decay),
+        ("train.betas[0]", betas[0]),
+        ("train.betas[1]", betas[1]),
+    ]:
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{where} = {value}: must be in [0, 1)")
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(
+            f"train.lr_schedule = {cfg.lr_schedule!r}: unknown; choose one of "
+            f"{', '.join(LR_SCHEDULES)}"
+        )
+    if not 0.0 <= cfg.min_lr <= cfg.lr:
+        raise ValueError(f"train.min_lr = {cfg.min_lr}: must be in [0, train.lr = {cfg.lr}]")
+    if not 0 <= cfg.warmup_steps <= cfg.steps:
+        raise ValueError(
+            f"train.warmup_steps = {cfg.warmup_steps}: must be in [0, train.steps = "
+            f"{cfg.steps}] (a warmup longer than the run never reaches train.lr)"
+        )

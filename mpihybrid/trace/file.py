@@ -305,7 +305,9 @@ def _fill_steps(earlier: Trace | None, metrics: dict, resume_step: int, config: 
     have = earlier.step_numbers()
     missing = np.setdiff1d(np.arange(resume_step), have)
     steps = {"step": np.concatenate([have, missing])}
-    for name in ("loss", "accuracy", "step_time"):
+    names = ["loss", "accuracy", "step_time"]
+    names += sorted((set(metrics) | set(earlier.steps)) - {"step", *names})  # lr, grad_norm
+    for name in names:
         old = np.asarray(earlier.steps.get(name, np.full(len(have), np.nan)), np.float64)
         new = [metrics[name][i] if i < len(metrics.get(name, ())) else np.nan for i in missing]
         steps[name] = np.concatenate([old, np.asarray(new, np.float64)])

@@ -82,8 +82,9 @@ class TraceStream:
                 self.writer.path, self.stopped,
             )  # fmt: skip
 
-    def add_step(self, step: int, loss: float, accuracy: float) -> None:
-        """Rank 0: the step's metrics, with its own duration (the recorder's last step row)."""
+    def add_step(self, step: int, loss: float, accuracy: float, **more: float) -> None:
+        """Rank 0: the step's metrics, with its own duration (the recorder's last step row);
+        `more`: further columns of /steps (lr: the step's learning rate)."""
         if self.writer is None:
             return
         for name, value in (
@@ -91,8 +92,9 @@ class TraceStream:
             ("loss", loss),
             ("accuracy", accuracy),
             ("step_time", self.recorder.last_step_time),
+            *more.items(),
         ):
-            self._steps[name].append(value)
+            self._steps.setdefault(name, []).append(value)
 
     def add_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Rank 0: a held-out evaluation after `step` (0-based), a row of /eval."""

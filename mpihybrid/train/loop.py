@@ -32,7 +32,7 @@ from mpihybrid.comm.grid import ProcessGrid
 from mpihybrid.config import Job, to_toml
 from mpihybrid.nn.data import build_task, heldout, replica_microbatches, task_dims
 from mpihybrid.nn.model import block_costs, boundary_shapes, build_blocks, build_stage
-from mpihybrid.nn.optim import ShardedOptimizer, build_optimizer
+from mpihybrid.nn.optim import ShardedOptimizer, build_optimizer, learning_rate
 from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.pipeline.csv_schedule import csv_text
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
@@ -158,7 +158,7 @@ def train(
         run.log_from = (run.start, t_start, 0.0)
         # Rank 0's clock at the start, for traces relative to the run's start.
         t_origin = world.bcast(t_start + offset if world.rank == 0 else None, root=0)
-        _begin_trace(run, offset - t_origin, resumed=resume_from is not None)
+        _begin_trace(job, run, offset - t_origin, resumed=resume_from is not None)
         dog.at_boundary()
         # overflow and nan are checked once per step (the loss, each gradient): no numpy warnings
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -359,7 +359,7 @@ def _train_step(job: Job, world: MPI.Comm, run: _Run, step: int, quiet: bool) ->
     )
     if backend.xp is not np:
         batches = [(backend.asarray(bx), backend.asarray(by)) for bx, by in batches]
-    _begin_updates(run)
+    _begin_updates(run, learning_rate(t, step))
     result = run.runtime.run_step(step, batches)
     # the ring waits on its predecessor most directly (with dp = 1 there is no ring)
     source = grid.replica_neighbour(-1)
@@ -456,6 +456,7 @@ def _log_step(job: Job, world: MPI.Comm, run: _Run, step: int) -> None:
         f"step {step + 1}/{t.steps}",
         f"loss {run.losses[-1]:.4f}",
         f"acc {run.accuracies[-1]:.3f}",
+        f"lr {learning_rate(t, step):.3g}",
         f"{1e3 * per_step:.1f} ms/step",
         f"{rows_per_s:,.0f} {unit}",
     ]
@@ -561,28 +562,30 @@ def _stop_nonfinite(world: MPI.Comm, job: Job, step: int, loss_sum: float, bad: 
     )
 
 
-def _begin_trace(run: _Run, to_run_start: float, resumed: bool) -> None:
+def _begin_trace(job: Job, run: _Run, to_run_start: float, resumed: bool) -> None:
     """The trace's first version (rank 0): a resumed run continues the trace at its path, or
     starts one holding the checkpoint's losses of the earlier steps."""
-    earlier = {"loss": run.losses, "accuracy": run.accuracies} if resumed else None
+    rates = [learning_rate(job.train, i) for i in range(run.start)]
+    earlier = {"loss": run.losses, "accuracy": run.accuracies, "lr": rates} if resumed else None
     run.trace.begin(to_run_start, run.start if resumed else None, earlier)
 
 
 def _trace_step(job: Job, run: _Run, step: int, asked: bool, stopping: bool) -> None:
     """At the step boundary every rank reached: the step's metrics to the trace, and a flush when
     due (never after the last step: _finish writes that; always before a preemption's exit)."""
-    run.trace.add_step(step, run.losses[-1], run.accuracies[-1])
+    run.trace.add_step(step, run.losses[-1], run.accuracies[-1], lr=learning_rate(job.train, step))
     last = step == job.train.steps - 1
     if stopping or (not last and run.trace.due(step, asked)):
         run.trace.flush(attrs={"stopped_at_step": step + 1} if stopping else None)
 
 
-def _begin_updates(run: _Run) -> None:
-    """Each stage's optimizer starts its step; a reduced bucket updates its slice of the
-    parameters (where they live: on a GPU the update's kernels finish before the trace's clock)."""
+def _begin_updates(run: _Run, lr: float) -> None:
+    """Each stage's optimizer starts its step at rate `lr`; a reduced bucket updates its slice of
+    the parameters (where they live: on a GPU the update's kernels finish before the trace's
+    clock)."""
     for s, st in run.stages.items():
         optimizer = run.optimizers[s]
-        optimizer.begin_step()
+        optimizer.begin_step(lr)
 
         def update(lo, hi, st=st, optimizer=optimizer, backend=run.backend) -> None:
             optimizer.update(st.flat_grads, lo, hi)
