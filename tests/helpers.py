@@ -12,23 +12,23 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from mpihybrid.launch import find_mpiexec, mpi_flavour, mpiexec_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def mpiexec() -> str:
     """The mpiexec that sits next to this Python (the mpich wheel), else the one on PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return str(local)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise RuntimeError("mpiexec not found: pip install '.[mpich]' or load your site's MPI")
-    return found
+    return find_mpiexec()
+
+
+def flavour() -> str:
+    """The MPI the tests launch: "MPICH", "Open MPI" or "unknown" (from `mpiexec --version`)."""
+    return mpi_flavour(mpiexec())
 
 
 def mpi_env(env: dict | None = None) -> dict:
@@ -45,10 +45,12 @@ LAUNCH_MARKERS = {"mpi", "slurm"}
 
 
 def mpi_command(n: int, *argv: str) -> list[str]:
-    """`mpiexec -n N python ARGV...` as a list; only from a test marked mpi (or slurm)."""
+    """`mpiexec -n N [what this MPI needs] python ARGV...` as a list; only from a test marked
+    mpi (or slurm). Open MPI is told to oversubscribe (3 ranks on 2 cores) and, as root, that
+    root may run it (mpihybrid/launch.py)."""
     if current_markers is not None and not current_markers & LAUNCH_MARKERS:
         raise AssertionError("this test launches mpiexec: mark it @pytest.mark.mpi")
-    return [mpiexec(), "-n", str(n), sys.executable, *argv]
+    return mpiexec_command(n, sys.executable, *argv)
 
 
 def run_mpi(

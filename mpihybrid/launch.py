@@ -1,0 +1,67 @@
+"""An `mpiexec` command line that works with whichever MPI is installed (tests, benchmarks).
+
+    mpiexec_command(4, sys.executable, "-m", "mpihybrid", "train")
+    # MPICH:    [".../mpiexec", "-n", "4", python, "-m", "mpihybrid", "train"]
+    # Open MPI: [".../mpiexec", "-n", "4", "--oversubscribe", ("--allow-run-as-root",) python, ...]
+
+The MPI is told by `mpiexec --version`. MPICH's Hydra (and Intel MPI, MVAPICH: Hydra too) starts
+as many ranks as asked on any machine and runs as any user. Open MPI refuses more ranks than the
+host has cores ("There are not enough slots available") unless told `--oversubscribe`, and
+refuses to run as root unless told `--allow-run-as-root`; a test that starts 3 ranks on a 2-core
+machine, or a CI container that runs as root, needs both.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+MPICH, OPEN_MPI, UNKNOWN = "MPICH", "Open MPI", "unknown"
+
+
+def find_mpiexec() -> str:
+    """The mpiexec beside this Python (the mpich wheel's, or a site's venv), else on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("mpiexec not found: pip install '.[mpich]' or load your site's MPI")
+    return found
+
+
+@functools.cache
+def mpi_flavour(mpiexec: str) -> str:
+    """MPICH, Open MPI or unknown, from what `mpiexec --version` prints."""
+    try:
+        proc = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return UNKNOWN
+    return flavour_of(proc.stdout + proc.stderr)
+
+
+def flavour_of(version_text: str) -> str:
+    """The MPI named by `mpiexec --version`'s output."""
+    if "Open MPI" in version_text or "OpenRTE" in version_text:  # 5.x, 4.x
+        return OPEN_MPI
+    if "HYDRA" in version_text or "Intel(R) MPI" in version_text:
+        return MPICH
+    return UNKNOWN
+
+
+def launch_options(flavour: str, root: bool | None = None) -> list[str]:
+    """What `flavour`'s mpiexec needs to start any number of ranks here, as this user."""
+    if flavour != OPEN_MPI:
+        return []
+    root = os.geteuid() == 0 if root is None else root
+    return ["--oversubscribe", *(["--allow-run-as-root"] if root else [])]
+
+
+def mpiexec_command(n: int, *argv: str, mpiexec: str | None = None) -> list[str]:
+    """`mpiexec -n N [what this MPI needs] ARGV...` as a list."""
+    mpiexec = mpiexec or find_mpiexec()
+    return [mpiexec, "-n", str(n), *launch_options(mpi_flavour(mpiexec)), *argv]
