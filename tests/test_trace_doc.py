@@ -10,9 +10,10 @@ import h5py
 import numpy as np
 import pytest
 
+from mpihybrid.sysinfo import LIMIT
 from mpihybrid.trace.file import SCHEMA_VERSION, load
 from mpihybrid.trace.recorder import EVENT_DTYPE, KINDS
-from tests.helpers import ROOT, run_mpi
+from tests.helpers import ROOT, flavour, run_mpi
 
 DOC = (ROOT / "docs" / "trace-format.md").read_text()
 PYTHON_TYPES = {"string": str, "int": int, "float": float, "bool": bool}
@@ -99,3 +100,16 @@ def test_every_written_attribute_and_dataset_is_documented(fresh):
     assert set(fresh.steps) == set(steps)
     for name, kind in steps.items():
         assert fresh.steps[name].dtype == np.dtype(kind), name
+
+
+@pytest.mark.mpi
+def test_what_mpi_and_the_host_said_is_written_clean(fresh):
+    # Open MPI's library version ends in NUL bytes, which HDF5 refused: every traced run failed
+    library = fresh.attrs["mpi_library"]
+    print(f"{flavour()}: mpi_library = {library!r}")
+    assert 0 < len(library) <= LIMIT and library.isprintable(), library
+    if flavour() != "unknown":  # the library mpi4py was built against is the launcher's
+        assert library.startswith(flavour()), (flavour(), library)
+    for name in fresh.attrs["hostnames"]:
+        assert 0 < len(name) <= LIMIT and name.isprintable(), name
+    assert fresh.attrs["command"].isprintable()

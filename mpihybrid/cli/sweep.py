@@ -526,11 +526,11 @@ def sweep(job_file, overrides, schedules, microbatches, repeats, virtual, warmup
 def _oversubscribed(world) -> str | None:
     """Collective: rank 0 gets the caveat of an oversubscribed launch, the others None."""
     import os
-    import socket
 
+    from mpihybrid.sysinfo import hostname
     from mpihybrid.train.loop import oversubscribed
 
-    hosts = world.gather((socket.gethostname(), os.cpu_count() or 1), root=0)
+    hosts = world.gather((hostname(), os.cpu_count() or 1), root=0)
     message = oversubscribed(hosts) if hosts else None
     return message.split(": ranks wait")[0] + ": times measure the machine" if message else None
 

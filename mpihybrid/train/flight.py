@@ -12,13 +12,14 @@ Two list stores per action on the hot path; the file format is in docs/robustnes
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from mpihybrid.sysinfo import hostname
 
 FLIGHT_ROWS = 512  # actions and waits kept per rank
 RECORD_ATTRS = ("format", "rank", "pp_rank", "dp_rank", "world_size", "reason", "written_at",
@@ -95,7 +96,7 @@ class FlightRecorder:
                 f.attrs.update(
                     format="mpihybrid-flight-1", rank=self.rank, pp_rank=self.pp_rank,
                     dp_rank=self.dp_rank, world_size=self.world_size, reason=reason,
-                    written_at=time.time(), host=socket.gethostname(), pid=os.getpid(),
+                    written_at=time.time(), host=hostname(), pid=os.getpid(),
                 )  # fmt: skip
             os.replace(tmp, path)
             return path

@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import platform
-import socket
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.pipeline.csv_schedule import csv_text
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
 from mpihybrid.pipeline.schedules import build_schedule, lower, placement_of
+from mpihybrid.sysinfo import clean_text, hostname, mpi_library
 from mpihybrid.trace.file import TraceWriter
 from mpihybrid.trace.recorder import (
     KIND,
@@ -303,7 +303,7 @@ def _build_trace(job: Job, world: MPI.Comm, dp_rank: int, num_actions: int):
     # rows per step: the actions plus a few (all-reduce, optimizer, step, the sends' wait)
     held_steps = min(max(t.steps, 1), tr.flush_steps if tr.path and tr.flush_steps else 64)
     recorder = recorder_cls(world.rank, dp_rank, (num_actions + 8) * held_steps, window)
-    hosts = world.gather((socket.gethostname(), os.cpu_count() or 1), root=0)
+    hosts = world.gather((hostname(), os.cpu_count() or 1), root=0)
     hostnames = [name for name, _ in hosts] if hosts else None
     if world.rank == 0:
         warn_oversubscribed(hosts)
@@ -807,11 +807,11 @@ def _run_attrs(world, job: Job, hostnames: list[str]) -> dict:
     """The trace attributes known at the start (the versions, the layout, each rank's host)."""
     return {
         "mpihybrid_version": __version__,
-        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi_library": mpi_library(),
         "mpi4py_version": __import__("mpi4py").__version__,
         "numpy_version": np.__version__,
         "python_version": platform.python_version(),
         **layout_attrs(job, world.Get_size()),
         "hostnames": list(hostnames),
-        "command": " ".join(sys.argv),
+        "command": clean_text(" ".join(sys.argv), limit=4096),
     }
