@@ -335,3 +335,12 @@ def test_describe_and_compare():
     assert list(rows) == list(SCHEDULES)
     assert "not legal" in rows["interleaved-1f1b"]
     assert rows["1f1b"].split()[-1] == "4" and rows["gpipe"].split()[-1] == "6"
+
+
+def test_split_backwards_of_one_rank_or_of_every_rank():
+    from mpihybrid.pipeline.actions import split_backwards
+
+    zb = build_schedule("zb-h1", 2, 3)
+    assert split_backwards(zb) == {(s, mb) for s in range(2) for mb in range(3)}
+    assert split_backwards(zb[1]) == {(1, mb) for mb in range(3)}
+    assert split_backwards(build_schedule("1f1b", 2, 3)) == set()

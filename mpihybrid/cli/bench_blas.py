@@ -125,7 +125,9 @@ def measure(gemms: list, ranks: int, repeats: int, rounds: int, echo=None) -> li
             kernels[name] = got["core"]
         if echo:
             echo(f"[{r + 1}/{rounds}] round done")
-    flops = sum(2 * b * m * k * n for b, m, k, n in gemms)
+    from mpihybrid.nn.cost import gemm_flops  # numpy loads here, after every probe
+
+    flops = gemm_flops(gemms)
     rows = []
     for name, times in seen.items():
         if name != DEFAULT and kernels[name] == kernels.get(DEFAULT):

@@ -23,6 +23,7 @@ from typing import NoReturn
 import click
 
 from mpihybrid.cli.bench_blas import bench_blas  # click and the standard library only
+from mpihybrid.comm.agree import first_error
 from mpihybrid.files import release_all
 from mpihybrid.pipeline.schedules import SCHEDULES  # pure Python: --help stays fast
 from mpihybrid.pipeline.simulate import GRID_RANKS, GRID_ROWS
@@ -302,7 +303,7 @@ def _one_line(exc: BaseException) -> str:
 def exit_on_any_error(world, error: str | None) -> None:
     """Collective: every rank passes its own error (or None). If any rank has one, all exit
     with status 2 together and rank 0 prints the first, so no rank is left waiting."""
-    first = next((e for e in world.allgather(error) if e is not None), None)
+    first = first_error(world, error)
     if first is not None:
         if world.rank == 0:
             click.echo(f"mpihybrid: error: {first}", err=True)

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mpihybrid.comm.agree import agree
+
 if TYPE_CHECKING:
     from mpi4py import MPI
 
@@ -283,10 +285,9 @@ def select_backend(
         error = str(exc)
     except Exception as exc:  # any failure, on any rank, must reach every rank
         error = " ".join(f"grid.device = {device!r}: {type(exc).__name__}: {exc}".split())
-    verdicts = world.allgather((error, backend is not None and backend.cuda_aware))
-    for rank, (err, _) in enumerate(verdicts):
-        if err is not None:
-            raise DeviceError(f"rank {rank}: {err}")
-    if backend.name == "cuda" and not all(aware for _, aware in verdicts):
+    found, aware = agree(world, error, backend is not None and backend.cuda_aware)
+    if found:
+        raise DeviceError(f"rank {found[0][0]}: {found[0][1]}")
+    if backend.name == "cuda" and not all(aware):
         backend.cuda_aware, backend.staging = False, True
     return backend

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.kinds import model_kind
-from mpihybrid.nn.layers import FLOAT, PASSES, Cost, Gemm, layer_costs
+from mpihybrid.nn.layers import FLOAT, PASSES, Cost, Gemm, layer_costs, matmul_flops
 from mpihybrid.nn.model import boundary_shapes, build_blocks, chunk_ranges
 
 KINDS = PASSES
@@ -78,7 +78,7 @@ def model_gemms(job) -> list[Gemm]:
 
 
 def gemm_flops(gemms: list[Gemm]) -> int:
-    return sum(2 * b * m * k * n for b, m, k, n in gemms)
+    return sum(matmul_flops(g) for g in gemms)
 
 
 def stage_work(job) -> list[ChunkWork]:

@@ -39,6 +39,12 @@ PASSES = ("F", "B", "W")  # forward, input gradient, weight gradient
 Gemm = tuple[int, int, int, int]  # (batch, m, k, n): `batch` products of (m, k) @ (k, n)
 
 
+def matmul_flops(gemm: Gemm) -> int:
+    """FLOPs of one Gemm: `batch` products of (m, k) @ (k, n), a multiply and an add each."""
+    b, m, k, n = gemm
+    return 2 * b * m * k * n
+
+
 @dataclass
 class Cost:
     """What a layer's passes cost on one micro-batch of `rows` rows (float32), as its code runs
@@ -63,7 +69,7 @@ class Cost:
     def flops(self, kind: str | None = None) -> int:
         """Matmul FLOPs of pass `kind`, or of all three."""
         kinds = PASSES if kind is None else (kind,)
-        return sum(2 * b * m * k * n for p in kinds for b, m, k, n in self.gemms[p])
+        return sum(matmul_flops(g) for p in kinds for g in self.gemms[p])
 
     def add(self, other: Cost) -> None:
         """Fold a sub-layer's cost into this one (a Residual's branch)."""

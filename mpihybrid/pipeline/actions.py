@@ -6,7 +6,7 @@ schedule's Placement (placement.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 COMPUTE_KINDS = ("F", "B", "W")
@@ -36,13 +36,22 @@ def message_key(action: Action) -> tuple[str, int, int]:
     return direction, action.stage + (-1 if direction == "F" else 1), action.microbatch
 
 
+def split_backwards(
+    actions: Iterable[Action] | Mapping[int, Iterable[Action]],
+) -> set[tuple[int, int]]:
+    """(stage, mb) of every backward split into a B and a W: those with a W action. `actions`:
+    one rank's list, or every rank's (rank -> list)."""
+    lists = actions.values() if isinstance(actions, Mapping) else [actions]
+    return {(a.stage, a.microbatch) for acts in lists for a in acts if a.kind == "W"}
+
+
 def last_weight_actions(actions: Iterable[Action]) -> dict[int, tuple[str, int]]:
     """stage -> (kind, mb) of the action that writes the stage's weight gradients last in a step:
     its last W, or its last whole B (a B without a W). The gradient buckets of the stage start
     during it (runtime: grads_final), so it also carries their work. `actions`: every action of
     the stage, in its rank's order (one rank's list, or all of them)."""
     actions = list(actions)
-    split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+    split = split_backwards(actions)
     return {
         a.stage: (a.kind, a.microbatch)
         for a in actions

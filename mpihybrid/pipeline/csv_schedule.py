@@ -23,7 +23,7 @@ import os
 import re
 
 from mpihybrid.inputs import InputFileError, MiB, read_text
-from mpihybrid.pipeline.actions import Action, ScheduleError
+from mpihybrid.pipeline.actions import Action, ScheduleError, split_backwards
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.spec import ScheduleSpec
 
@@ -99,7 +99,7 @@ def parse_csv(text: str, source: str) -> tuple[dict[int, list[Action]], Placemen
         placement = Placement.of_actions(actions)
     except ValueError as exc:
         raise ScheduleError(f"{source}: {exc}") from None
-    weights = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
+    weights = split_backwards(actions)
     for (stage, mb), (kind, rank, col) in sorted(kinds.items()):
         where = f"{source} row {rank + 1} (rank {rank}) cell {col + 1}"
         if kind == "I" and (stage, mb) not in weights:
@@ -181,7 +181,7 @@ def csv_spec(name: str) -> ScheduleSpec:
         min_microbatches=lambda pp, v: 1,
         bubble_text="simulated (CSV)",
         bubble=None,
-        splits_backward=any(a.kind == "W" for acts in actions.values() for a in acts),
+        splits_backward=bool(split_backwards(actions)),
         memory_text="-",
         placement_of=lambda pp, v: placement,
         check=check,
@@ -192,7 +192,7 @@ def dump_csv(actions: dict[int, list[Action]], start: dict[Action, float]) -> st
     """torch's compute-only CSV of a (valid) schedule: a row per rank, a column per unit-cost
     step (`start`: simulate.simulate's with simulate.unit_costs, as `schedule show` draws it; a
     whole B takes two steps where W is split elsewhere), a split backward as I, a whole one as B."""
-    split = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
+    split = split_backwards(actions)
     out = io.StringIO()
     writer = csv.writer(out)
     for rank in sorted(actions):

@@ -2,7 +2,7 @@
 until its last backward action there -- W when the backward is split (the schedule has a W for
 that stage and micro-batch), else B.
 
-    live = Liveness(split={(a.stage, a.microbatch) for a in actions if a.kind == "W"})
+    live = Liveness(split=split_backwards(actions))  # actions.py: (stage, mb) with a W
     for a in actions: live.step(a.kind, a.stage, a.microbatch, nbytes)
     live.peak_count[s], live.peak_bytes[s], live.peak_total_bytes
 

@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from mpihybrid.comm.device import CPU, Backend
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
-from mpihybrid.pipeline.actions import last_weight_actions
+from mpihybrid.pipeline.actions import last_weight_actions, split_backwards
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.schedules import Action, message_key
@@ -85,7 +85,7 @@ class PipelineRuntime:
         # traces name peers by world rank: the caller knows how its pp_comm sits in the world
         self.peer_ranks = list(peer_ranks) if peer_ranks is not None else list(range(self.pp_size))
         self.cache_nbytes: dict[int, int] = {}  # stage -> bytes one forward cache holds
-        self.split_backward = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+        self.split_backward = split_backwards(actions)
         self.last_weight_action = last_weight_actions(actions)
         self.grads_final, self.poll = grads_final, poll
         top = tag_for("B", num_stages - 1, num_microbatches - 1, num_microbatches)

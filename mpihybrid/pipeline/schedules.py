@@ -25,6 +25,7 @@ from mpihybrid.pipeline.actions import (
     Action,
     ScheduleError,
     message_key,
+    split_backwards,
 )
 from mpihybrid.pipeline.csv_schedule import csv_spec
 from mpihybrid.pipeline.placement import Placement
@@ -278,7 +279,7 @@ def send_grads_early(
     """
     out: dict[int, list[Action]] = {}
     for rank, actions in compute.items():
-        split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+        split = split_backwards(actions)
         out[rank] = []
         for a in actions:
             out[rank].append(a)

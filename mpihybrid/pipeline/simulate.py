@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mpihybrid.pipeline.actions import last_weight_actions
+from mpihybrid.pipeline.actions import last_weight_actions, split_backwards
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.schedules import (
     SCHEDULES,
@@ -79,7 +79,7 @@ class SimResult:
 
 def peak_inflight(actions: dict[int, list[Action]], placement: Placement) -> list[int]:
     """Most micro-batches alive at once per stage: from F to its last backward action (B, or W)."""
-    split = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
+    split = split_backwards(actions)
     live = Liveness(split)
     for acts in actions.values():  # a stage lives on one rank: its own list orders it
         for a in acts:
@@ -91,7 +91,7 @@ def peak_per_rank(actions: dict[int, list[Action]], placement: Placement) -> lis
     """Most activations alive at once on each rank, in micro-batches of a whole rank's share of
     the model (a chunk's micro-batch counts 1/chunks): the paper's memory column, in units of
     one 1F1B stage's micro-batch (1F1B: p on rank 0; GPipe: m; ZB-V: about p)."""
-    split = {(a.stage, a.microbatch) for acts in actions.values() for a in acts if a.kind == "W"}
+    split = split_backwards(actions)
     peaks = []
     for rank in sorted(actions):
         live = Liveness(split)
@@ -111,7 +111,7 @@ def simulate(
     pp = len(actions)
     last = placement.num_stages - 1
     compute = {r: [a for a in acts if a.kind in ("F", "B", "W")] for r, acts in actions.items()}
-    split = {(a.stage, a.microbatch) for acts in compute.values() for a in acts if a.kind == "W"}
+    split = split_backwards(compute)
     last_weight = last_weight_actions(a for acts in compute.values() for a in acts)
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
     start: dict[Action, float] = {}
@@ -186,8 +186,7 @@ def bubble_text(name: str) -> str:
 def unit_costs(actions: dict[int, list[Action]]) -> Costs:
     """One step per action: W costs a step only where backwards are split (then a whole B
     costs B + W, two steps)."""
-    has_w = any(a.kind == "W" for acts in actions.values() for a in acts)
-    return Costs(forward=1.0, backward=1.0, weight=1.0 if has_w else 0.0)
+    return Costs(forward=1.0, backward=1.0, weight=1.0 if split_backwards(actions) else 0.0)
 
 
 def render_grid(
@@ -211,11 +210,11 @@ def render_grid(
         half = max(max_ranks // 2, 1)
         ranks = ranks[:half] + [None] + ranks[-half:]  # None: the column of ranks left out
     chunks = placement.chunks > 1
-    split = any(a.kind == "W" for acts in actions.values() for a in acts)
+    split = split_backwards(actions)
     running = {}
     for a, t0 in result.start.items():
         label = str(a) if chunks else str(a)[len(str(a.stage)) :]
-        if split and a.kind == "B" and not _has_w(actions, a):
+        if split and a.kind == "B" and (a.stage, a.microbatch) not in split:
             label = label.replace("B", "BW", 1)  # a whole backward: B and W in one action
         for i, t in enumerate(range(math.floor(t0), math.ceil(result.end[a]))):
             running[(placement.rank_of(a.stage), t)] = label if i == 0 else "~"
@@ -243,18 +242,9 @@ def render_grid(
     return "\n".join(lines)
 
 
-def _has_w(actions: dict[int, list[Action]], b: Action) -> bool:
-    """Whether the backward `b` is split: a W of its stage and micro-batch exists."""
-    return any(
-        a.kind == "W" and a.stage == b.stage and a.microbatch == b.microbatch
-        for acts in actions.values()
-        for a in acts
-    )
-
-
 def grid_legend(actions: dict[int, list[Action]], v: int) -> str:
     """What render_grid's cells mean, for these actions."""
-    if any(a.kind == "W" for acts in actions.values() for a in acts):
+    if split_backwards(actions):
         kinds = ("F forward, B backward (input gradient), W weight gradient, BW a whole "
                  "backward (B and W in one action) and ~ its second step")  # fmt: skip
     else:

@@ -30,8 +30,9 @@ from mpihybrid import _numba
 from mpihybrid.comm.buckets import bucket_ranges
 from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import Job
-from mpihybrid.nn.cost import FLOAT, ChunkWork, Cost, Gemm, stage_work
+from mpihybrid.nn.cost import FLOAT, ChunkWork, Cost, Gemm, matmul_flops, stage_work
 from mpihybrid.nn.kinds import model_kind
+from mpihybrid.pipeline.actions import split_backwards
 from mpihybrid.pipeline.schedules import Action, build_schedule, placement_of
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
 from mpihybrid.predict.cluster import Cluster, Device, Link, shared_cores
@@ -46,7 +47,7 @@ SGD_BYTES, MOMENTUM_BYTES, DECAY_BYTES, ADAMW_BYTES = 20, 20, 20, 28
 def gemm_seconds(gemm: Gemm, d: Device) -> float:
     b, m, k, n = gemm
     memory = FLOAT * b * (m * k + k * n + m * n) / d.gemm_bandwidth if d.gemm_bandwidth else 0.0
-    return 2 * b * m * k * n / d.gemm_flops + memory + b * d.gemm_call_s
+    return matmul_flops(gemm) / d.gemm_flops + memory + b * d.gemm_call_s
 
 
 def layer_seconds(layer: Cost, kind: str, d: Device) -> float:
@@ -219,7 +220,7 @@ def _rank_end(
     runs while the rank computes (poll: all of it, ring and update) delays the compute."""
     mine = [a for a in actions if a.kind in ("F", "B", "W")]
     compute_end = max((sim.end[a] for a in mine), default=0.0)
-    split = {(a.stage, a.microbatch) for a in mine if a.kind == "W"}
+    split = split_backwards(mine)
     last = {a.stage: a for a in mine if a.kind == "W" or (a.stage, a.microbatch) not in split}
     after = job.comm.overlap == "off" or cluster.device.host_copy_bandwidth > 0
     buckets = []  # (ready, stage, params)

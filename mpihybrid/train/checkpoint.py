@@ -42,6 +42,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from mpihybrid.comm.agree import agree, first_error
 from mpihybrid.comm.device import copy_from_host, host_array
 from mpihybrid.files import atomic_path, commit_dir, write_atomic
 from mpihybrid.nn.data import task_dims
@@ -497,7 +498,7 @@ def _load_sharded(path: Path, s: int, stage, optimizer, manifest: dict, arrays: 
 
 def _agree(world, error: str | None) -> None:
     """Collective: raise the first rank's error on every rank (nothing when none has one)."""
-    first = next((e for e in world.allgather(error) if e is not None), None)
+    first = first_error(world, error)
     if first is not None:
         raise CheckpointError(first)
 
@@ -602,12 +603,12 @@ def _restore_one(world, dp_rank, job, path: Path, stages, optimizers, rings) -> 
             load_rank(path, s, dp_rank, same, st, optimizers[s], rings[s], manifest)
     except CheckpointError as exc:
         error, damaged = str(exc), isinstance(exc, CheckpointDamaged)
-    verdicts = [v for v in world.allgather((error, damaged)) if v[0] is not None]
-    refused = [e for e, d in verdicts if not d]
+    found, damages = agree(world, error, damaged)
+    refused = [e for r, e in found if not damages[r]]
     if refused:  # another model, pp or optimizer: no older checkpoint is any better
         raise CheckpointError(refused[0])
-    if verdicts:
-        raise CheckpointDamaged(verdicts[0][0])
+    if found:
+        raise CheckpointDamaged(found[0][1])
     return manifest
 
 

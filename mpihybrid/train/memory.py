@@ -25,9 +25,11 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from mpihybrid.comm.agree import first_error
 from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import ConfigError, Job
 from mpihybrid.nn.cost import ChunkWork, stage_work
+from mpihybrid.pipeline.actions import split_backwards
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.schedules import Action, build_schedule, placement_of
 from mpihybrid.units import human_bytes
@@ -83,7 +85,7 @@ def rank_memory(
             ring += slots * codec.nbytes(math.ceil(params / g.dp))
     elif g.dp > 1:
         ring += slots * FLOAT * math.ceil(params / g.dp)
-    split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+    split = split_backwards(actions)
     live = Liveness(split)
     recompute = t.recompute == "full"  # a micro-batch in flight keeps its input alone
     waiting, peak = {}, 0  # recompute: a split B's W caches until its W, and the peak with them
@@ -317,6 +319,6 @@ def check_fits(
                 f"and already maps {human_bytes(mapped)}, past its address-space limit "
                 f"RLIMIT_AS (ulimit -v) {human_bytes(address_space)}"
             )
-    first = next((e for e in world.allgather(error) if e is not None), None)
+    first = first_error(world, error)
     if first is not None:
         raise ConfigError(first)
