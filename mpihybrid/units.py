@@ -23,16 +23,19 @@ def human_rate(bytes_per_s: float | None) -> str:
     return "-"  # pragma: no cover
 
 
-def table(header: list[str], rows: list[list[str]], labels: int = 1) -> list[str]:
-    """An aligned text table, the only one the CLI prints (analyze, compare, bench, sweep): the
-    first `labels` columns left-aligned, the numbers right-aligned, dashes under the header."""
+def table(
+    header: list[str], rows: list[list[str]], labels: int = 1, left: tuple[int, ...] = ()
+) -> list[str]:
+    """An aligned text table, the only one the CLI prints (analyze, compare, bench, sweep,
+    predict): the first `labels` columns (and those numbered in `left`) left-aligned, the
+    numbers right-aligned, dashes under the header."""
     header = [str(c) for c in header]
     rows = [[str(c) for c in row] for row in rows]
     widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
 
     def line(cells: list[str]) -> str:
         return "  ".join(
-            c.ljust(w) if i < labels else c.rjust(w)
+            c.ljust(w) if i < labels or i in left else c.rjust(w)
             for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         ).rstrip()
 

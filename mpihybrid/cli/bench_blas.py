@@ -36,6 +36,7 @@ from mpihybrid._blas import (
     machine_key,
     openblas_path,
 )
+from mpihybrid.units import table
 
 DEFAULT = "default"  # OpenBLAS's own pick: OPENBLAS_CORETYPE unset
 TIE = 0.01  # a kernel set must beat OpenBLAS's own pick by this much to be chosen
@@ -166,11 +167,18 @@ def save(choice: str, rows: list[dict], job: str) -> str:
 
 
 def format_rows(rows: list[dict], choice: str, ranks: int) -> str:
-    lines = [f"{'kernel set':<14}{'runs':<12}{'GFLOP/s per process':>20}{'vs own pick':>13}"]
-    for r in rows:
-        mark = "  <- fastest" if r["name"] == choice else ""
-        vs = f"{r['speedup']:.3f}x" if r["speedup"] else "-"
-        lines.append(f"{r['name']:<14}{r['kernels']:<12}{r['gflops']:>20.1f}{vs:>13}{mark}")
+    cells = [
+        [
+            r["name"],
+            r["kernels"],
+            f"{r['gflops']:.1f}",
+            f"{r['speedup']:.3f}x" if r["speedup"] else "-",
+            "<- fastest" if r["name"] == choice else "",
+        ]
+        for r in rows
+    ]
+    header = ["kernel set", "runs", "GFLOP/s per process", "vs own pick", ""]
+    lines = table(header, cells, labels=2, left=(4,))
     lines.append(f"({ranks} processes at once, one BLAS thread each; the slowest counts)")
     return "\n".join(lines)
 

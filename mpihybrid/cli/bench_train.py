@@ -52,6 +52,7 @@ from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.layers import PASSES, Gemm
 from mpihybrid.nn.model import block_costs, build_blocks
 from mpihybrid.trace.recorder import KIND, step_times
+from mpihybrid.units import table as text_table
 
 
 def chunk_gemm_flops(job: Job) -> list[int]:
@@ -526,13 +527,10 @@ def _format_parts(split: list[dict]) -> list[str]:
     tail = ("send", "recv (bubble)", "gradient wait", "runtime")
     ops = sorted((k for k in keys if k not in tail), key=lambda k: (k not in _PARTS, _order(k)))
     keys = ops + [k for k in tail if k in keys]
-    head = "".join(f"{'rank ' + str(t['rank']):>9}" for t in split)
-    title = "time split (% of each rank's wall; adds up to 100)"
-    lines = [f"{title:<55}{head}"]
-    for k in keys:
-        cells = "".join(f"{100 * t['parts'].get(k, 0.0):9.1f}" for t in split)
-        lines.append(f"  {k:<53}{cells}")
-    return lines
+    header = ["time split (% of each rank's wall; adds up to 100)"]
+    header += [f"rank {t['rank']}" for t in split]
+    rows = [[k, *(f"{100 * t['parts'].get(k, 0.0):.1f}" for t in split)] for k in keys]
+    return text_table(header, rows)
 
 
 if __name__ == "__main__":  # pragma: no cover

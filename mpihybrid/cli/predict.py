@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from mpihybrid.cli.commands import _fail
-from mpihybrid.units import human_bytes
+from mpihybrid.units import human_bytes, table
 
 DEFAULT_CLUSTER = "local"  # the user's calibrated file, else the one packaged (this project's)
 EXIT_DOES_NOT_FIT = 4
@@ -110,14 +110,14 @@ def format_prediction(r: dict) -> str:
         f"exposed comm   {1e3 * r['exposed_comm_s']:.2f} ms (ring time past the last compute)",
         f"efficiency     {100 * r['efficiency']:.1f}% of the device's GEMM rate",
         f"message        {1e3 * r['message_s']:.3f} ms per pipeline hop",
-        "stage  params      F ms     B ms     W ms   ring ms    opt ms",
     ]
-    for s in r["stages"]:
-        lines.append(
-            f"{s['stage']:>5}  {s['params']:>10,} {1e3 * s['forward_s']:>8.2f} "
-            f"{1e3 * s['backward_s']:>8.2f} {1e3 * s['weight_s']:>8.2f} "
-            f"{1e3 * s['allreduce_s']:>9.2f} {1e3 * s['optimizer_s']:>9.2f}"
-        )
+    seconds = ("forward_s", "backward_s", "weight_s", "allreduce_s", "optimizer_s")
+    stages = [
+        [s["stage"], f"{s['params']:,}", *(f"{1e3 * s[k]:.2f}" for k in seconds)]
+        for s in r["stages"]
+    ]
+    header = ["stage", "params", "F ms", "B ms", "W ms", "ring ms", "opt ms"]
+    lines += table(header, stages, labels=0)
     lines.append("memory per rank (state = parameters, gradients, optimizer, residual):")
     for m in r["memory"]:
         lines.append(
@@ -237,6 +237,10 @@ def _search(job, cluster, world: int, top: int, as_json: bool, job_file: str) ->
         sys.exit(EXIT_DOES_NOT_FIT)
 
 
+def _prediction_cells(throughput: float, step_s: float, bubble: float, exposed_s: float):
+    return [f"{throughput:,.0f}", f"{1e3 * step_s:.2f}", f"{bubble:.3f}", f"{1e3 * exposed_s:.2f}"]
+
+
 def format_search(ranked: list, made: int, world: int, name: str, top: int, job_file: str) -> str:
     if not ranked:
         return f"== search: {made} layouts on {world} ranks, none fits ({name})"
@@ -244,19 +248,20 @@ def format_search(ranked: list, made: int, world: int, name: str, top: int, job_
     lines = [
         f"== search: {made} layouts of {ranked[0]['prediction']['job']['model']} on {world} "
         f"ranks predicted on {name}, {len(ranked)} fit; the best {min(top, len(ranked))}:",
-        f"{'#':>3} {unit + '/s':>11} {'step ms':>8} {'bubble':>6} {'exp ms':>7} {'memory':>9}  "
-        "pp x dp  order           schedule          v   M  codec  bucket  reason",
     ]
+    rows = []
     for i, e in enumerate(ranked[:top]):
         j = e["prediction"]["job"]
         bucket = next(s.split("=")[1] for s in e["set"] if s.startswith("comm.bucket_kb"))
-        lines.append(
-            f"{i + 1:>3} {e['throughput']:>11,.0f} {1e3 * e['step_time_s']:>8.2f} "
-            f"{e['bubble']:>6.3f} {1e3 * e['exposed_comm_s']:>7.2f} "
-            f"{human_bytes(e['peak_memory_bytes']):>9}  {j['pp']:>2} x {j['dp']:<2}  "
-            f"{j['order']:<15} {j['schedule']:<17} {j['virtual_stages']} {j['microbatches']:>3}  "
-            f"{j['codec']:<5}  {bucket:>6}  {e['reason']}"
+        prediction = (e["throughput"], e["step_time_s"], e["bubble"], e["exposed_comm_s"])
+        rows.append(
+            [i + 1, *_prediction_cells(*prediction), human_bytes(e["peak_memory_bytes"])]
+            + [f"{j['pp']} x {j['dp']}", j["order"], j["schedule"], j["virtual_stages"]]
+            + [j["microbatches"], j["codec"], bucket, e["reason"]]
         )
+    header = ["#", f"{unit}/s", "step ms", "bubble", "exp ms", "memory", "pp x dp", "order"]
+    header += ["schedule", "v", "M", "codec", "bucket", "reason"]
+    lines += table(header, rows, labels=0, left=(6, 7, 8, 11, 13))
     sets = " ".join(f"--set {s}" for s in ranked[0]["set"])
     lines.append(f"run the best: mpiexec -n {world} mpihybrid train {job_file} {sets}")
     return "\n".join(lines)
