@@ -33,7 +33,7 @@ from mpihybrid.analysis.metrics import _measured_steps, bubble_summary, message_
 from mpihybrid.pipeline.csv_schedule import from_trace
 from mpihybrid.pipeline.schedules import build_schedule, placement_of
 from mpihybrid.pipeline.simulate import Costs, simulate
-from mpihybrid.trace.file import load
+from mpihybrid.trace.read import load
 from mpihybrid.trace.recorder import COMPUTE
 
 COLUMNS = ("means", "+whole", "+tail", "+gap", "+mean hop", "per step", "replay")

@@ -63,7 +63,7 @@ JOB_SETTINGS = ["grid.pp=1", 'checkpoint.dir=""', "checkpoint.every=0"]
 def run_one(job: str, data: Path, codec: str, dp: int, seed: int, steps: int, every: int,
             out: Path, lock: str = "", extra: tuple = (), base: tuple = tuple(SMALL)
             ) -> dict:  # fmt: skip
-    from mpihybrid.trace.file import load
+    from mpihybrid.trace.read import load
     from tests.helpers import mpiexec
 
     trace = out / f"{codec}-dp{dp}-seed{seed}.h5"

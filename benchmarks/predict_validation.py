@@ -116,7 +116,7 @@ def calibrate(workdir: Path, quiet: float, retries: int) -> dict:
     """Train the calibration run and fit the cluster file, again (up to `retries` times) while
     something else took more than `quiet` cores of the machine meanwhile: the cluster file, the
     run's median step after the first, what else ran (cores), the attempts."""
-    from mpihybrid.trace.file import load
+    from mpihybrid.trace.read import load
     from mpihybrid.trace.recorder import step_times
 
     job, sets = CALIBRATION
@@ -384,7 +384,7 @@ def phase_memory(args) -> None:
     from mpihybrid.predict.calibrate import _base_memory, kernel_memory, trace_job
     from mpihybrid.predict.cluster import load_cluster
     from mpihybrid.predict.model import predict
-    from mpihybrid.trace.file import load
+    from mpihybrid.trace.read import load
 
     cluster = load_cluster(args.workdir / "local.toml")
     trace = load(args.workdir / "cal.h5")

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid.config import load_job
-from mpihybrid.trace.file import load
+from mpihybrid.trace.read import load
 from mpihybrid.trace.recorder import KIND
 from mpihybrid.train.loop import train
 

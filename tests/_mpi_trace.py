@@ -13,7 +13,8 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.trace.file import load, write_trace
+from mpihybrid.trace.file import write_trace
+from mpihybrid.trace.read import load
 from mpihybrid.trace.recorder import KINDS, Recorder, clock_offset, gather_events
 
 

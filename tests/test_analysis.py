@@ -17,7 +17,7 @@ from mpihybrid.config import load_job
 from mpihybrid.nn.model import build_stage
 from mpihybrid.pipeline.schedules import Placement, build_schedule, lower, placement_of
 from mpihybrid.pipeline.simulate import Costs, bubble_formula, peak_inflight, simulate
-from mpihybrid.trace.file import Trace, load
+from mpihybrid.trace.read import Trace, load
 from mpihybrid.trace.recorder import EVENT_DTYPE, KIND
 from tests.helpers import ROOT, results, run_mpi
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpihybrid.trace.file import load
+from mpihybrid.trace.read import load
 from mpihybrid.train import checkpoint
 from tests.helpers import ROOT, mpi_command, mpi_env, run_mpi
 

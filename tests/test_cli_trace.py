@@ -16,7 +16,8 @@ from click.testing import CliRunner
 
 from mpihybrid.analysis.metrics import analyze, match_messages
 from mpihybrid.cli import main
-from mpihybrid.trace.file import WRITER_ATTRS, load, write_trace
+from mpihybrid.trace.file import write_trace
+from mpihybrid.trace.read import WRITER_ATTRS, load
 from mpihybrid.trace.recorder import KIND
 from tests.helpers import ROOT, run_mpi
 

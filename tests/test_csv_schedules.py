@@ -19,7 +19,7 @@ from mpihybrid.pipeline.schedules import (
     placement_of,
 )
 from mpihybrid.pipeline.simulate import simulate, unit_costs
-from mpihybrid.trace.file import load
+from mpihybrid.trace.read import load
 from tests.helpers import run_mpi
 
 # Written the way torch.distributed.pipelining's ScheduleZBVZeroBubble(pp=2, n_microbatches=4)

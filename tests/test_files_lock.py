@@ -176,7 +176,7 @@ def test_another_jobs_checkpoint_or_trace_is_refused_naming_the_difference(tmp_p
     # its own trace continues
     proc = _train(tmp_path, *ck, "--set", "train.steps=6", "--trace", "mine.h5")
     assert proc.returncode == 0, proc.stderr
-    from mpihybrid.trace.file import load
+    from mpihybrid.trace.read import load
 
     assert list(load(tmp_path / "mine.h5").steps["step"]) == list(range(6))
     proc = _train(tmp_path, *ck, "--set", "train.steps=8", "--set", "data.seed=9", "--force")

@@ -12,7 +12,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mpihybrid.trace.file import TraceError, load, write_trace
+from mpihybrid.trace.file import write_trace
+from mpihybrid.trace.read import TraceError, load
 from mpihybrid.trace.recorder import EVENT_DTYPE
 from mpihybrid.train import checkpoint
 from tests.helpers import mpi_env

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mpihybrid.trace import file as trace_file
-from mpihybrid.trace.file import TraceWriter, load, parts_dir
+from mpihybrid.trace.file import TraceWriter
+from mpihybrid.trace.read import load, parts_dir
 from tests.helpers import run_mpi
 from tests.test_trace_stream import metrics, rows
 

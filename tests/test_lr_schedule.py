@@ -12,7 +12,7 @@ import pytest
 
 from mpihybrid.config import ConfigError, load_job
 from mpihybrid.nn.optim import AdamW, learning_rate
-from mpihybrid.trace.file import load
+from mpihybrid.trace.read import load
 from tests.helpers import run_mpi
 
 

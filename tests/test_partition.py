@@ -105,7 +105,7 @@ def test_a_timed_run_trains_and_keeps_its_split(tmp_path):
     proc = run_mpi(2, *argv, timeout=120)
     assert proc.returncode == 0, proc.stderr
     from mpihybrid.config import tomllib
-    from mpihybrid.trace.file import load
+    from mpihybrid.trace.read import load
 
     counts = tomllib.loads(load(trace).config)["model"]["partition"]
     assert isinstance(counts, list) and len(counts) == 4 and sum(counts) == 4, counts

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpihybrid.trace.file import load
+from mpihybrid.trace.read import load
 from tests.helpers import ROOT, results, run_mpi
 
 pytestmark = pytest.mark.mpi

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from mpihybrid.config import load_job
-from mpihybrid.trace.file import load
+from mpihybrid.trace.read import load
 from tests.helpers import ROOT, run_mpi
 from tests.slurm_cluster import slurm_cluster, unavailable_reason
 

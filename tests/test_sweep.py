@@ -324,7 +324,7 @@ def test_traces_per_cell_and_a_fixed_global_batch(tmp_path):
     rows = read_csv(out)
     assert [(r["microbatches"], r["global_batch"]) for r in rows] == [("2", "12"), ("3", "12")]
     assert [r["microbatch_size"] for r in rows] == ["6", "4"]
-    from mpihybrid.trace.file import load
+    from mpihybrid.trace.read import load
 
     for m in (2, 3):
         trace = load(traces / f"1f1b-M{m}" / "repeat-1.h5")

@@ -6,7 +6,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mpihybrid.trace.file import SCHEMA_VERSION, TraceError, check_writable, load, write_trace
+from mpihybrid.trace.file import check_writable, write_trace
+from mpihybrid.trace.read import SCHEMA_VERSION, TraceError, load
 from mpihybrid.trace.recorder import EVENT_DTYPE, KIND, KINDS, Recorder
 from tests.helpers import results, run_mpi
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mpihybrid.sysinfo import LIMIT
-from mpihybrid.trace.file import SCHEMA_VERSION, load
+from mpihybrid.trace.read import SCHEMA_VERSION, load
 from mpihybrid.trace.recorder import EVENT_DTYPE, KINDS
 from tests.helpers import ROOT, flavour, run_mpi
 

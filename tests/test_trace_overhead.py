@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from mpihybrid.trace.file import load
+from mpihybrid.trace.read import load
 from mpihybrid.trace.recorder import KIND
 from tests.helpers import run_mpi
 

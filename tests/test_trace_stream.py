@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from mpihybrid.config import Job, TraceConfig, TrainConfig
-from mpihybrid.trace.file import TraceWriter, load, write_trace
+from mpihybrid.trace.file import TraceWriter, write_trace
+from mpihybrid.trace.read import load
 from mpihybrid.trace.recorder import EVENT_DTYPE, KIND, Recorder, StepWindow
 from tests.helpers import ROOT, mpi_command, mpi_env, run_mpi
 

@@ -95,7 +95,7 @@ def pipeline_trace(path, steps=4, first_slow=100.0, config=CONFIG, attrs=ATTRS, 
 
 def test_every_figure_comes_from_one_measured_window(tmp_path):
     from mpihybrid.analysis.metrics import analyze
-    from mpihybrid.trace.file import load
+    from mpihybrid.trace.read import load
 
     result = analyze(load(pipeline_trace(tmp_path / "run.h5")))
     assert result["window"] == {"first": 2, "last": 4, "steps": 3, "traced_steps": 4,
@@ -159,7 +159,7 @@ def test_compare_json_has_each_runs_figures_and_ratios(tmp_path):
 
 def test_a_step_range_includes_both_ends_everywhere(steps_only):
     from mpihybrid.analysis.timeline import step_range, steps_text
-    from mpihybrid.trace.file import load
+    from mpihybrid.trace.read import load
 
     trace = load(steps_only)  # steps 1-3, as the CLI counts them
     assert step_range(trace, "1:2") == range(0, 2) and steps_text(range(0, 2)) == "steps 1-2"

@@ -149,7 +149,7 @@ def test_seed_job_learns_and_int8_tracks_fp32():
 
 
 def test_trace_holds_every_event_the_schedule_implies(tmp_path):
-    from mpihybrid.trace.file import load
+    from mpihybrid.trace.read import load
     from mpihybrid.trace.recorder import KIND
 
     path = tmp_path / "run.h5"

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from mpihybrid.cli.why import why
 from mpihybrid.config import ConfigError, load_job
-from mpihybrid.trace.file import load
+from mpihybrid.trace.read import load
 from mpihybrid.train import checkpoint, memory
 from mpihybrid.train.flight import FLIGHT_ROWS, FlightRecorder, explain, read_records, record_dir
 from mpihybrid.train.watchdog import Watchdog

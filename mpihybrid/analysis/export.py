@@ -19,7 +19,7 @@ import numpy as np
 
 from mpihybrid.analysis.metrics import match_messages
 from mpihybrid.files import write_atomic
-from mpihybrid.trace.file import Trace
+from mpihybrid.trace.read import Trace
 from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS
 
 # tid 0 carries the main thread's work (compute, messages, the wait for the gradients), tid 1

@@ -25,7 +25,7 @@ from mpihybrid.analysis.rows import durations, group_max, group_min, group_sum, 
 from mpihybrid.nn.kinds import KINDS as KINDS_OF_MODEL
 from mpihybrid.pipeline.csv_schedule import from_trace
 from mpihybrid.pipeline.liveness import replay_rows
-from mpihybrid.trace.file import Trace
+from mpihybrid.trace.read import Trace
 from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS, step_times
 
 # the columns of the time split, in table order; "recv" is time blocked waiting for a message

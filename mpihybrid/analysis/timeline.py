@@ -21,7 +21,7 @@ import numpy as np
 from mpihybrid.files import write_atomic
 from mpihybrid.pipeline.as_run import compute_rows, grid_as_run
 from mpihybrid.pipeline.placement import Placement
-from mpihybrid.trace.file import Trace
+from mpihybrid.trace.read import Trace
 from mpihybrid.trace.recorder import COMPUTE, KIND
 
 WIDTH_PX, HEADER_PX, ROW_PX, DPI = 1400, 150, 50, 100

@@ -83,7 +83,7 @@ def hot_gemm_rate(gemm: Gemm, seconds: float = 0.3) -> float:
 
 def _as_trace(job: Job, summary, world_size: int):
     """The run as an in-memory Trace, so the analysis of `mpihybrid analyze` applies as is."""
-    from mpihybrid.trace.file import Trace
+    from mpihybrid.trace.read import Trace
     from mpihybrid.train.loop import layout_attrs
 
     steps = {"loss": np.array(summary.losses), "accuracy": np.array(summary.accuracies)}

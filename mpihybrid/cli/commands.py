@@ -145,7 +145,7 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debu
     from mpi4py import MPI
 
     from mpihybrid.config import ConfigError, load_job
-    from mpihybrid.trace.file import TraceError
+    from mpihybrid.trace.read import TraceError
     from mpihybrid.train.checkpoint import CheckpointError
     from mpihybrid.train.memory import check_fits
 
@@ -436,7 +436,7 @@ def schedule_show(
     if show_all and (csv_path or trace_path):
         _fail(f"{'--csv' if csv_path else '--trace'} shows one schedule, not --all")
     if trace_path:
-        from mpihybrid.trace.file import TraceError, load
+        from mpihybrid.trace.read import TraceError, load
 
         try:
             attrs = load(trace_path).attrs

@@ -67,7 +67,7 @@ def _calibrate(trace_path: str, cluster_name: str, out: str | None, echo) -> Pat
         user_dir,
         write_cluster,
     )
-    from mpihybrid.trace.file import load
+    from mpihybrid.trace.read import load
 
     path = Path(out) if out else user_dir() / "local.toml"
     if out is None and path.exists():
@@ -168,7 +168,7 @@ def predict(
     from mpihybrid.predict.cluster import ClusterError, find_cluster, load_cluster
     from mpihybrid.predict.model import predict as run_prediction
     from mpihybrid.predict.search import SearchError
-    from mpihybrid.trace.file import TraceError
+    from mpihybrid.trace.read import TraceError
 
     # with --json the calibration's lines go to stderr: stdout stays one JSON document
     echo = (lambda line: click.echo(line, err=True)) if as_json else click.echo

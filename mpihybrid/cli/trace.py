@@ -25,7 +25,7 @@ def _fail(message: str) -> None:
 
 
 def _load(path: str):
-    from mpihybrid.trace.file import TraceError, load
+    from mpihybrid.trace.read import TraceError, load
 
     try:
         return load(path)

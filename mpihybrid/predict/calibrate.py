@@ -61,7 +61,7 @@ from mpihybrid.predict.model import (
     predict,
     rank_memory,
 )
-from mpihybrid.trace.file import Trace
+from mpihybrid.trace.read import Trace
 from mpihybrid.trace.recorder import KIND, step_times
 
 # (batch, m, k, n): square, wide, tall and skinny products from 32 to 8192 and batches of small

@@ -676,7 +676,7 @@ def check_trace_owner(path: str | os.PathLike, job) -> None:
     stored job differs from `job` in more than a resume may change, or it was written with
     another checkpoint.dir (another run's checkpoints). --overwrite replaces it instead."""
     from mpihybrid.config import tomllib
-    from mpihybrid.trace.file import TraceError, load
+    from mpihybrid.trace.read import TraceError, load
 
     path = Path(path)
     if not path.is_file():
