@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from mpihybrid.analysis.costs import stage_costs
-from mpihybrid.analysis.metrics import _measured_steps, bubble_summary, message_latency
+from mpihybrid.analysis.messages import message_latency
+from mpihybrid.analysis.metrics import _measured_steps, bubble_summary
 from mpihybrid.pipeline.csv_schedule import from_trace
 from mpihybrid.pipeline.schedules import build_schedule, placement_of
 from mpihybrid.pipeline.simulate import Costs, simulate

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mpihybrid.analysis.costs import stage_costs
-from mpihybrid.analysis.metrics import analyze, bubble_summary, match_messages, message_latency
+from mpihybrid.analysis.messages import match_messages, message_latency
+from mpihybrid.analysis.metrics import analyze, bubble_summary
 from mpihybrid.analysis.report import format_analysis
 from mpihybrid.config import load_job
 from mpihybrid.nn.model import build_stage

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mpihybrid.analysis.metrics import analyze, match_messages
+from mpihybrid.analysis.messages import match_messages
+from mpihybrid.analysis.metrics import analyze
 from mpihybrid.cli import main
 from mpihybrid.trace.file import write_trace
 from mpihybrid.trace.read import WRITER_ATTRS, load

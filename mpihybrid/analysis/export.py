@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from mpihybrid.analysis.metrics import match_messages
+from mpihybrid.analysis.messages import match_messages
 from mpihybrid.files import write_atomic
 from mpihybrid.trace.read import Trace
 from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS

@@ -20,7 +20,7 @@ From the trace (the steps after the first):
                                                its elementwise bytes and layer calls (nn.cost)
     optimizer_bandwidth                        the optimizer's bytes / the optimizer rows' time
     links.node.alpha_s                         the median hop of a message whose receiver waited
-                                               (analysis.metrics.message_latency), less its bytes
+                                               (analysis.messages.message_latency), less its bytes
                                                at the link's bandwidth
     links.node.bandwidth (dp > 1)              the ring rows' bytes over their time
     base_memory_bytes                          each rank's peak resident set over the steps
@@ -49,7 +49,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from mpihybrid.analysis.metrics import message_latency
+from mpihybrid.analysis.messages import message_latency
 from mpihybrid.comm.codecs import CODECS, get_codec
 from mpihybrid.config import build_job, resolve
 from mpihybrid.nn.cost import FLOAT, KINDS, stage_work
