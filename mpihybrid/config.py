@@ -24,6 +24,7 @@ from mpihybrid.comm.layout import ORDERS, Layout
 from mpihybrid.inputs import MAX_TOML_BYTES, InputFileError, read_text
 from mpihybrid.nn.kinds import KINDS, model_kind
 from mpihybrid.nn.optim import check_settings
+from mpihybrid.nn.weights import init_problem
 from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
 
 if sys.version_info >= (3, 11):
@@ -67,6 +68,7 @@ class ModelConfig:
     heads: int = 4  # gpt: attention heads (hidden must be divisible by heads)
     ffn: int = 0  # gpt: feed-forward width; 0 = 4 * hidden
     partition: str | list = "cost"  # cost | uniform | timed | [layers per chunk]
+    init: str = ""  # gpt: start from this .safetensors file (weights export) instead of the seed
 
 
 @dataclass(frozen=True)
@@ -396,7 +398,7 @@ def validate(job: Job) -> None:
             f"train.global_batch({t.global_batch}) is not divisible by "
             f"dp({g.dp}) * microbatches({t.microbatches}) = {per_step}"
         )
-    if wrong := KINDS[m.kind].check(m):
+    if wrong := KINDS[m.kind].check(m) or (m.init and init_problem(m, d.seq_len, d.vocab)):
         raise ConfigError(wrong)
     if d.kind == "tokens":
         for where, value in (("data.train", d.train), ("data.val", d.val)):

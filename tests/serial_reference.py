@@ -11,7 +11,7 @@ import numpy as np
 from mpihybrid.nn.data import build_task
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
-from mpihybrid.nn.optim import build_optimizer
+from mpihybrid.nn.optim import build_optimizer, learning_rate
 
 
 def train_serial(job) -> tuple[np.ndarray, list[float]]:
@@ -27,6 +27,6 @@ def train_serial(job) -> tuple[np.ndarray, list[float]]:
         logits, cache = model.forward(x)
         loss, loss_cache = loss_fn.forward(logits, y)
         model.backward(loss_fn.backward(loss_cache), cache)
-        optimizer.step(model.flat_grads)
+        optimizer.step(model.flat_grads, learning_rate(job.train, step))
         losses.append(loss)
     return model.flat_params, losses

@@ -67,6 +67,7 @@ class LazyGroup(click.Group):
         "predict": "mpihybrid.cli.predict:predict",
         "data": "mpihybrid.cli.text:data",
         "generate": "mpihybrid.cli.text:generate",
+        "weights": "mpihybrid.cli.weights:weights",
         "why": "mpihybrid.cli.why:why",
     }
 

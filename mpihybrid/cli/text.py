@@ -272,13 +272,34 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Ge
 
 def load_model(path: Path):
     """Every stage of a checkpoint, in order, with its tokenizer and context length."""
-    import h5py
+    from mpihybrid.nn.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_beside
+    from mpihybrid.nn.tokens import DataError
 
+    job, path, manifest = read_checkpoint(path)
+    kept, beside = path / TOKENIZER_FILE, tokenizer_beside(job.data.train or ".")
+    if kept.is_file():
+        tokenizer = load_tokenizer(kept)
+    elif job.data.kind == "tokens" and beside.is_file():
+        tokenizer = load_tokenizer(beside)
+    else:
+        raise DataError(
+            f"{path}: no {TOKENIZER_FILE} in the checkpoint nor beside its data.train "
+            f"({job.data.train or 'none: data.kind = ' + job.data.kind}); generate needs the "
+            "tokenizer the data were prepared with"
+        )
+    model = checkpoint_stages(path, job, manifest)
+    d = job.data
+    if tokenizer.vocab > d.vocab:
+        raise DataError(f"{path}: its tokenizer has {tokenizer.vocab} tokens, the model {d.vocab}")
+    return model, tokenizer, d.seq_len
+
+
+def read_checkpoint(path: Path):
+    """(job, step directory, manifest) of a GPT's checkpoint: a checkpoint.dir (its newest
+    complete checkpoint) or one step-N directory; DataError (one line) otherwise."""
     from mpihybrid.config import ConfigError, build_job
     from mpihybrid.config import tomllib as toml
     from mpihybrid.nn.kinds import KINDS
-    from mpihybrid.nn.model import build_stage
-    from mpihybrid.nn.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_beside
     from mpihybrid.nn.tokens import DataError
     from mpihybrid.train import checkpoint
 
@@ -295,18 +316,18 @@ def load_model(path: Path):
     except (checkpoint.CheckpointError, ConfigError, KeyError, toml.TOMLDecodeError) as exc:
         raise DataError(f"{path}: not a readable mpihybrid checkpoint ({exc})") from None
     if job.model.kind not in KINDS or not KINDS[job.model.kind].tokens:
-        raise DataError(f"{path}: a {job.model.kind} model; generate samples from a gpt")
-    kept, beside = path / TOKENIZER_FILE, tokenizer_beside(job.data.train or ".")
-    if kept.is_file():
-        tokenizer = load_tokenizer(kept)
-    elif job.data.kind == "tokens" and beside.is_file():
-        tokenizer = load_tokenizer(beside)
-    else:
-        raise DataError(
-            f"{path}: no {TOKENIZER_FILE} in the checkpoint nor beside its data.train "
-            f"({job.data.train or 'none: data.kind = ' + job.data.kind}); generate needs the "
-            "tokenizer the data were prepared with"
-        )
+        raise DataError(f"{path}: a {job.model.kind} model; this needs a gpt")
+    return job, path, manifest
+
+
+def checkpoint_stages(path: Path, job, manifest: dict) -> list:
+    """Every stage of the checkpoint at `path` (a step directory), in order, in this process."""
+    import h5py
+
+    from mpihybrid.nn.model import build_stage
+    from mpihybrid.nn.tokens import DataError
+    from mpihybrid.train import checkpoint
+
     d, num_stages = job.data, job.grid.pp * job.train.virtual_stages
     model = []
     for s in range(num_stages):
@@ -326,6 +347,4 @@ def load_model(path: Path):
             raise DataError(f"{path}: {name} does not fit the checkpoint's own model")
         stage.flat_params[...] = params
         model.append(stage)
-    if tokenizer.vocab > d.vocab:
-        raise DataError(f"{path}: its tokenizer has {tokenizer.vocab} tokens, the model {d.vocab}")
-    return model, tokenizer, d.seq_len
+    return model

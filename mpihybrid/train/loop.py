@@ -32,6 +32,7 @@ from mpihybrid.config import Job, to_toml
 from mpihybrid.nn.data import build_task, heldout, replica_microbatches, task_dims
 from mpihybrid.nn.model import block_costs, boundary_shapes, build_blocks, build_stage
 from mpihybrid.nn.optim import ShardedOptimizer, build_optimizer, learning_rate
+from mpihybrid.nn.weights import load_into
 from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.pipeline.csv_schedule import csv_text
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
@@ -241,6 +242,9 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
         s: build_stage(job.model, task.in_features, task.num_classes, s, num_stages, t.seed)
         for s in placement.stages_of(grid.pp_rank)
     }
+    if job.model.init:  # the file was checked against the model (config.validate)
+        for st in stages.values():
+            load_into(st, job.model.init, job.model.depth + 2)  # gpt: embedding, layers, head
     if not on_host:
         for st in stages.values():
             st.to_device(backend.asarray)  # initialised on the host: the same draws everywhere

@@ -1,0 +1,69 @@
+"""`mpihybrid weights export`: a GPT's checkpoint as a safetensors file under nanoGPT's names
+(registered lazily by mpihybrid.cli.commands; `export` is the trace's).
+
+    mpihybrid weights export runs/text_gpt -o runs/text_gpt.safetensors   # + runs/text_gpt.json
+    mpiexec -n 2 mpihybrid train jobs/text_gpt.toml --set model.init=runs/text_gpt.safetensors
+
+The file holds every tensor of the model (nn/weights.py says which and how they are laid out),
+the JSON config beside it nanoGPT's GPTConfig fields and where this GPT differs from nanoGPT.
+Both are written atomically (all or nothing); an existing file is replaced only with
+--overwrite. One process, no mpiexec; errors are one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from mpihybrid.cli.commands import EXIT_USAGE
+
+
+def _fail(message: str) -> None:
+    click.echo(f"mpihybrid: error: {message}", err=True)
+    sys.exit(EXIT_USAGE)
+
+
+@click.group()
+def weights() -> None:
+    """A GPT's weights to and from other tools (safetensors, nanoGPT's names)."""
+
+
+@weights.command()
+@click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR")
+@click.option("-o", "--output", required=True, help="The .safetensors file to write.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
+def export(checkpoint_dir, output, overwrite) -> None:
+    """Write a GPT checkpoint of any grid (a checkpoint.dir or one step-N directory) as one
+    safetensors file with nanoGPT's GPT-2 names and (out, in) Linear layouts, and a JSON
+    config beside it (OUTPUT with .json): `model.init = "OUTPUT"` starts a run from it."""
+    from safetensors.numpy import save
+
+    from mpihybrid.cli.text import checkpoint_stages, read_checkpoint
+    from mpihybrid.files import write_atomic
+    from mpihybrid.nn import weights as nw
+    from mpihybrid.nn.tokens import DataError
+
+    out = Path(output)
+    if out.suffix != ".safetensors":
+        _fail(f"-o {output}: name the file *.safetensors (its config goes beside it as .json)")
+    beside = nw.config_path(out)
+    for path in (out, beside):
+        if path.exists() and not overwrite:
+            _fail(f"{path} exists: pass --overwrite to replace it")
+    try:
+        job, step_dir, manifest = read_checkpoint(Path(checkpoint_dir))
+        stages = checkpoint_stages(step_dir, job, manifest)
+    except DataError as exc:
+        _fail(str(exc))
+    m, d = job.model, job.data
+    tensors = nw.export_tensors(stages, m.depth + 2)
+    config = {**nw.config_of(m, d.seq_len, d.vocab), "step": int(manifest.get("step", -1))}
+    try:
+        write_atomic(out, save(tensors, metadata={"format": "pt"}), overwrite)
+        write_atomic(beside, json.dumps(config, indent=1) + "\n", overwrite)
+    except OSError as exc:
+        _fail(str(exc))
+    click.echo(f"{out}: {len(tensors)} tensors, {nw.num_params(tensors):,} parameters; {beside}")

@@ -1,0 +1,185 @@
+"""A GPT's weights under nanoGPT's GPT-2 names and layouts, to and from safetensors files.
+
+    tensors = export_tensors(cfg, stages)            # {"transformer.wte.weight": (V, C), ...}
+    problem = check_file(cfg, seq_len, vocab, path)  # "" or one line: what does not fit
+    load_into(stage, cfg, path)                      # a stage's blocks from the file
+
+nanoGPT's model (transformer.wte, wpe, h.i.{ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc,
+mlp.c_proj}, ln_f, lm_head) holds the same tensors as this GPT; its nn.Linear stores the weight
+as (out, in), ours as (in, out), so every Linear weight is transposed on the way out and back.
+Where this GPT differs from nanoGPT's defaults the JSON config beside the file says so (a PyTorch
+model that loads the file must follow it to compute the same logits,
+benchmarks/torch_logits.py): GELU in its tanh form (nanoGPT: erf), an LM head with a bias
+(nanoGPT: none), LayerNorm eps 1e-5 and biases everywhere else as nanoGPT's bias=True.
+A file without `lm_head.bias` (nanoGPT's own) loads with a zero bias, one without
+`lm_head.weight` (tied, as Hugging Face writes it) with the head = wte.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+WTE, HEAD, HEAD_BIAS = "transformer.wte.weight", "lm_head.weight", "lm_head.bias"
+# the names of one transformer layer's tensors: (residual branch, layer in it) -> nanoGPT name
+_LAYER = {
+    (0, 0): "ln_1",
+    (0, 1): "attn.c_attn",
+    (0, 3): "attn.c_proj",
+    (1, 0): "ln_2",
+    (1, 1): "mlp.c_fc",
+    (1, 3): "mlp.c_proj",
+}
+
+
+def block_names(g: int, num_blocks: int) -> list[tuple[str, tuple, str, bool]]:
+    """Block g's tensors: (nanoGPT name, path to the layer, its parameter, transposed)."""
+    if g == 0:
+        return [("transformer.wte.weight", (0,), "tokens", False),
+                ("transformer.wpe.weight", (0,), "positions", False)]  # fmt: skip
+    if g == num_blocks - 1:
+        return [("transformer.ln_f.weight", (0,), "weight", False),
+                ("transformer.ln_f.bias", (0,), "bias", False),
+                (HEAD, (1,), "weight", True), (HEAD_BIAS, (1,), "bias", False)]  # fmt: skip
+    out = []
+    for (branch, i), name in _LAYER.items():
+        prefix = f"transformer.h.{g - 1}.{name}"
+        out.append((f"{prefix}.weight", (branch, i), "weight", "." in name))  # Linears: c_*
+        out.append((f"{prefix}.bias", (branch, i), "bias", False))
+    return out
+
+
+def _param(block: list, path: tuple, name: str) -> np.ndarray:
+    layer = block[path[0]]
+    if len(path) > 1:
+        layer = layer.branch[path[1]]
+    return layer.params[name]
+
+
+def expected_shapes(blocks: list) -> dict[str, tuple[int, ...]]:
+    """nanoGPT name -> its shape in the file, for the model's blocks (no weights needed)."""
+    shapes = {}
+    for g, block in enumerate(blocks):
+        for name, path, key, transposed in block_names(g, len(blocks)):
+            layer = block[path[0]] if len(path) == 1 else block[path[0]].branch[path[1]]
+            shape = layer.param_shapes()[key]
+            shapes[name] = shape[::-1] if transposed else shape
+    return shapes
+
+
+def export_tensors(stages: list, num_blocks: int) -> dict[str, np.ndarray]:
+    """Every stage's tensors (the whole model, in order) under nanoGPT's names and layouts."""
+    out = {}
+    for stage in stages:
+        for g, block in zip(stage.block_range, stage.blocks, strict=True):
+            for name, path, key, transposed in block_names(g, num_blocks):
+                value = np.asarray(_param(block, path, key), np.float32)
+                out[name] = np.ascontiguousarray(value.T if transposed else value)
+    return out
+
+
+def config_of(cfg, seq_len: int, vocab: int) -> dict:
+    """The JSON config beside an exported file: nanoGPT's GPTConfig fields and where this GPT
+    differs from nanoGPT's choices."""
+    return {
+        "model_type": "gpt",
+        "block_size": seq_len,
+        "vocab_size": vocab,
+        "n_layer": cfg.depth,
+        "n_head": cfg.heads,
+        "n_embd": cfg.hidden,
+        "n_inner": cfg.ffn or 4 * cfg.hidden,
+        "bias": True,
+        "dropout": 0.0,
+        "gelu": "tanh",  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); nanoGPT: erf
+        "lm_head_bias": True,  # nanoGPT's lm_head has none
+        "layer_norm_eps": 1e-5,
+        "attention_scale": "1/sqrt(head_dim)",
+        "tie_embeddings": bool(getattr(cfg, "tie_embeddings", False)),
+        "linear_layout": "(out, in) as torch.nn.Linear",
+        "written_by": "mpihybrid weights export",
+    }
+
+
+def config_path(path: str | Path) -> Path:
+    """The JSON config beside a weights file: model.safetensors -> model.json."""
+    return Path(path).with_suffix(".json")
+
+
+def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) -> str:
+    """What keeps the file from starting this model, in one line ("" = it fits): a missing,
+    misshapen or unexpected tensor, another model's head count in its config."""
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path)
+    if not p.is_file():
+        return f"model.init = {str(p)!r}: no such file"
+    try:
+        with safe_open(str(p), framework="numpy") as f:
+            have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError) as exc:
+        return f"model.init = {str(p)!r}: not a readable safetensors file ({exc})"
+    want = expected_shapes(blocks)
+    lenient = {HEAD_BIAS, HEAD} if WTE in have else {HEAD_BIAS}
+    for name, shape in want.items():
+        if name not in have:
+            if name in lenient:
+                continue
+            return f"model.init = {str(p)!r}: no tensor {name} (not a GPT of this job's model)"
+        if have[name] != shape:
+            return (
+                f"model.init = {str(p)!r}: {name} is {list(have[name])}, the job's model "
+                f"needs {list(shape)} (model.hidden {cfg.hidden}, depth {cfg.depth}, "
+                f"data.vocab {vocab}, data.seq_len {seq_len})"
+            )
+    extra = sorted(k for k in set(have) - set(want) if not k.endswith(".attn.bias"))
+    if extra:
+        return f"model.init = {str(p)!r}: {len(extra)} tensors the model has not ({extra[0]}, ...)"
+    beside = config_path(p)
+    if beside.is_file():
+        try:
+            heads = json.loads(beside.read_text()).get("n_head", cfg.heads)
+        except (OSError, ValueError, AttributeError) as exc:
+            return f"model.init: {beside} is not a readable JSON config ({exc})"
+        if heads != cfg.heads:
+            return (
+                f"model.init: {beside} says n_head = {heads}, the job's model.heads = {cfg.heads}"
+            )
+    return ""
+
+
+def init_problem(cfg, seq_len: int, vocab: int) -> str:
+    """model.init's file against the job's model, in one line ("" = it fits)."""
+    from mpihybrid.nn.transformer import gpt_blocks
+
+    if cfg.kind != "gpt":
+        return f"model.init = {cfg.init!r}: starts a gpt only (model.kind = {cfg.kind!r})"
+    if not cfg.init.endswith(".safetensors"):
+        return f"model.init = {cfg.init!r}: expected a .safetensors file (weights export)"
+    return check_file(cfg, seq_len, vocab, cfg.init, gpt_blocks(cfg, seq_len, vocab))
+
+
+def load_into(stage, path: str | Path, num_blocks: int) -> None:
+    """A stage's parameters from a file that check_file accepted (fp32 in the stage's layout)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        keys = set(f.keys())
+        for g, block in zip(stage.block_range, stage.blocks, strict=True):
+            for name, path_, key, transposed in block_names(g, num_blocks):
+                target = _param(block, path_, key)
+                if name in keys:
+                    value = f.get_tensor(name)
+                elif name == HEAD:
+                    value, transposed = f.get_tensor(WTE), True  # tied: the head is wte
+                else:  # lm_head.bias of a nanoGPT file: none
+                    value = np.zeros(target.shape, np.float32)
+                value = value.T if transposed else value
+                target[...] = value.astype(target.dtype, copy=False)
+
+
+def num_params(tensors: dict[str, np.ndarray]) -> int:
+    return sum(math.prod(v.shape) for v in tensors.values())
