@@ -26,6 +26,7 @@ from mpihybrid.nn.kinds import KINDS, model_kind
 from mpihybrid.nn.optim import check_settings
 from mpihybrid.nn.weights import init_problem
 from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
+from mpihybrid.train.watchdog import TICK_S
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -382,6 +383,11 @@ def validate(job: Job) -> None:
         raise ConfigError(
             f"trace.last_step({job.trace.last_step}) < trace.first_step({job.trace.first_step})"
             " (0 traces to the end)"
+        )
+    if 0 < c.timeout_s < TICK_S:  # 1e-6: milliseconds typed as seconds
+        raise ConfigError(
+            f"comm.timeout_s = {c.timeout_s:g}: below the watchdog's tick ({TICK_S:g} s), it would "
+            "end a healthy run as stalled; it is in seconds (0 = never)"
         )
     if job.checkpoint.every and not job.checkpoint.dir:
         raise ConfigError(f"checkpoint.every = {job.checkpoint.every} needs checkpoint.dir")

@@ -41,6 +41,7 @@ def train(n, *args, cwd=None):
         (2, ["--set", "model.hidden=1000000000"], "the job needs about"),
         (2, ["--set", "comm.param_codec=int8"], "needs train.shard_optimizer = true"),
         (2, ["--set", "train.recompute=some"], "train.recompute = 'some': unknown"),
+        (2, ["--set", "comm.timeout_s=1e-6"], "comm.timeout_s = 1e-06: below the watchdog's tick"),
         (
             2,
             ["--set", "train.shard_optimizer=true", "--set", "comm.param_codec=fp16"],

@@ -20,7 +20,7 @@ from mpihybrid.config import ConfigError, load_job
 from mpihybrid.trace.read import load
 from mpihybrid.train import checkpoint, memory
 from mpihybrid.train.flight import FLIGHT_ROWS, FlightRecorder, explain, read_records, record_dir
-from mpihybrid.train.watchdog import Watchdog
+from mpihybrid.train.watchdog import Watchdog, progress
 from tests.helpers import ROOT, mpi_command, mpi_env, run_mpi
 
 TINY = ["--set", "model.hidden=16", "--set", "model.depth=4"]
@@ -200,6 +200,40 @@ def test_timeout_is_validated():
     assert load_job(None, ["comm.timeout_s=0"], 4).comm.timeout_s == 0
     with pytest.raises(ConfigError, match="comm.timeout_s = -1"):
         load_job(None, ["comm.timeout_s=-1"], 4)
+    with pytest.raises(ConfigError, match="comm.timeout_s = 1e-06: below the watchdog's tick"):
+        load_job(None, ["comm.timeout_s=1e-6"], 4)  # milliseconds typed as seconds
+    assert load_job(None, ["comm.timeout_s=1"], 4).comm.timeout_s == 1
+
+
+def test_progress_ticks_the_running_watchdog_only(tmp_path):
+    dog, flight, aborted = _dog(tmp_path, timeout_s=5.0)
+    progress("searching a schedule")  # no watchdog runs: nothing to tick, no error
+    flight.begin("evaluate", step=7)
+    dog.start()
+    try:
+        flight.last_activity -= 100.0  # as if the evaluation had run for 100 s
+        progress("evaluation")
+        dog.check(time.monotonic())  # would fire without the tick
+    finally:
+        dog.stop()
+    assert aborted == [] and flight.last_progress == "evaluation"
+    flight.last_activity -= 100.0
+    progress("after the run")  # the watchdog stopped: no longer ticked
+    assert flight.last_progress == "evaluation"
+
+
+def test_a_timeout_below_the_first_step_is_warned_once(tmp_path, caplog):
+    dog, flight, aborted = _dog(tmp_path, timeout_s=2.0)
+    flight.rank = 0
+    dog.at_boundary()  # the start of the steps
+    dog.boundary_at -= 3.0  # the first step took 3 s
+    with caplog.at_level(logging.WARNING, logger="mpihybrid"):
+        dog.at_boundary()
+        dog.boundary_at -= 3.0
+        dog.at_boundary()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1
+    assert said[0].startswith("comm.timeout_s = 2 is below the first step's 3.0 s")
 
 
 # ---- real runs ----
@@ -249,6 +283,22 @@ def test_sigint_to_mpiexec_stops_every_rank_at_a_step_boundary(tmp_path):
     t = load(trace)  # flushed and readable, saying where it stopped
     assert t.attrs["stopped_at_step"] == len(t.steps["loss"]) >= 3
     assert _procs_left(marker) == []
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pp", [2, 1])
+def test_an_evaluation_longer_than_the_timeout_is_progress(tmp_path, pp):
+    """Once a final evaluation of 3.3 s with comm.timeout_s = 3 was ended as a stall (replica
+    0 ran the test set forward in one piece; the next stage and the other replicas waited on it
+    without a tick): no report, no trace. Here the evaluation takes over 2 s at a 1 s timeout."""
+    trace = tmp_path / "t.h5"
+    proc = run_mpi(2, "-m", "mpihybrid", "train", "--set", f"grid.pp={pp}",
+                   "--set", "model.hidden=1024", "--set", "data.test_samples=20000",
+                   "--set", "train.steps=3", "--set", "comm.timeout_s=1", "--trace", str(trace),
+                   timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "no progress" not in proc.stderr and "held-out accuracy" in proc.stdout
+    assert load(trace).attrs["finished"]
 
 
 @pytest.mark.mpi

@@ -28,6 +28,7 @@ from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.schedules import Action, message_key
 from mpihybrid.trace.recorder import KIND, Recorder
+from mpihybrid.train.watchdog import progress
 
 # b = micro-batch size; shapes of the tensors crossing each stage boundary come from the model
 
@@ -268,7 +269,8 @@ def forward_only(
     boundary_shapes: list[tuple[int, ...]],
     backend: Backend = CPU,
 ) -> np.ndarray | None:
-    """Push one batch through the whole pipeline (evaluation); the last stage's rank gets logits."""
+    """Push one batch through the whole pipeline (evaluation); the last stage's rank gets logits.
+    Each stage's forward ticks the watchdog (an evaluation is many of these)."""
     pp_rank, num_stages = pp_comm.Get_rank(), placement.num_stages
     for s in range(num_stages):
         if placement.rank_of(s) != pp_rank:
@@ -280,7 +282,9 @@ def forward_only(
                 key = ("eval", s, x.shape)  # a staging buffer per boundary and piece size
                 pp_comm.Recv([backend.mpi_recv_buffer(x, key), MPI.FLOAT], source=prev, tag=s)
                 backend.finish_recv(x, key)
+                progress("evaluation")
         x, _ = stages[s].forward(x)
+        progress("evaluation")
         if s < num_stages - 1:
             nxt = placement.rank_of(s + 1)
             if nxt != pp_rank:

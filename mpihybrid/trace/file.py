@@ -31,6 +31,7 @@ from mpihybrid.trace.read import (
     parts_dir,
 )
 from mpihybrid.trace.recorder import EVENT_DTYPE, KINDS
+from mpihybrid.train.watchdog import progress
 
 # ---------------------------------------------------------------------------------------------
 # writing (rank 0 only; no MPI)
@@ -174,6 +175,7 @@ class TraceWriter:
         appended at once (an append rewrites the dataset's last chunk: once per publish)."""
         file_id = secrets.token_hex(8)
         parts = [_read_part_rows(part) for part in self._parts]
+        progress("trace flush")
         events = np.concatenate([*(ev for ev, _ in parts), events])
         for group, rows in tables.items():
             earlier = [part_tables.get(group, {}) for _, part_tables in parts]
@@ -183,12 +185,14 @@ class TraceWriter:
         with atomic_path(self.path, self._overwrite or self.flushes > 0) as tmp:
             if self.flushes:
                 shutil.copyfile(self.path, tmp)
+                progress("trace flush")
             with h5py.File(tmp, "a" if self.flushes else "w") as f:
                 if not self.flushes:
                     self._create(f)
                 self._fill(f, events, tables, finished, self.attrs)
                 f.attrs["file_id"] = file_id
                 self._file_rows = f["events"].shape[0]
+            progress("trace flush")
         self._file_id = file_id
         self._parts = {}
         self._new_attrs = {}
@@ -209,6 +213,7 @@ class TraceWriter:
             f.attrs["finished"] = finished
             _write_attrs(f, self._new_attrs)  # the file has the others
         self._parts[part] = len(events)
+        progress("trace flush")
 
     def _fill(self, f: h5py.File, events: np.ndarray, tables: dict, finished: bool, attrs) -> None:
         _append(f["events"], events)

@@ -48,6 +48,7 @@ from mpihybrid.files import atomic_path, commit_dir, write_atomic
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.model import stage_num_params
 from mpihybrid.nn.optim import ShardedOptimizer
+from mpihybrid.train.watchdog import progress
 from mpihybrid.units import human_bytes
 
 log = logging.getLogger("mpihybrid")
@@ -94,6 +95,7 @@ def file_digest(path: Path) -> str:
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 22):
             digest.update(chunk)
+            progress("checkpoint")
     return digest.hexdigest()
 
 
@@ -105,6 +107,7 @@ def _write_h5(path: Path, arrays: dict[str, np.ndarray], attrs: dict) -> dict[st
             f.attrs[key] = value
         for name, array in arrays.items():
             f.create_dataset(name, data=array)
+            progress("checkpoint")
     return {path.name: file_digest(path)}
 
 

@@ -49,6 +49,7 @@ class FlightRecorder:
         self.ends: list = [np.nan] * FLIGHT_ROWS
         self.count = 0  # rows ever begun
         self.last_activity = time.monotonic()
+        self.last_progress = ""  # what the last progress tick said (watchdog.progress)
 
     def begin(self, what: str, step: int = 0, stage: int = -1, microbatch: int = -1,
               peer: int = -1, tag: int = -1, nbytes: int = 0) -> int:  # fmt: skip
@@ -61,6 +62,11 @@ class FlightRecorder:
 
     def end(self, i: int) -> None:
         self.ends[i] = time.time()
+        self.last_activity = time.monotonic()
+
+    def tick(self, what: str = "") -> None:
+        """Work goes on inside the open row (watchdog.progress): not a stall."""
+        self.last_progress = what
         self.last_activity = time.monotonic()
 
     def open_row(self) -> tuple | None:

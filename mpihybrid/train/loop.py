@@ -503,7 +503,7 @@ def _eval_step(job: Job, world: MPI.Comm, run: _Run, step: int, quiet: bool) -> 
 def heldout_loss(job: Job, world: MPI.Comm, run: _Run) -> dict[str, float]:
     """Collective: mean cross-entropy of the model on train.eval_batches global batches of
     held-out samples (the same ones every time), every replica's pipeline running its share
-    forward in pieces of at most EVAL_LOGITS logits; the same numbers on every rank."""
+    forward in pieces (eval_pieces); the same numbers on every rank."""
     g, t = job.grid, job.train
     placement = run.runtime.placement
     num_stages = placement.num_stages
@@ -512,7 +512,7 @@ def heldout_loss(job: Job, world: MPI.Comm, run: _Run) -> dict[str, float]:
         mine = np.array_split(np.arange(len(x)), g.dp)[run.grid.dp_rank]
         run.eval_set = (x[mine], y[mine])
     x, y = run.eval_set
-    rows = max(1, EVAL_LOGITS // (max(y[:1].size, 1) * run.task.num_classes))
+    rows = eval_pieces(job, len(x), run.task.num_classes, max(y[:1].size, 1))
     nats, targets = 0.0, 0
     for i in range(0, len(x), rows):
         shapes = boundary_shapes(
@@ -628,7 +628,7 @@ def _finish(
     num_stages = placement.num_stages
     flight = run.flight
     i = flight.begin("evaluate")
-    test_accuracy = _evaluate(world, grid, stages, placement, run.task, job.model, run.backend)
+    test_accuracy = _evaluate(job, world, run)
     flight.end(i)
     i = flight.begin("replica check")
     replica_diff = _replica_check(world, grid, stages)
@@ -710,27 +710,33 @@ def _end_attrs(runtime_s: float, test_accuracy: float, peak_rss: list[int] | Non
 EVAL_LOGITS = 1 << 22  # logits held at once by the evaluation (16 MiB of float32)
 
 
-def _evaluate(world, grid, stages, placement, task, model_cfg, backend) -> float:
-    """Held-out accuracy (gpt: of every next token), computed by replica 0's pipeline in
-    pieces of at most EVAL_LOGITS logits; returned on world rank 0."""
-    accuracy, num_stages = -1.0, placement.num_stages
-    if grid.dp_rank == 0:
-        n = len(task.test_x)
-        rows = max(1, EVAL_LOGITS // (task.test_y[0].size * task.num_classes))
-        correct = 0
-        for i in range(0, n, rows):
-            x, y = task.test_x[i : i + rows], task.test_y[i : i + rows]
-            shapes = boundary_shapes(
-                model_cfg, task.in_features, task.num_classes, num_stages, len(x)
-            )
-            x = x if backend.xp is np else backend.asarray(x)
-            logits = forward_only(grid.pp_comm, stages, placement, x, shapes, backend)
-            if logits is not None:
-                predicted = backend.to_host(logits.argmax(axis=-1))
-                correct += int(np.count_nonzero(predicted == y))
-        if placement.rank_of(num_stages - 1) == grid.pp_rank:
-            accuracy = correct / task.test_y.size
-    return float(world.allreduce(accuracy, op=MPI.MAX))
+def eval_pieces(job: Job, rows: int, classes: int, tokens: int) -> int:
+    """Rows forward at once in an evaluation: a training micro-batch (so its memory is within
+    the steps' and a stage waits on the one before it about one forward), at most EVAL_LOGITS
+    logits."""
+    return max(1, min(job.microbatch_size, EVAL_LOGITS // max(tokens * classes, 1), rows))
+
+
+def _evaluate(job: Job, world, run: _Run) -> float:
+    """Held-out accuracy (gpt: of every next token): every replica's pipeline runs its share of
+    the test set forward in pieces (eval_pieces), ticking the watchdog after each; the same
+    number on every rank."""
+    grid, task, backend = run.grid, run.task, run.backend
+    placement = run.runtime.placement
+    num_stages = placement.num_stages
+    n, dp, r = len(task.test_x), grid.dp_size, grid.dp_rank
+    lo, hi = n * r // dp, n * (r + 1) // dp
+    rows = eval_pieces(job, hi - lo, task.num_classes, task.test_y[0].size)
+    correct = 0
+    for i in range(lo, hi, rows):
+        x, y = task.test_x[i : min(i + rows, hi)], task.test_y[i : min(i + rows, hi)]
+        shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, len(x))
+        x = x if backend.xp is np else backend.asarray(x)
+        logits = forward_only(grid.pp_comm, run.stages, placement, x, shapes, backend)
+        if logits is not None:
+            predicted = backend.to_host(logits.argmax(axis=-1))
+            correct += int(np.count_nonzero(predicted == y))
+    return world.allreduce(correct, op=MPI.SUM) / task.test_y.size
 
 
 def _replica_check(world, grid, stages) -> dict[int, float]:

@@ -15,6 +15,12 @@ watchdog is a thread that sees the same signals through signal.set_wakeup_fd, so
 the main thread is blocked inside MPI: a rank that does not reach the agreed boundary within the
 grace period, a second interrupt, or a rank that makes no progress for `timeout_s` ends the job
 with MPI_Abort, after one line saying what this rank waits on and its flight record on disk.
+
+Work that runs long without an action ending (an evaluation, a checkpoint file, a trace flush, a
+schedule search) tells the watchdog it is progressing, from any module:
+
+    from mpihybrid.train.watchdog import progress
+    progress("searching a schedule")       # two stores; a no-op when no watchdog runs
 """
 
 from __future__ import annotations
@@ -36,6 +42,18 @@ log = logging.getLogger("mpihybrid")
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 INTERRUPT = signal.SIGINT
 EXIT_INTERRUPTED = 130  # what a shell reports for a job ended by Ctrl-C (128 + SIGINT)
+# how often the watchdog looks: a comm.timeout_s below it cannot be told from a stall
+TICK_S = 1.0
+
+_watched: FlightRecorder | None = None  # the running watchdog's record, what progress() ticks
+
+
+def progress(what: str = "") -> None:
+    """Work is going on in this process (a piece of an evaluation, a checkpoint file, a trace
+    flush, a schedule search): the running watchdog counts it as progress, not a stall."""
+    flight = _watched
+    if flight is not None:
+        flight.tick(what)
 
 
 class StopSignals:
@@ -90,7 +108,7 @@ class Watchdog:
         record_dir: Callable[[], str | Path],
         usr1_stops: bool = True,
         grace_s: float = 10.0,
-        tick_s: float = 1.0,
+        tick_s: float = TICK_S,
     ):
         """usr1_stops: SIGUSR1 asks for a stop (a checkpoint can be written); else it is only
         noted and training goes on."""
@@ -101,6 +119,7 @@ class Watchdog:
         self.exit, self.say_s = os._exit, 2.0  # tests replace them
         self.boundary_at = time.monotonic()  # the last step boundary this rank reached
         self.slowest_step = 0.0
+        self.boundaries = 0  # step boundaries reached (the first is the start of the steps)
         self.settled = False  # the ranks agreed to stop, or training is over: no grace applies
         self.usr1_stops = usr1_stops
         self.stop_asked_at: float | None = None  # the first signal that asks for a stop
@@ -111,18 +130,31 @@ class Watchdog:
         self._thread = threading.Thread(target=self._loop, name="mpihybrid-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
+        global _watched
+        _watched = self.flight
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        global _watched
+        if _watched is self.flight:
+            _watched = None
         self._stop.set()
         self._thread.join()
 
     def at_boundary(self) -> None:
         """The main thread reached a step boundary (the signals' grace restarts from here)."""
         now = time.monotonic()
-        self.slowest_step = max(self.slowest_step, now - self.boundary_at)
+        took = now - self.boundary_at
+        self.slowest_step = max(self.slowest_step, took)
         self.boundary_at = now
+        self.boundaries += 1
+        if self.boundaries == 2 and 0 < self.timeout_s < took and self.flight.rank == 0:
+            log.warning(
+                "comm.timeout_s = %g is below the first step's %.1f s: a step whose actions "
+                "take that long without one ending is ended as a stall; raise it",
+                self.timeout_s, took,
+            )  # fmt: skip
 
     def settle(self) -> None:
         """Every rank agreed how the run ends (a stop, or the steps are done): a signal from now
