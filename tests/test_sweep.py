@@ -10,17 +10,13 @@ import struct
 import numpy as np
 import pytest
 
-from mpihybrid.cli.sweep import (
+from mpihybrid.cli.sweep import PLOTS
+from mpihybrid.cli.sweep_plan import Cell, cell_job, parse_microbatches, parse_schedules, plan
+from mpihybrid.cli.sweep_rows import (
     COLUMNS,
-    PLOTS,
-    Cell,
     add_speedups,
-    cell_job,
     format_table,
-    parse_microbatches,
-    parse_schedules,
     peak_activation_bytes,
-    plan,
     write_csv,
 )
 from mpihybrid.config import ConfigError, build_job, resolve
@@ -299,7 +295,7 @@ def test_fixed_global_batch_keeps_the_batch_and_skips_what_does_not_divide():
 
 
 def test_medians_carry_the_spread_over_repeats():
-    from mpihybrid.cli.sweep import medians
+    from mpihybrid.cli.sweep_rows import medians
 
     rows = []
     for repeat, (ms, bubble) in enumerate([(10.0, 0.2), (14.0, 0.3), (11.0, 0.25)]):
@@ -338,7 +334,7 @@ def test_traces_per_cell_and_a_fixed_global_batch(tmp_path):
 
 
 def test_a_sweep_too_big_to_run_is_refused_before_any_cell_is_built():
-    from mpihybrid.cli.sweep import check_size
+    from mpihybrid.cli.sweep_plan import check_size
 
     check_size(5, 3, 3, 30)  # the README's sweep
     with pytest.raises(ConfigError, match=r"5 x 400,000,000 x 1|= 2,000,000,000 runs"):

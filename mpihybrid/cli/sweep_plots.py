@@ -35,7 +35,7 @@ OFFSET = 0.035  # series i is drawn at M * 2**((i - centre) * OFFSET): apart, on
 def write_plots(
     summary: list[dict], directory: Path, title: str = "", caveat: str | None = None
 ) -> list[Path]:
-    """PNGs against M, one colour and marker per schedule, from sweep.medians() rows (their
+    """PNGs against M, one colour and marker per schedule, from sweep_rows.medians() rows (their
     "label" names the series), each series slightly offset along M so that equal values do not
     hide each other. Measured medians are solid with bars from the fastest to the slowest of
     the repeats, predictions dashed with open markers on top, the textbook bubble dotted, one
