@@ -5,6 +5,7 @@ subprocess with a timeout, so a regression fails instead of hanging the suite.""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -120,3 +121,81 @@ def test_config_time_fifos_exit_2_on_every_rank(tmp_path):
 def test_bounds_are_input_file_errors():
     assert issubclass(InputTooLargeError, InputFileError)
     assert issubclass(NotRegularFileError, InputFileError)
+
+
+# --- issue #41's smaller cases: CSV cells, predict --world, shards of two tokenizers -------------
+
+
+@pytest.mark.parametrize(
+    "row, words",
+    [
+        ("0F0," + "x" * 1_000_000, "not a CSV schedule (field larger than field limit"),
+        ("0F0," + "1" * 1000 + "F0", "a cell of 1,002 characters (an action takes at most 64)"),
+        ("0F" + "9" * 100_000, "a cell of 100,002 characters"),
+        ("0F123456", "an index above 65535"),
+        ("0F0,\0", "is not an action like"),
+    ],
+)
+def test_a_huge_csv_cell_or_index_is_one_line(tmp_path, row, words):
+    (tmp_path / "s.csv").write_text(row + "\n")
+    shown = mpihybrid("schedule", "show", "--schedule", f"csv:{tmp_path / 's.csv'}")
+    one_error_line(shown, words)
+
+
+@pytest.mark.parametrize("world", ["0", "-4"])
+def test_predict_search_refuses_a_world_below_one(world):
+    proc = mpihybrid("predict", "jobs/seed_k3_d4.toml", "--search", "--world", world)
+    one_error_line(proc, f"--world {world}: must be >= 1")
+
+
+def _text_job(train: str, val: str, vocab: int = 512):
+    from mpihybrid.config import build_job
+
+    return build_job({
+        "model": {"kind": "gpt", "hidden": 16, "depth": 2, "heads": 2},
+        "data": {"kind": "tokens", "vocab": vocab, "seq_len": 8, "test_samples": 8,
+                 "train": train, "val": val},
+        "train": {"global_batch": 8, "microbatches": 2},
+    })  # fmt: skip
+
+
+def _prepared(folder, tokenizer):
+    from mpihybrid.nn.tokenizer import BpeTokenizer, ByteTokenizer
+
+    folder.mkdir()
+    tokens = np.arange(200) % 250
+    write_tokens(folder / "train.bin", tokens)
+    write_tokens(folder / "val.bin", tokens)
+    made = ByteTokenizer() if tokenizer == "byte" else BpeTokenizer.train([folder.name * 50], 300)
+    (folder / "tokenizer.json").write_text(json.dumps(made.to_dict()))
+
+
+def test_shards_of_two_tokenizers_are_refused_before_a_step(tmp_path):
+    from mpihybrid.nn.data import check_data
+    from mpihybrid.nn.tokens import DataError
+
+    _prepared(tmp_path / "a", "byte")
+    _prepared(tmp_path / "b", "bpe")
+    glob = str(tmp_path / "*" / "train.bin")
+    with pytest.raises(DataError) as err:
+        check_data(_text_job(glob, str(tmp_path / "a" / "val.bin")))
+    message = str(err.value)
+    assert "\n" not in message and "shards of two tokenizers" in message
+    assert f"{tmp_path / 'a' / 'train.bin'} (byte tokenizer of 256 tokens" in message
+    assert f"{tmp_path / 'b' / 'train.bin'} (bpe tokenizer of " in message
+    (tmp_path / "b" / "tokenizer.json").unlink()  # one beside a tokenizer, one beside none
+    with pytest.raises(DataError, match="no tokenizer.json beside it"):
+        check_data(_text_job(glob, str(tmp_path / "a" / "val.bin")))
+    # val prepared with another tokenizer than train
+    with pytest.raises(DataError, match="data.val shard"):
+        check_data(_text_job(str(tmp_path / "a" / "train.bin"), str(tmp_path / "b" / "val.bin")))
+    check_data(_text_job(str(tmp_path / "a" / "train.bin"), str(tmp_path / "a" / "val.bin")))
+
+
+def test_jobs_md_names_every_schedule_and_csv():
+    from mpihybrid.pipeline.schedules import SCHEDULES
+
+    row = next(line for line in (ROOT / "docs" / "jobs.md").read_text().splitlines()
+               if line.startswith("| `train.schedule`"))  # fmt: skip
+    assert all(f"`{name}`" in row for name in SCHEDULES) and "`csv:PATH`" in row
+    assert len(SCHEDULES) == 9

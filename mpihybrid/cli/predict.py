@@ -173,6 +173,8 @@ def predict(
     # with --json the calibration's lines go to stderr: stdout stays one JSON document
     echo = (lambda line: click.echo(line, err=True)) if as_json else click.echo
     try:
+        if world is not None and world < 1:  # 0 read as "not given" would search the job's
+            raise ValueError(f"--world {world}: must be >= 1")
         job = _load_job(job_file, list(overrides), search)
         if cluster_out is not None and trace_path is None:
             raise ValueError("--cluster-out is where --calibrate writes: give --calibrate TRACE")
@@ -188,7 +190,8 @@ def predict(
             node = dataclasses.replace(cluster.node, ranks_per_node=ranks_per_node)
             cluster = dataclasses.replace(cluster, node=node)
         if search:
-            _search(job, cluster, world or job.grid.pp * job.grid.dp, top, as_json, job_file)
+            _search(job, cluster, world if world is not None else job.grid.pp * job.grid.dp,
+                    top, as_json, job_file)  # fmt: skip
             return
         if world is not None:
             raise ValueError("--world is the world size --search ranks layouts for")

@@ -11,6 +11,7 @@ writes nothing until every input has been read and checked.
 
 from __future__ import annotations
 
+import codecs
 import fnmatch
 import math
 import os
@@ -224,39 +225,68 @@ def write_outputs(out: Path, train, val, tokenizer, overwrite: bool) -> None:
         _fail(str(exc))
 
 
+def _checked(rule: str, test):
+    """A click callback: the value, or one line and exit 2 naming the option and `rule`."""
+
+    def callback(ctx, param, value):
+        if value is not None and not test(value):
+            _fail(f"{param.opts[0]} {value}: {rule}")
+        return value
+
+    return callback
+
+
 @click.command()
 @click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR")
 @click.option("--prompt", default="", help="Text to continue (default: the start of a document).")
-@click.option("--tokens", "count", type=click.IntRange(min=0), default=200, show_default=True,
-              help="Tokens to generate.")  # fmt: skip
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
+@click.option("--tokens", "count", type=int, default=200, show_default=True,
+              callback=_checked("must be >= 0", lambda v: v >= 0),
+              help="Tokens to generate (printed as they come).")  # fmt: skip
+@click.option("--temperature", type=float, default=1.0, show_default=True,
+              callback=_checked("must be a finite number >= 0",
+                                lambda v: math.isfinite(v) and v >= 0),
               help="Divides the logits; 0 = always the most likely token.")  # fmt: skip
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Sample among the k most likely tokens only (0 = all).")  # fmt: skip
-@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the sampling.")
+@click.option("--top-k", type=int, callback=_checked("must be >= 1", lambda v: v >= 1),
+              help="Sample among the k most likely tokens only [all].")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True,
+              callback=_checked("must be >= 0", lambda v: v >= 0),
+              help="Seeds the sampling.")  # fmt: skip
 def generate(checkpoint_dir, prompt, count, temperature, top_k, seed) -> None:
     """Sample text from a checkpoint of a GPT trained on token files (a checkpoint.dir, its
     newest complete checkpoint, or one step-N directory), written by any pp x dp grid: every
     stage is loaded into this one process; the text goes through the tokenizer kept in the
-    checkpoint (or the one beside the job's data.train)."""
+    checkpoint (or the one beside the job's data.train) and is printed as it comes."""
     from mpihybrid.nn.tokens import DataError
 
     try:
-        model, tokenizer, seq_len = load_model(Path(checkpoint_dir))
+        model, tokenizer, seq_len, vocab = load_model(Path(checkpoint_dir))
     except DataError as exc:
         _fail(str(exc))
+    if vocab > tokenizer.vocab:  # ids past the tokenizer's have no text: never sampled
+        click.echo(
+            f"mpihybrid: note: the model has {vocab} tokens, its tokenizer {tokenizer.vocab}: "
+            f"sampling among the tokenizer's {tokenizer.vocab}",
+            err=True,
+        )
     context = list(tokenizer.encode(prompt)) or list(tokenizer.separator()) or [ord("\n")]
     rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(count):
-        x = np.asarray([context[-seq_len:]], np.int64)
-        for stage in model:
-            x, _cache = stage.forward(x)
-        logits = x[0, -1].astype(np.float64)
-        token = sample(logits, temperature, top_k, rng)
-        context.append(token)
-        out.append(token)
-    click.echo(prompt + tokenizer.decode(out))
+    text = codecs.getincrementaldecoder("utf-8")("replace")  # a character split over tokens
+    try:
+        click.echo(prompt, nl=False)  # click.echo flushes: the text shows as it comes
+        for _ in range(count):
+            x = np.asarray([context[-seq_len:]], np.int64)
+            for stage in model:
+                x, _cache = stage.forward(x)
+            logits = x[0, -1, : tokenizer.vocab].astype(np.float64)
+            token = sample(logits, temperature, top_k or 0, rng)
+            context.append(token)
+            click.echo(text.decode(tokenizer.token_bytes(token)), nl=False)
+        click.echo(text.decode(b"", final=True))
+    except BrokenPipeError:  # `| head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except KeyboardInterrupt:
+        click.echo("")
+        sys.exit(130)
 
 
 def sample(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
@@ -271,7 +301,8 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Ge
 
 
 def load_model(path: Path):
-    """Every stage of a checkpoint, in order, with its tokenizer and context length."""
+    """Every stage of a checkpoint, in order, with its tokenizer, context length and the
+    model's vocabulary."""
     from mpihybrid.nn.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_beside
     from mpihybrid.nn.tokens import DataError
 
@@ -291,7 +322,7 @@ def load_model(path: Path):
     d = job.data
     if tokenizer.vocab > d.vocab:
         raise DataError(f"{path}: its tokenizer has {tokenizer.vocab} tokens, the model {d.vocab}")
-    return model, tokenizer, d.seq_len
+    return model, tokenizer, d.seq_len, d.vocab
 
 
 def read_checkpoint(path: Path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpihybrid.nn.tokenizer import load_tokenizer, tokenizer_beside
+from mpihybrid.nn.tokenizer import check_one_tokenizer, load_tokenizer, tokenizer_beside
 from mpihybrid.nn.tokens import DataError, TokenShards
 
 # B = global batch, F = features, T = tokens per sequence
@@ -168,7 +168,8 @@ class TextTask:
 
     def check(self, global_batch: int) -> None:
         """DataError unless both splits fit the model and hold a global batch of windows, and
-        the tokenizer beside the data fits the model's vocabulary."""
+        the tokenizer beside the data fits the model's vocabulary, and every shard comes from one
+        tokenizer (check_one_tokenizer)."""
         if self.tokenizer is not None and self.tokenizer.vocab > self.vocab:
             raise DataError(
                 f"the tokenizer beside data.train has {self.tokenizer.vocab} tokens but "
@@ -176,6 +177,7 @@ class TextTask:
             )
         self.train.check(self.vocab, global_batch)
         self.val.check(self.vocab, global_batch)
+        check_one_tokenizer([self.train, self.val])
 
 
 def check_data(job) -> None:

@@ -3,13 +3,15 @@
 
     byte  a token per UTF-8 byte: vocabulary 256, no dependency, bits/token = bits/byte
     bpe   byte-level BPE trained on the corpus by Hugging Face `tokenizers`
-          (pip install 'mpihybrid[text]'); its own JSON is kept inside ours
+          (pip install 'mpihybrid[text]'); its own JSON is kept inside ours; GPT-2's
+          pre-tokenisation, then runs over MAX_RUN_BYTES cut into pieces of that length
 
     {"format": "mpihybrid-tokenizer", "kind": "byte" | "bpe", "vocab": N, "bpe": {...}}
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable
@@ -18,12 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from mpihybrid.inputs import InputFileError, MiB, read_text
-from mpihybrid.nn.tokens import DataError
+from mpihybrid.nn.tokens import DataError, TokenShards
 
 TOKENIZER_FILE = "tokenizer.json"
 FORMAT = "mpihybrid-tokenizer"
 END_OF_TEXT = "<|endoftext|>"  # bpe: between documents (token 0)
 MAX_TOKENIZER_BYTES = 64 * MiB  # a bpe of 65536 tokens is a few MiB of JSON
+MAX_RUN_BYTES = 256  # bpe: the longest piece of text the trainer sees as one word
 
 
 class ByteTokenizer:
@@ -36,6 +39,10 @@ class ByteTokenizer:
 
     def decode(self, tokens: Iterable[int]) -> str:
         return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token (a character may take several: decode them together)."""
+        return bytes([token])
 
     def separator(self) -> np.ndarray:
         return np.zeros(0, np.uint16)  # documents are simply concatenated
@@ -51,13 +58,21 @@ class BpeTokenizer:
     def __init__(self, hf) -> None:
         self.hf = hf
         self.vocab = hf.get_vocab_size()
+        self._bytes: dict[int, bytes] = {}
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab: int, length: int | None = None) -> BpeTokenizer:
         """Byte-level BPE (GPT-2's pre-tokenisation) with `vocab` tokens, trained on texts."""
         tokenizers = require_tokenizers()
+        pre = tokenizers.pre_tokenizers
         hf = tokenizers.Tokenizer(tokenizers.models.BPE())
-        hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        # a run of letters, digits, punctuation or spaces longer than MAX_RUN_BYTES is cut into
+        # pieces of that many bytes (one character per byte after ByteLevel): the trainer
+        # rescans a whole word at each merge, so one unsplit 256 KB run took 35 s, 4 MB hours
+        hf.pre_tokenizer = pre.Sequence([
+            pre.ByteLevel(add_prefix_space=False),
+            pre.Split(tokenizers.Regex(f".{{{MAX_RUN_BYTES}}}"), "isolated"),
+        ])  # fmt: skip
         hf.decoder = tokenizers.decoders.ByteLevel()
         trainer = tokenizers.trainers.BpeTrainer(
             vocab_size=vocab,
@@ -74,12 +89,40 @@ class BpeTokenizer:
     def decode(self, tokens: Iterable[int]) -> str:
         return self.hf.decode([int(t) for t in tokens], skip_special_tokens=False)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token: its byte-level characters mapped back to bytes (GPT-2's
+        table); a special token is its own text."""
+        if token not in self._bytes:
+            chars = self.hf.id_to_token(int(token)) or ""
+            table = _byte_of_char()
+            if all(c in table for c in chars):
+                self._bytes[token] = bytes(table[c] for c in chars)
+            else:
+                self._bytes[token] = self.hf.decode([int(token)]).encode("utf-8")
+        return self._bytes[token]
+
     def separator(self) -> np.ndarray:
         return np.asarray([self.hf.token_to_id(END_OF_TEXT)], np.uint16)
 
     def to_dict(self) -> dict:
         bpe = json.loads(self.hf.to_str())
         return {"format": FORMAT, "kind": self.kind, "vocab": self.vocab, "bpe": bpe}
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read back: each of its 256 characters -> its byte
+    (printable bytes stand for themselves, the others for chr(256 + n) in byte order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}  # fmt: skip
+    table, n = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + n)] = byte
+            n += 1
+    return table
 
 
 def require_tokenizers():
@@ -124,3 +167,31 @@ def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | BpeTokenizer:
 def tokenizer_beside(pattern: str) -> Path:
     """Where the tokenizer of a token file (or glob of shards) lives: its directory."""
     return Path(pattern).parent / TOKENIZER_FILE
+
+
+def check_one_tokenizer(sets: list[TokenShards]) -> None:
+    """DataError naming two shards and their tokenizers when the shards of `sets` (data.train
+    and data.val) lie beside different tokenizer.json files, or beside one and beside none: a
+    token means another text in each, and training would mix them without a word."""
+    first: dict[str | None, str] = {}  # the tokenizer's JSON -> the first shard beside it
+    folders: set[Path] = set()
+    for shards in sets:
+        for path in shards.paths:
+            if path.parent in folders:
+                continue
+            folders.add(path.parent)
+            beside = path.parent / TOKENIZER_FILE
+            if beside.exists():
+                tokenizer = load_tokenizer(beside)
+                key = json.dumps(tokenizer.to_dict(), sort_keys=True)
+                what = f"{tokenizer.kind} tokenizer of {tokenizer.vocab} tokens, {beside}"
+            else:
+                key, what = None, f"no {TOKENIZER_FILE} beside it"
+            here = f"{shards.where} shard {path} ({what})"
+            if first and key not in first:
+                other = next(iter(first.values()))
+                raise DataError(
+                    f"shards of two tokenizers: {other} and {here}; prepare them with one "
+                    "tokenizer (mpihybrid data prepare)"
+                )
+            first.setdefault(key, here)
