@@ -3,6 +3,7 @@ its tokenizer's sampled safely, and text printed as it comes (a billion tokens s
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import subprocess
@@ -92,3 +93,24 @@ def test_a_model_vocabulary_past_its_tokenizer_streams_text(tmp_path):
     finally:
         endless.kill()
         endless.wait(TIMEOUT)
+
+
+def test_a_checkpoint_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    from mpihybrid.config import build_job, to_toml
+    from mpihybrid.nn.tokenizer import ByteTokenizer
+    from mpihybrid.train.checkpoint import FORMAT
+
+    job = build_job({"model": {"kind": "gpt", "hidden": 16, "depth": 2, "heads": 2},
+                     "data": {"kind": "random-tokens", "vocab": 256, "seq_len": 8}})  # fmt: skip
+    step = tmp_path / "step-000001"
+    step.mkdir()
+    manifest = {"format": FORMAT, "version": 2, "job": to_toml(job)}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    (step / "tokenizer.json").write_text(json.dumps(ByteTokenizer().to_dict()))
+    os.mkfifo(step / "stage-000.h5")
+    proc = cli("generate", step, "--tokens", 3)
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        proc.stderr == f"mpihybrid: error: checkpoint file {step / 'stage-000.h5'} is a FIFO "
+        "(named pipe), not a regular file\n"
+    )

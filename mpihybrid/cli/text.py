@@ -330,6 +330,7 @@ def read_checkpoint(path: Path):
     complete checkpoint) or one step-N directory; DataError (one line) otherwise."""
     from mpihybrid.config import ConfigError, build_job
     from mpihybrid.config import tomllib as toml
+    from mpihybrid.inputs import InputFileError, check_regular
     from mpihybrid.nn.kinds import KINDS
     from mpihybrid.nn.tokens import DataError
     from mpihybrid.train import checkpoint
@@ -366,12 +367,15 @@ def checkpoint_stages(path: Path, job, manifest: dict) -> list:
         name = f"stage-{s:03d}.h5"
         digest = manifest.get("files", {}).get(name)
         try:
+            check_regular(path / name, what="checkpoint file")  # a FIFO would block open()
             if digest is not None and checkpoint.file_digest(path / name) != digest:
                 raise DataError(
                     f"{path}: {name} is damaged (its sha256 differs from the manifest's)"
                 )
             with h5py.File(path / name, "r") as f:
                 params = f["params"][()]
+        except InputFileError as exc:
+            raise DataError(str(exc)) from None
         except (OSError, KeyError) as exc:
             raise DataError(f"{path}: {name} unreadable ({exc})") from None
         if params.shape != stage.flat_params.shape:
