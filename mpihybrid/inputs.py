@@ -99,16 +99,25 @@ def open_regular(
 def read_regular(path: str | os.PathLike, *, what: str, limit: int) -> bytes:
     """The bytes of a regular file of at most `limit` bytes; one that grows past `limit` while
     it is read (or a /proc file whose size says 0) is refused too."""
-    with open_regular(path, what=what, limit=limit) as (fh, _size):
-        try:
-            data = fh.read(limit + 1)
-        except OSError as exc:
-            raise InputFileError(f"{what} {path}: cannot read it ({exc.strerror})") from None
-    if len(data) > limit:
-        raise InputTooLargeError(
-            f"{what} {path} holds more than the {human_limit(limit)} a {what} may hold"
-        )
-    return data
+    chunks, total = [], 0
+    with open_regular(path, what=what, limit=limit) as (fh, size):
+        want = size + 1  # the size it says (a buffer of `limit` would be allocated whole)
+        while chunk := _read(fh, min(want, limit + 1 - total), path, what):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise InputTooLargeError(
+                    f"{what} {path} holds more than the {human_limit(limit)} a {what} may hold"
+                )
+            want = MiB
+    return b"".join(chunks)  # one chunk: itself, not a copy
+
+
+def _read(fh: BinaryIO, count: int, path, what: str) -> bytes:
+    try:
+        return fh.read(count)
+    except OSError as exc:
+        raise InputFileError(f"{what} {path}: cannot read it ({exc.strerror})") from None
 
 
 def read_text(path: str | os.PathLike, *, what: str, limit: int) -> str:
