@@ -330,7 +330,6 @@ def read_checkpoint(path: Path):
     complete checkpoint) or one step-N directory; DataError (one line) otherwise."""
     from mpihybrid.config import ConfigError, build_job
     from mpihybrid.config import tomllib as toml
-    from mpihybrid.inputs import InputFileError, check_regular
     from mpihybrid.nn.kinds import KINDS
     from mpihybrid.nn.tokens import DataError
     from mpihybrid.train import checkpoint
@@ -356,6 +355,7 @@ def checkpoint_stages(path: Path, job, manifest: dict) -> list:
     """Every stage of the checkpoint at `path` (a step directory), in order, in this process."""
     import h5py
 
+    from mpihybrid.inputs import InputFileError, check_regular
     from mpihybrid.nn.model import build_stage
     from mpihybrid.nn.tokens import DataError
     from mpihybrid.train import checkpoint
