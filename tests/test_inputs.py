@@ -199,3 +199,22 @@ def test_jobs_md_names_every_schedule_and_csv():
                if line.startswith("| `train.schedule`"))  # fmt: skip
     assert all(f"`{name}`" in row for name in SCHEDULES) and "`csv:PATH`" in row
     assert len(SCHEDULES) == 9
+
+
+def test_model_init_and_its_config_on_a_fifo(tmp_path):
+    """model.init (safetensors) is opened by the library's own open(): a FIFO would block every
+    rank in config validation; the JSON config beside it likewise."""
+    from mpihybrid.config import ConfigError, load_job
+
+    sets = ["model.kind=gpt", "model.hidden=16", "model.depth=2", "model.heads=2",
+            'data.kind="random-tokens"', "data.vocab=64", "data.seq_len=8"]  # fmt: skip
+    fifo(tmp_path / "w.safetensors")
+    with pytest.raises(ConfigError, match="model.init .*w.safetensors is a FIFO"):
+        load_job(None, [*sets, f"model.init={tmp_path / 'w.safetensors'}"], 1)
+    from tests.test_weights import _file, job
+
+    good = _file(tmp_path)
+    (tmp_path / "m.json").unlink(missing_ok=True)
+    fifo(tmp_path / "m.json")
+    with pytest.raises(ConfigError, match="model.init's config .*m.json is a FIFO"):
+        job(f"model.init={good}")

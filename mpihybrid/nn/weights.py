@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mpihybrid.inputs import InputFileError, MiB, check_regular, read_text
+
 WTE, HEAD, HEAD_BIAS = "transformer.wte.weight", "lm_head.weight", "lm_head.bias"
 # the names of one transformer layer's tensors: (residual branch, layer in it) -> nanoGPT name
 _LAYER = {
@@ -115,8 +117,10 @@ def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) ->
     from safetensors import SafetensorError, safe_open
 
     p = Path(path)
-    if not p.is_file():
-        return f"model.init = {str(p)!r}: no such file"
+    try:  # a FIFO or a device: refused before safetensors opens it (open() would block)
+        check_regular(p, what="model.init")
+    except InputFileError as exc:
+        return str(exc)
     try:
         with safe_open(str(p), framework="numpy") as f:
             have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
@@ -139,10 +143,13 @@ def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) ->
     if extra:
         return f"model.init = {str(p)!r}: {len(extra)} tensors the model has not ({extra[0]}, ...)"
     beside = config_path(p)
-    if beside.is_file():
+    if beside.exists():
         try:
-            heads = json.loads(beside.read_text()).get("n_head", cfg.heads)
-        except (OSError, ValueError, AttributeError) as exc:
+            text = read_text(beside, what="model.init's config", limit=MiB)
+            heads = json.loads(text).get("n_head", cfg.heads)
+        except InputFileError as exc:
+            return str(exc)
+        except (ValueError, AttributeError) as exc:
             return f"model.init: {beside} is not a readable JSON config ({exc})"
         if heads != cfg.heads:
             return (
