@@ -26,7 +26,7 @@ from mpihybrid.nn.kinds import KINDS, model_kind
 from mpihybrid.nn.optim import check_settings
 from mpihybrid.nn.weights import init_problem
 from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
-from mpihybrid.train.watchdog import TICK_S
+from mpihybrid.progress import TICK_S
 
 if sys.version_info >= (3, 11):
     import tomllib

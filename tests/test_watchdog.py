@@ -17,10 +17,11 @@ from click.testing import CliRunner
 
 from mpihybrid.cli.why import why
 from mpihybrid.config import ConfigError, load_job
+from mpihybrid.progress import progress
 from mpihybrid.trace.read import load
 from mpihybrid.train import checkpoint, memory
 from mpihybrid.train.flight import FLIGHT_ROWS, FlightRecorder, explain, read_records, record_dir
-from mpihybrid.train.watchdog import Watchdog, progress
+from mpihybrid.train.watchdog import Watchdog
 from tests.helpers import ROOT, mpi_command, mpi_env, run_mpi
 
 TINY = ["--set", "model.hidden=16", "--set", "model.depth=4"]

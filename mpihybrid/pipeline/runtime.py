@@ -27,8 +27,8 @@ from mpihybrid.pipeline.actions import last_weight_actions, split_backwards
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.schedules import Action, message_key
+from mpihybrid.progress import progress
 from mpihybrid.trace.recorder import KIND, Recorder
-from mpihybrid.train.watchdog import progress
 
 # b = micro-batch size; shapes of the tensors crossing each stage boundary come from the model
 

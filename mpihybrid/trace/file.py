@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 
 from mpihybrid.files import atomic_path
+from mpihybrid.progress import progress
 from mpihybrid.trace.read import (
     FORMAT,
     PART_FORMAT,
@@ -31,7 +32,6 @@ from mpihybrid.trace.read import (
     parts_dir,
 )
 from mpihybrid.trace.recorder import EVENT_DTYPE, KINDS
-from mpihybrid.train.watchdog import progress
 
 # ---------------------------------------------------------------------------------------------
 # writing (rank 0 only; no MPI)

@@ -48,7 +48,7 @@ from mpihybrid.files import atomic_path, commit_dir, write_atomic
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.model import stage_num_params
 from mpihybrid.nn.optim import ShardedOptimizer
-from mpihybrid.train.watchdog import progress
+from mpihybrid.progress import progress
 from mpihybrid.units import human_bytes
 
 log = logging.getLogger("mpihybrid")

@@ -49,7 +49,7 @@ class FlightRecorder:
         self.ends: list = [np.nan] * FLIGHT_ROWS
         self.count = 0  # rows ever begun
         self.last_activity = time.monotonic()
-        self.last_progress = ""  # what the last progress tick said (watchdog.progress)
+        self.last_progress = ""  # what the last progress tick said (mpihybrid.progress)
 
     def begin(self, what: str, step: int = 0, stage: int = -1, microbatch: int = -1,
               peer: int = -1, tag: int = -1, nbytes: int = 0) -> int:  # fmt: skip
@@ -65,7 +65,7 @@ class FlightRecorder:
         self.last_activity = time.monotonic()
 
     def tick(self, what: str = "") -> None:
-        """Work goes on inside the open row (watchdog.progress): not a stall."""
+        """Work goes on inside the open row (mpihybrid.progress): not a stall."""
         self.last_progress = what
         self.last_activity = time.monotonic()
 

@@ -17,10 +17,7 @@ grace period, a second interrupt, or a rank that makes no progress for `timeout_
 with MPI_Abort, after one line saying what this rank waits on and its flight record on disk.
 
 Work that runs long without an action ending (an evaluation, a checkpoint file, a trace flush, a
-schedule search) tells the watchdog it is progressing, from any module:
-
-    from mpihybrid.train.watchdog import progress
-    progress("searching a schedule")       # two stores; a no-op when no watchdog runs
+schedule search) tells the watchdog it is progressing through mpihybrid.progress, from any layer.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mpihybrid.progress import TICK_S, watch, watched
 from mpihybrid.train.flight import FlightRecorder, describe
 
 log = logging.getLogger("mpihybrid")
@@ -42,18 +40,6 @@ log = logging.getLogger("mpihybrid")
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 INTERRUPT = signal.SIGINT
 EXIT_INTERRUPTED = 130  # what a shell reports for a job ended by Ctrl-C (128 + SIGINT)
-# how often the watchdog looks: a comm.timeout_s below it cannot be told from a stall
-TICK_S = 1.0
-
-_watched: FlightRecorder | None = None  # the running watchdog's record, what progress() ticks
-
-
-def progress(what: str = "") -> None:
-    """Work is going on in this process (a piece of an evaluation, a checkpoint file, a trace
-    flush, a schedule search): the running watchdog counts it as progress, not a stall."""
-    flight = _watched
-    if flight is not None:
-        flight.tick(what)
 
 
 class StopSignals:
@@ -130,15 +116,13 @@ class Watchdog:
         self._thread = threading.Thread(target=self._loop, name="mpihybrid-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
-        global _watched
-        _watched = self.flight
+        watch(self.flight)
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        global _watched
-        if _watched is self.flight:
-            _watched = None
+        if watched() is self.flight:
+            watch(None)
         self._stop.set()
         self._thread.join()
 
