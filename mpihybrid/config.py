@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from mpihybrid.comm.buckets import PROGRESS
+from mpihybrid.comm.buckets import PROGRESS, RINGS
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
 from mpihybrid.comm.layout import ORDERS, Layout
@@ -26,6 +26,7 @@ from mpihybrid.nn.kinds import KINDS, model_kind
 from mpihybrid.nn.optim import check_settings
 from mpihybrid.nn.weights import init_problem
 from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
+from mpihybrid.pipeline.wire import P2P_CODECS, P2P_SCOPES
 from mpihybrid.progress import TICK_S
 
 if sys.version_info >= (3, 11):
@@ -34,6 +35,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OPTIMIZERS = ("sgd", "adamw")
+GRID_ORDERS = (*ORDERS, "auto")  # auto: the one predict ranks first (predict.auto)
 PARAM_CODECS = ("fp32", "bf16", "int8")  # the weight all-gather of train.shard_optimizer
 RECOMPUTE = ("none", "full")
 # keys that take a value of more than one type: (section, key) -> the types allowed
@@ -48,9 +50,9 @@ class ConfigError(ValueError):
 class GridConfig:
     pp: int = 1  # pipeline stages per pipeline
     dp: int = -1  # data-parallel replicas per stage; -1 = world size // pp
-    order: str = (
-        "pipeline-inner"  # pipeline-inner: rank = dp_rank*pp + pp_rank; data-inner: swapped
-    )
+    # pipeline-inner: rank = dp_rank*pp + pp_rank; data-inner: swapped; auto: the one predict
+    # ranks first for the world and the nodes MPI reports (predict.auto)
+    order: str = "pipeline-inner"
     device: str = "cpu"  # cpu (numpy) | cuda (CuPy, GPU local_rank % GPUs on the node)
 
     @property
@@ -126,6 +128,12 @@ class CommConfig:
     bucket_kb: int = 4096  # a bucket holds whole layers of at least this many KiB of gradient
     segment_kb: int = 2048  # the ring sends a chunk in messages of this many KiB of float32
     param_codec: str = ""  # train.shard_optimizer's weight all-gather: fp32 | bf16 | int8 ("" fp32)
+    # pipeline links: activations and their gradients in fp32 | fp16 | bf16 | int8 (per-row scales)
+    p2p_codec: str = "fp32"
+    p2p_codec_scope: str = "inter-node"  # which links p2p_codec encodes: inter-node | all
+    # a stage's gradient ring: flat | hierarchical (inside each node, then across, then inside);
+    # auto: hierarchical where the stage's replicas span nodes
+    ring: str = "auto"
     # a rank that makes no progress (no action ends, no message arrives) this long aborts the job,
     # saying what it waits on and writing its flight record; 0 = never
     timeout_s: float = 600.0
@@ -319,7 +327,7 @@ def _one_of(where: str, value: str, allowed: tuple[str, ...]) -> None:
 def _check_names(job: Job) -> None:
     """Every setting that names one of a fixed list (schedules, codecs, devices, ...)."""
     g, m, d, t, c = job.grid, job.model, job.data, job.train, job.comm
-    _one_of("grid.order", g.order, ORDERS)
+    _one_of("grid.order", g.order, GRID_ORDERS)
     _one_of("grid.device", g.device, DEVICES)
     if c.cuda_aware != "auto" and not isinstance(c.cuda_aware, bool):
         raise ConfigError(f"comm.cuda_aware = {c.cuda_aware!r}: choose auto, true or false")
@@ -333,6 +341,9 @@ def _check_names(job: Job) -> None:
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
     _one_of("comm.codec", c.codec, CODECS)
     _one_of("comm.overlap", c.overlap, PROGRESS)
+    _one_of("comm.p2p_codec", c.p2p_codec, P2P_CODECS)
+    _one_of("comm.p2p_codec_scope", c.p2p_codec_scope, P2P_SCOPES)
+    _one_of("comm.ring", c.ring, RINGS)
     _one_of("train.recompute", t.recompute, RECOMPUTE)
     if c.param_codec:
         _one_of("comm.param_codec", c.param_codec, PARAM_CODECS)

@@ -304,6 +304,11 @@ def _run_info(attrs: dict, config: dict) -> dict:
         # traces from before the option: off
         "early_grad_send": bool(attrs.get("early_grad_send", False)),
         "codec": attrs.get("codec", config.get("comm.codec")),
+        # the pipeline wire (traces from before it: fp32) and the gradient ring across nodes
+        "p2p_codec": str(attrs.get("p2p_codec", config.get("comm.p2p_codec", "fp32"))),
+        "p2p_scope": str(config.get("comm.p2p_codec_scope", "inter-node")),
+        "order": str(attrs.get("order", config.get("grid.order", "pipeline-inner"))),
+        "ring": str(attrs.get("ring", config.get("comm.ring", "flat"))),
     }
 
 

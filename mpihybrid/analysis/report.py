@@ -36,9 +36,12 @@ def format_analysis(result: dict) -> str:
 def _run_line(run: dict) -> str:
     v = f", v={run['virtual_stages']}" if run["virtual_stages"] > 1 else ""
     v += ", gradients sent before W" if run.get("early_grad_send") else ""
+    wire = ""
+    if run.get("p2p_codec", "fp32") != "fp32":
+        wire = f", pipeline wire {run['p2p_codec']} ({run.get('p2p_scope', 'inter-node')} links)"
     return (
         f"== {run['schedule']}{v}, pp={run['pp']} x dp={run['dp']}, M={run['microbatches']}, "
-        f"codec {run['codec']}, {run['steps']} step{'s' * (run['steps'] != 1)} traced "
+        f"codec {run['codec']}{wire}, {run['steps']} step{'s' * (run['steps'] != 1)} traced "
         f"on {run['world_size']} ranks"
     )
 

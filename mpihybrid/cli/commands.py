@@ -166,6 +166,7 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debu
         error = str(exc)
     exit_on_any_error(world, error)
     job = _timed_partition(job, world)  # collective: before the checkpoints are compared
+    job, order_choice = _auto_order(job, world)  # collective
     try:
         if world.rank == 0:
             resume_from = _preflight(job, resume, force)
@@ -183,7 +184,8 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debu
     except ConfigError as exc:
         exit_on_any_error(world, str(exc))
     resume_from = world.bcast(resume_from, root=0)
-    summary = _run_training(job, world, quiet, resume_from, debug or _debug_env())
+    notes = {"order_choice": order_choice} if order_choice else None
+    summary = _run_training(job, world, quiet, resume_from, debug or _debug_env(), notes)
     release_all()  # rank 0's locks on checkpoint.dir and the trace (exit drops them too)
     if summary is not None:
         from mpihybrid.train.report import format_report
@@ -213,7 +215,18 @@ def _timed_partition(job, world):
     return dataclasses.replace(job, model=dataclasses.replace(job.model, partition=counts))
 
 
-def _run_training(job, world, quiet: bool, resume_from, debug: bool):
+def _auto_order(job, world):
+    """grid.order = "auto" chosen (predict.auto; collective), said by rank 0 in one line: (the
+    job, the line); any other order: (the job, "")."""
+    from mpihybrid.predict.auto import resolve_order
+
+    job, line = resolve_order(job, world)
+    if line and world.rank == 0:
+        click.echo(f"mpihybrid: {line}", err=True)
+    return job, line
+
+
+def _run_training(job, world, quiet: bool, resume_from, debug: bool, notes=None):
     """train() with every way it can end mapped to one line and an exit code: 3 preempted,
     130 interrupted, 143 terminated, 2 a checkpoint or device refused before training, 1 a run
     that stopped (all ranks agreed) or a rank that failed alone (then the whole job is aborted:
@@ -225,7 +238,9 @@ def _run_training(job, world, quiet: bool, resume_from, debug: bool):
 
     try:
         peak = _calibrated_gemm_flops() if job.grid.device == "cpu" else None
-        return run_training(job, world, quiet=quiet, resume_from=resume_from, peak_flops=peak)
+        return run_training(
+            job, world, quiet=quiet, resume_from=resume_from, peak_flops=peak, notes=notes
+        )
     except StopRequested as exc:  # every rank alike, at a step boundary
         exit_stopped(world, exc)
     except (CheckpointError, DeviceError) as exc:  # on every rank alike, before any training
@@ -657,9 +672,9 @@ def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json, q
     except ConfigError as exc:
         error = str(exc)
     exit_on_any_error(world, error)
-    job = _timed_partition(job, world)
+    job = _auto_order(_timed_partition(job, world), world)[0]
     if other is not None:
-        other = (_timed_partition(other[0], world), other[1])
+        other = (_auto_order(_timed_partition(other[0], world), world)[0], other[1])
     from mpihybrid.cli.bench_train import bench_train as run
     from mpihybrid.cli.bench_train import format_bench
     from mpihybrid.cli.progress import progress_echo

@@ -23,7 +23,7 @@ from mpihybrid.units import human_bytes, table
 
 DEFAULT_CLUSTER = "local"  # the user's calibrated file, else the one packaged (this project's)
 EXIT_DOES_NOT_FIT = 4
-# no second node here: the link of ../shared/tools/twonode.sh (tc tbf, 2 Gbit/s each way)
+# no second node here: the link of benchmarks/two_nodes.sh (tc tbf, 2 Gbit/s each way)
 _TWONODE = {"alpha_s": 1e-4, "bandwidth": 2.5e8, "node_bandwidth": 2.5e8}
 
 

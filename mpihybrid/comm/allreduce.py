@@ -95,10 +95,13 @@ class RingAllreduce:
         transport: str = "auto",
         role: str = "allreduce",
         cuts: tuple[int, ...] = (),
+        *,
+        origin: int | None = None,
     ) -> None:
         """role: "reduce_scatter" or "all_gather" allocates what that half needs alone (the
         distributed optimizer's gradient ring, its weight ring: steps() is refused). cuts:
-        where a lossy ring's segments also end (comm.ring_layout: the weight gather's tensors)."""
+        where a lossy ring's segments also end (comm.ring_layout: the weight gather's tensors);
+        origin: a lossy ring's segments on a grid from there (comm.ring_layout)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if transport not in TRANSPORTS:
@@ -123,16 +126,18 @@ class RingAllreduce:
             self.residual = backend.zeros(count, np.float32) if residual is None else residual
             if self.residual.shape != (count,) or self.residual.dtype != np.float32:
                 raise ValueError(f"residual must be float32 of length {count}")
-        self._layout(segment, transport, cuts)
+        self._layout(segment, transport, cuts, origin)
 
-    def _layout(self, segment: int, transport: str, cuts: tuple[int, ...]) -> None:
+    def _layout(
+        self, segment: int, transport: str, cuts: tuple[int, ...], origin: int | None
+    ) -> None:
         """Chunks, their segments, and each segment's slot in the wire buffers."""
         p, codec = self.dp_size, self.codec
         bounds = [int(b) for b in chunk_bounds(self.count, p)]
         # fp32 copies bits: no codec block to keep apart, no cut
         self.segments, offset = segment_layout(
             self.count, p, segment, cuts if self.compress else (),
-            codec.nbytes if self.compress else lambda n: 4 * n,
+            codec.nbytes if self.compress else lambda n: 4 * n, origin if self.compress else None,
         )  # fmt: skip
         self.chunk_nbytes = [sum(s[3] for s in segs) for segs in self.segments]
         own = (self.dp_rank + 1) % p  # the chunk this rank's reduce-scatter completes

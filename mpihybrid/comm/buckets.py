@@ -25,6 +25,11 @@ compute like the rest.
     red.owned                 # [(lo, hi)] per bucket: the flat offsets this rank updates
     red.begin_step(update, master)   # master(lo, hi): the owner's fp32 weights there, or None
 
+Across nodes (comm.ring): `GradientComm(..., groups=NodeGroups(dp_comm, nodes))` makes every
+bucket's ring the two-level ring of comm.hier_ring (inside each node, across, inside again)
+instead of one flat ring over dp_comm; `ring_kind(setting, nodes)` says which one a setting
+gives a dp group.
+
 Progress (comm.overlap):
     thread  a communication thread per rank runs the rings (MPI_THREAD_MULTIPLE; mpi4py releases
             the GIL in MPI calls and the codec kernels release it too) and the optimizer
@@ -48,8 +53,31 @@ from mpi4py import MPI
 from mpihybrid.comm.allreduce import DEFAULT_SEGMENT, RingAllreduce
 from mpihybrid.comm.codecs import Codec
 from mpihybrid.comm.device import CPU, Backend
+from mpihybrid.comm.hier_ring import NodeGroups, TwoLevelRing
 
 PROGRESS = ("thread", "poll", "off")
+RINGS = ("auto", "flat", "hierarchical")
+
+
+def ring_kind(setting: str, nodes: list[int] | None) -> tuple[str, str]:
+    """The ring a dp group whose ranks sit on `nodes` (one per dp rank; None: unknown) gets for
+    comm.ring = setting, and a warning ("" when none): "hierarchical" where the group spans
+    nodes and two of its ranks share one (auto or asked for), else "flat"."""
+    if setting not in RINGS:
+        raise ValueError(f"comm.ring = {setting!r}: choose one of {', '.join(RINGS)}")
+    spans = nodes is not None and len(set(nodes)) > 1
+    shares = nodes is not None and len(set(nodes)) < len(nodes)  # two replicas on one node
+    if setting == "flat" or (setting == "auto" and not (spans and shares)):
+        return "flat", ""
+    if nodes is None:
+        why = "MPI cannot say which ranks share a node"
+    elif not spans:
+        why = "this stage's replicas share one node"
+    elif not shares:
+        why = "one replica a node: the two levels are one"
+    else:
+        return "hierarchical", ""
+    return "flat", f"comm.ring = 'hierarchical': {why}: the flat ring"
 
 
 def bucket_ranges(param_ranges: list[tuple[int, int]], bucket_bytes: int) -> list[tuple[int, int]]:
@@ -109,18 +137,17 @@ class Reducer:
         lossy = codec.lossy and error_feedback
         self.residual = owner.backend.zeros(n, np.float32) if lossy else None
         self.rings = [
-            RingAllreduce(
-                owner.dp_comm, hi - lo, codec, error_feedback, segment,
-                None if self.residual is None else self.residual[lo:hi], owner.backend,
-                role="allreduce" if param_codec is None else "reduce_scatter",
+            owner.ring(
+                hi - lo, codec, error_feedback, None if self.residual is None else
+                self.residual[lo:hi], "allreduce" if param_codec is None else "reduce_scatter",
             )
             for lo, hi in self.buckets
         ]  # fmt: skip
         # sharded: the weight rings, and the flat offsets this rank owns in each bucket
         self.param_rings = None if param_codec is None else [
-            RingAllreduce(
-                owner.dp_comm, hi - lo, param_codec, False, segment, None, owner.backend,
-                role="all_gather", cuts=tuple(x - lo for x in tensor_offsets if lo < x < hi),
+            owner.ring(
+                hi - lo, param_codec, False, None, "all_gather",
+                cuts=tuple(x - lo for x in tensor_offsets if lo < x < hi),
             )
             for lo, hi in self.buckets
         ]  # fmt: skip
@@ -137,7 +164,7 @@ class Reducer:
         total = {"reduce_scatter": 0, "all_gather": 0}
         for ring in self.rings + (self.param_rings or []):
             for kind, nbytes in ring.bytes_sent.items():
-                total[kind] += nbytes
+                total[kind] = total.get(kind, 0) + nbytes
         return total
 
     @property
@@ -220,15 +247,18 @@ class GradientComm:
         progress: str = "thread",
         segment: int = DEFAULT_SEGMENT,
         backend: Backend = CPU,
+        *,
+        groups: NodeGroups | None = None,
     ) -> None:
         """backend: where the gradients live; a GPU's rings encode on the device and MPI sees
-        only the encoded bytes (comm.allreduce)."""
+        only the encoded bytes (comm.allreduce). groups: the dp group's nodes, for two-level
+        rings (comm.hier_ring); None: flat rings."""
         if progress not in PROGRESS:
             raise ValueError(f"comm.overlap = {progress!r}: choose one of {', '.join(PROGRESS)}")
         if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             progress = "poll"  # this MPI cannot take calls from two threads at once
         self.dp_comm, self.progress, self.segment = dp_comm, progress, segment
-        self.backend = backend
+        self.backend, self.groups = backend, groups
         self.reducers: list[Reducer] = []
         self.events: list[BucketEvent] = []
         self._todo: list[tuple[Reducer, int]] = []  # poll: queued, not started
@@ -254,6 +284,26 @@ class GradientComm:
         )  # fmt: skip
         self.reducers.append(red)
         return red
+
+    def ring(
+        self,
+        count: int,
+        codec: Codec,
+        error_feedback: bool,
+        residual: np.ndarray | None,
+        role: str,
+        cuts: tuple[int, ...] = (),
+    ) -> RingAllreduce | TwoLevelRing:
+        """One bucket's ring over dp_comm: flat, or two-level when the group spans nodes."""
+        if self.groups is None:
+            return RingAllreduce(
+                self.dp_comm, count, codec, error_feedback, self.segment, residual, self.backend,
+                role=role, cuts=cuts,
+            )  # fmt: skip
+        return TwoLevelRing(
+            self.groups, count, codec, error_feedback, self.segment, residual, self.backend,
+            role=role, cuts=cuts,
+        )  # fmt: skip
 
     def submit(self, red: Reducer, i: int) -> None:
         if self.progress == "thread":
@@ -307,6 +357,13 @@ class GradientComm:
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
+
+    def free_groups(self) -> None:
+        """Free the two-level rings' communicators (collective over dp_comm; after the rings'
+        own close)."""
+        if self.groups is not None:
+            self.groups.free()
+            self.groups = None
 
 
 def patient_wait(request: MPI.Request) -> None:

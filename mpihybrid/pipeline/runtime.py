@@ -11,6 +11,11 @@ the receiver reaching its RECV: deadlock-freedom does not rest on MPI's eager bu
 sync mode (Issend everywhere) demonstrates. Tensors go through uppercase buffer calls only, and
 through the backend's MPI buffers: on a GPU without CUDA-aware MPI those are persistent host
 copies (device.Backend), and a received tensor is copied to the device when its RECV completes.
+
+A link that comm.p2p_codec encodes (pipeline.wire) sends the codec's bytes instead: the sender
+encodes into a preallocated byte buffer per message, the receive is posted into a preallocated
+byte buffer too, and its RECV decodes into the float32 buffer the stage reads. fp32 links are
+untouched. bytes_sent and the trace count the bytes that went on the wire.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from mpihybrid.pipeline.actions import last_weight_actions, split_backwards
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.schedules import Action, message_key
+from mpihybrid.pipeline.wire import P2PWire
 from mpihybrid.progress import progress
 from mpihybrid.trace.recorder import KIND, Recorder
 
@@ -67,12 +73,15 @@ class PipelineRuntime:
         grads_final: Callable[[int, int], None] | None = None,
         poll: Callable[[], None] | None = None,
         flight=None,
+        *,
+        wire: P2PWire | None = None,
     ):
         """grads_final(stage, lo): called during a stage's last weight-gradient action of the
         step, after each layer: the stage's gradients at flat offsets >= lo are final (the
         gradient buckets start on it). poll(): called between actions and while a receive is
         pending (rings that make progress by polling). flight: the rank's FlightRecorder
-        (train.flight), told where each action begins and ends."""
+        (train.flight), told where each action begins and ends. wire: which links carry
+        encoded tensors, in which codec (pipeline.wire; None: every link float32)."""
         self.comm = pp_comm
         self.pp_rank, self.pp_size = pp_comm.Get_rank(), pp_comm.Get_size()
         self.stages, self.actions = stages, actions
@@ -107,18 +116,25 @@ class PipelineRuntime:
              tag_for(*message_key(a), num_microbatches) if a.peer >= 0 else -1)
             for a in actions
         ]  # fmt: skip
-        # One preallocated receive buffer per RECV action, reused every step.
+        # One preallocated receive buffer per RECV action, reused every step; an encoded link
+        # also has a byte buffer per RECV (what arrives) and per SEND (what leaves)
+        self.wire = wire if wire is not None else P2PWire()
         self.recv_buffers: dict[tuple[str, int, int], np.ndarray] = {}
+        self.wire_buffers: dict[tuple[str, int, int], np.ndarray] = {}  # RECV's, SEND's (S...)
         for a in actions:
-            if a.kind == "RECV_F":
-                shape = boundary_shapes[a.stage]
-            elif a.kind == "RECV_B":
-                shape = boundary_shapes[a.stage + 1]
-            else:
+            if a.kind not in ("RECV_F", "RECV_B", "SEND_F", "SEND_B"):
                 continue
-            self.recv_buffers[(a.kind[-1], a.stage, a.microbatch)] = backend.empty(
-                shape, np.float32
-            )
+            # a boundary's tensor: stage s's input; F of s sends s + 1's, B of s sends s's
+            fb, sending = a.kind[-1], a.kind.startswith("SEND")
+            shape = boundary_shapes[a.stage + (fb == "F" if sending else fb == "B")]
+            key = (fb, a.stage, a.microbatch)
+            if not sending:
+                self.recv_buffers[key] = backend.empty(shape, np.float32)
+            if self.wire.encodes(a.peer):
+                nbytes = self.wire.codec_for(shape).nbytes(int(np.prod(shape)))
+                self.wire_buffers[("S" + fb if sending else fb, *key[1:])] = backend.empty(
+                    nbytes, np.uint8
+                )
 
     def _is_local(self, stage: int) -> bool:
         return 0 <= stage < self.num_stages and self.placement.rank_of(stage) == self.pp_rank
@@ -159,8 +175,12 @@ class PipelineRuntime:
         for key, buf in self.recv_buffers.items():
             kind, stage, mb = key
             src_stage = stage - 1 if kind == "F" else stage + 1
+            encoded = self.wire_buffers.get(key)
+            target = [self.backend.mpi_recv_buffer(buf, key), MPI.FLOAT]
+            if encoded is not None:
+                target = [self.backend.mpi_recv_buffer(encoded, key), MPI.BYTE]
             pending[key] = self.comm.Irecv(
-                [self.backend.mpi_recv_buffer(buf, key), MPI.FLOAT],
+                target,
                 source=self.placement.rank_of(src_stage),
                 tag=tag_for(kind, src_stage, mb, self.num_microbatches),
             )
@@ -221,13 +241,19 @@ class PipelineRuntime:
         s, mb, fb = a.stage, a.microbatch, a.kind[-1]
         buf = state.outbox.pop((fb, s + 1 if fb == "F" else s - 1, mb))
         tag = tag_for(fb, s, mb, self.num_microbatches)
-        wire = self.backend.mpi_send_buffer(buf, (fb, s, mb))
-        state.send_requests.append(self.isend([wire, MPI.FLOAT], dest=a.peer, tag=tag))
-        self.bytes_sent["activation" if fb == "F" else "activation_grad"] += buf.nbytes
+        encoded = self.wire_buffers.get(("S" + fb, s, mb))
+        if encoded is None:
+            message = [self.backend.mpi_send_buffer(buf, (fb, s, mb)), MPI.FLOAT]
+            nbytes = buf.nbytes
+        else:  # encoded once, into this message's own bytes (kept until the step's Waitall)
+            flat = self.backend.xp.ascontiguousarray(buf, dtype=np.float32).reshape(-1)
+            self.wire.codec_for(buf.shape).encode(flat, encoded)
+            message = [self.backend.mpi_send_buffer(encoded, (fb, s, mb)), MPI.BYTE]
+            nbytes = encoded.nbytes
+        state.send_requests.append(self.isend(message, dest=a.peer, tag=tag))
+        self.bytes_sent["activation" if fb == "F" else "activation_grad"] += nbytes
         peer = self.peer_ranks[a.peer]
-        self.recorder.record(
-            KIND["send"], state.step, s, mb, t0, Recorder.clock(), buf.nbytes, peer
-        )
+        self.recorder.record(KIND["send"], state.step, s, mb, t0, Recorder.clock(), nbytes, peer)
 
     def _recv(self, a: Action, state: _Step, t0: float) -> None:
         key = (a.kind[-1], a.stage, a.microbatch)
@@ -236,9 +262,16 @@ class PipelineRuntime:
             while not request.Test():
                 self.poll()
         request.Wait()
-        self.backend.finish_recv(self.recv_buffers[key], key)
-        state.inbox[key] = self.recv_buffers[key]
-        nbytes, peer = state.inbox[key].nbytes, self.peer_ranks[a.peer]
+        buf, encoded = self.recv_buffers[key], self.wire_buffers.get(key)
+        if encoded is None:
+            self.backend.finish_recv(buf, key)
+            nbytes = buf.nbytes
+        else:  # decoded into the float32 buffer the stage reads
+            self.backend.finish_recv(encoded, key)
+            self.wire.codec_for(buf.shape).decode(encoded, buf.size, buf.reshape(-1))
+            nbytes = encoded.nbytes
+        state.inbox[key] = buf
+        peer = self.peer_ranks[a.peer]
         self.recorder.record(
             KIND["recv"], state.step, a.stage, a.microbatch, t0, Recorder.clock(), nbytes, peer
         )

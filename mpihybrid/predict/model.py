@@ -9,13 +9,17 @@ Per chunk and micro-batch (nn.cost: what each layer declares beside its forward 
               + b gemm_call_s; every elementwise pass: its bytes / mem_bandwidth; every layer
               call: op_overhead_s
     messages  alpha + bytes / bandwidth of the link between the two ranks (same node or not,
-              from grid.order and ranks_per_node)
+              from grid.order and ranks_per_node); where comm.p2p_codec encodes the link (one
+              across nodes, or every link with p2p_codec_scope = "all") the codec's bytes (int8:
+              a scale per row of model.hidden) and its encode and decode
     buckets   a stage's gradient in buckets of comm.bucket_kb (comm.buckets.bucket_ranges), each
               final when the stage's last B/W passes its first layer; its ring: 2(p-1) hops of
               an encoded chunk (a lossy ring on one node only says where its bytes lie: the
               neighbour decodes them from shared memory), the codec's encodes and decodes, the
               mean, (on a GPU) the host copies; then the optimizer on its slice (sharded: on
-              its 1/dp, and the all-gather's hops carry comm.param_codec's bytes). Buckets run
+              its 1/dp, and the all-gather's hops carry comm.param_codec's bytes). A dp group
+              that spans nodes under comm.ring = auto | hierarchical: the two-level ring
+              (two_level_seconds: inside the node, across per chunk, inside). Buckets run
               one after the other (_rank_end); on one CPU core, the work of those that run while
               the rank still computes delays its compute by as much
     optimizer the bytes its implementation moves per parameter (optim.py) / optimizer_bandwidth
@@ -24,6 +28,7 @@ Per chunk and micro-batch (nn.cost: what each layer declares beside its forward 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from mpihybrid import _numba
@@ -107,8 +112,34 @@ def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
             continue  # both chunks on one rank (interleaved, pp = 1)
         crosses, flows = _crossing(edges, cluster)
         link = cluster.links["network" if crosses else "node"]
-        worst = max(worst, link.seconds(work[c].input_bytes, flows))
+        nbytes, codec_s = p2p_bytes(job, work[c].input_bytes, crosses, cluster)
+        worst = max(worst, link.seconds(nbytes, flows) + codec_s)
     return worst
+
+
+def p2p_encoded(job: Job, cluster: Cluster) -> bool:
+    """Whether comm.p2p_codec would encode any pipeline link of the job (pipeline.wire)."""
+    g, placement = job.grid, job_placement(job)
+    for c in range(1, placement.num_stages):
+        sources = g.layout.replica_ranks(placement.rank_of(c - 1))
+        for a, b in zip(sources, g.layout.replica_ranks(placement.rank_of(c)), strict=True):
+            if a != b and (
+                job.comm.p2p_codec_scope == "all" or _node(a, cluster) != _node(b, cluster)
+            ):
+                return True
+    return False
+
+
+def p2p_bytes(job: Job, nbytes: int, crosses: bool, cluster: Cluster) -> tuple[int, float]:
+    """A pipeline message of `nbytes` of float32 on the wire (pipeline.wire): (its bytes there,
+    the seconds of its encode and decode) under comm.p2p_codec."""
+    c = job.comm
+    if c.p2p_codec == "fp32" or not (crosses or c.p2p_codec_scope == "all"):
+        return nbytes, 0.0
+    count = nbytes // FLOAT
+    rate = cluster.codecs[c.p2p_codec]
+    wire = get_codec(c.p2p_codec, block=max(job.model.hidden, 1)).nbytes(count)
+    return wire, nbytes / rate.encode + nbytes / rate.decode
 
 
 def _ring_crosses(job: Job, pp_rank: int, cluster: Cluster) -> bool:
@@ -128,6 +159,9 @@ def ring_seconds(job: Job, chunk: int, params: int, cluster: Cluster) -> tuple[f
     gradient's codec."""
     c = job.comm
     gather = (c.param_codec or "fp32") if job.train.shard_optimizer else c.codec
+    levels = two_level(job, job_placement(job).rank_of(chunk), cluster)
+    if levels is not None:
+        return two_level_seconds(job, params, cluster, *levels)
     halves = [
         ring_half(job, chunk, params, cluster, c.codec, "reduce_scatter"),
         ring_half(job, chunk, params, cluster, gather, "all_gather"),
@@ -178,6 +212,76 @@ def ring_half(
         work += params * FLOAT / d.host_copy_bandwidth
     copies = not (crosses or d.host_copy_bandwidth or shared)
     return wire + work, work + (wire if copies else 0.0)
+
+
+def two_level(job: Job, pp_rank: int, cluster: Cluster) -> tuple[int, int, int] | None:
+    """(ranks of the dp group on its fullest node, nodes it spans, pp positions whose groups
+    span nodes) when pp position `pp_rank`'s ring is the two-level one (comm.ring = auto or
+    hierarchical, its replicas on more than one node, two on one of them), else None."""
+    if job.comm.ring == "flat" or job.grid.dp == 1:
+        return None
+    per_node: dict[int, int] = {}
+    for rank in job.grid.layout.replica_ranks(pp_rank):
+        node = _node(rank, cluster)
+        per_node[node] = per_node.get(node, 0) + 1
+    if len(per_node) == 1 or max(per_node.values()) == 1:
+        return None  # one node, or one rank a node: the flat ring is the two-level one
+    spanning = sum(_ring_crosses(job, r, cluster) for r in range(job.grid.pp))
+    return max(per_node.values()), len(per_node), spanning
+
+
+def two_level_seconds(
+    job: Job, params: int, cluster: Cluster, local: int, nodes: int, spanning: int
+) -> tuple[float, float]:
+    """comm.hier_ring's ring of `params` gradients: (seconds, of them the rank's own work).
+    Inside the node a reduce-scatter of the codec over `local` ranks (a lossy one on shared
+    memory: only "written" travels), across the nodes an all-reduce of the rank's chunk of
+    params / local among one owner per node (every owner of every spanning stage's group
+    leaves its node at once: local x spanning flows), inside the node an fp32 all-gather
+    (sharded: the weights in comm.param_codec); the mean."""
+    c, d = job.comm, cluster.device
+    sharded = job.train.shard_optimizer
+    node, network = cluster.links["node"], cluster.links["network"]
+    codec, rate = get_codec(c.codec, c.block), cluster.codecs[c.codec]
+    gather_name = (c.param_codec or "fp32") if sharded else "fp32"
+    gather, grate = get_codec(gather_name, c.block), cluster.codecs[gather_name]
+    seg = c.segment_kb * 256
+    chunk = params / local  # what one rank owns after the node's reduce-scatter
+    piece = chunk / nodes  # what it owns in the ring across
+    wire = work = copies = 0.0
+    if local > 1:
+        msgs = math.ceil(chunk / seg)
+        shared = shared_wire(codec.lossy, False, d)
+        hop = msgs * node.alpha_s if shared else node.seconds(codec.nbytes(math.ceil(chunk)), 1)
+        wire += (local - 1) * hop
+        copies += 0.0 if shared else (local - 1) * hop
+        work += (local - 1) * chunk * FLOAT * ((1 / rate.encode if codec.lossy else 0)
+                                               + 1 / rate.decode)  # fmt: skip
+        ghop = node.seconds(gather.nbytes(math.ceil(chunk)), 1)  # all-gather, messages
+        wire += (local - 1) * ghop
+        copies += (local - 1) * ghop
+        if gather.lossy:
+            work += chunk * FLOAT / grate.encode + local * chunk * FLOAT / grate.decode
+    flows = local * max(spanning, 1)
+    msgs = math.ceil(piece / seg)
+    hop = (msgs - 1) * network.alpha_s + network.seconds(codec.nbytes(math.ceil(piece)), flows)
+    wire += 2 * (nodes - 1) * hop
+    if codec.lossy:  # across: an encode and a decode per hop, the owner's encode, its decodes
+        work += (nodes - 1) * piece * FLOAT * (1 / rate.encode + 1 / rate.decode)
+        work += piece * FLOAT / rate.encode + nodes * piece * FLOAT / rate.decode
+    else:
+        work += (nodes - 1) * piece * FLOAT / rate.decode
+    work += 2 * FLOAT * (chunk if sharded else params) / d.mem_bandwidth  # the mean
+    if d.host_copy_bandwidth:
+        work += params * FLOAT / d.host_copy_bandwidth
+    return wire + work, work + copies
+
+
+def shard_ways(job: Job, pp_rank: int, cluster: Cluster) -> int:
+    """Over how many ranks train.shard_optimizer splits a bucket's update: the dp group, or
+    under the two-level ring the ranks of a node (comm.hier_ring)."""
+    levels = two_level(job, pp_rank, cluster)
+    return job.grid.dp if levels is None else levels[0]
 
 
 def shared_wire(lossy: bool, crosses: bool, device: Device) -> bool:
@@ -232,7 +336,8 @@ def _rank_end(
     for ready, s, n in sorted(buckets, key=lambda b: b[0]):
         ring, work_s = ring_seconds(job, s, n, cluster)
         # sharded (ZeRO-1): the rank updates its 1/dp of the bucket
-        owned = n // job.grid.dp if job.train.shard_optimizer else n
+        ways = shard_ways(job, job_placement(job).rank_of(s), cluster)
+        owned = n // ways if job.train.shard_optimizer else n
         update = optimizer_seconds(job, owned, cluster)
         start = max(ready + shift, free)
         free = start + ring + update
@@ -313,7 +418,10 @@ def pipeline(job: Job, cluster: Cluster) -> tuple:
 
 def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
     """Everything `mpihybrid predict` reports for a resolved job on `cluster` (JSON-ready);
-    `piped`: pipeline(job, cluster) when already computed."""
+    `piped`: pipeline(job, cluster) when already computed. grid.order = auto: the prediction
+    of the faster order (pipeline-inner on a tie, or when pp or dp is 1), which it names."""
+    if job.grid.order == "auto":
+        return _predict_auto(job, cluster)
     g, t = job.grid, job.train
     cluster = shared_cores(cluster, g.pp * g.dp)
     work, actions, costs, sim = piped or pipeline(job, cluster)
@@ -345,6 +453,10 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
             "microbatches": t.microbatches,
             "virtual_stages": t.virtual_stages,
             "codec": job.comm.codec,
+            "p2p_codec": job.comm.p2p_codec,
+            "ring": "hierarchical"
+            if any(two_level(job, r, cluster) for r in range(g.pp))
+            else "flat",
             "overlap": job.comm.overlap,
             "global_batch": t.global_batch,
         },  # fmt: skip
@@ -364,6 +476,19 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
         "memory_bytes": cluster.node.memory_bytes,  # of one device: what a rank must fit in
         "notes": _notes(job, cluster),
     }
+
+
+def _predict_auto(job: Job, cluster: Cluster) -> dict:
+    """grid.order = auto, as training resolves it (predict.auto) on the cluster's nodes."""
+    orders = ("pipeline-inner", "data-inner") if job.grid.pp > 1 and job.grid.dp > 1 else (
+        "pipeline-inner",)  # fmt: skip
+    found = {
+        o: predict(dataclasses.replace(job, grid=dataclasses.replace(job.grid, order=o)), cluster)
+        for o in orders
+    }
+    best = max(orders, key=lambda o: (found[o]["throughput"], o == "pipeline-inner"))
+    found[best]["notes"].append(f"grid.order = auto: {best}")
+    return found[best]
 
 
 def _notes(job: Job, cluster: Cluster) -> list[str]:

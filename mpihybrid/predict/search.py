@@ -10,7 +10,9 @@ The space (the job's global batch, model and data kept):
                  zero-bubble ones too), with 1 or 2 model chunks per rank where the schedule
                  takes them; pp = 1: 1f1b (one stage has no schedule to choose)
     M            1, 2, 4, ..., 64 and the job's own, where global_batch divides into dp x M
-    comm         dp > 1: every codec x comm.bucket_kb in BUCKETS_KB and the job's own
+    comm         dp > 1: every codec x comm.bucket_kb in BUCKETS_KB and the job's own; where a
+                 stage's replicas span nodes, comm.ring flat and auto (two-level); where a
+                 pipeline link crosses nodes, every comm.p2p_codec
 A layout the job's rules refuse (a schedule's M, a model too shallow for its chunks) is left out
 as training would refuse it. The pipeline (its simulation) is computed once per layout and
 reused across codecs and buckets, which change only the gradients' rings.
@@ -26,7 +28,7 @@ from mpihybrid.comm.layout import ORDERS
 from mpihybrid.config import ConfigError, Job, resolve
 from mpihybrid.pipeline.schedules import SCHEDULES, ScheduleError, chunks_for
 from mpihybrid.predict.cluster import Cluster
-from mpihybrid.predict.model import pipeline, predict
+from mpihybrid.predict.model import p2p_encoded, pipeline, predict, two_level
 
 BUCKETS_KB = (256, 1024, 4096, 16384)
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -46,7 +48,8 @@ def _pipelines(job: Job, world: int):
     """(grid, train) overrides of every pipeline layout, as dicts of section -> fields."""
     for pp in (p for p in range(1, world + 1) if world % p == 0):
         dp = world // pp
-        orders = ORDERS if pp > 1 and dp > 1 else (job.grid.order,)
+        alone = job.grid.order if job.grid.order != "auto" else "pipeline-inner"
+        orders = ORDERS if pp > 1 and dp > 1 else (alone,)
         every = dict.fromkeys((s, chunks_for(s, v)) for s in SCHEDULES for v in (1, 2))
         schedules = list(every) if pp > 1 else [("1f1b", 1)]  # zb-v: 2 chunks, once
         counts = sorted(set(MICROBATCHES) | {job.train.microbatches})
@@ -57,11 +60,26 @@ def _pipelines(job: Job, world: int):
                    "train": {"schedule": name, "virtual_stages": v, "microbatches": m}}  # fmt: skip
 
 
-def _comms(job: Job, dp: int):
-    if dp == 1:
+def _comms(job: Job, base: Job, cluster: Cluster):
+    """The gradient ring's settings to try on one pipeline layout (codec, buckets, ring)."""
+    if base.grid.dp == 1:
         return [{}]
     buckets = sorted(set(BUCKETS_KB) | {job.comm.bucket_kb})
-    return [{"codec": c, "bucket_kb": b} for c in CODECS for b in buckets]
+    spans = any(two_level(_with_ring(base, "auto"), r, cluster) for r in range(base.grid.pp))
+    rings = ("auto", "flat") if spans else (base.comm.ring,)
+    return [{"codec": c, "bucket_kb": b, "ring": r}
+            for c in CODECS for b in buckets for r in rings]  # fmt: skip
+
+
+def _with_ring(job: Job, ring: str) -> Job:
+    return _replace(job, comm={"ring": ring})
+
+
+def _wires(base: Job, cluster: Cluster) -> list[str]:
+    """The pipeline wire's codecs to try: all of them where a link would be encoded."""
+    if base.grid.pp == 1 or not p2p_encoded(_replace(base, comm={"p2p_codec": "bf16"}), cluster):
+        return [base.comm.p2p_codec]
+    return list(CODECS)
 
 
 def set_strings(job: Job) -> list[str]:
@@ -70,7 +88,8 @@ def set_strings(job: Job) -> list[str]:
     return [f"grid.pp={g.pp}", f"grid.dp={g.dp}", f"grid.order={g.order}",
             f"train.schedule={t.schedule}", f"train.virtual_stages={t.virtual_stages}",
             f"train.microbatches={t.microbatches}", f"comm.codec={c.codec}",
-            f"comm.bucket_kb={c.bucket_kb}"]  # fmt: skip
+            f"comm.bucket_kb={c.bucket_kb}", f"comm.ring={c.ring}",
+            f"comm.p2p_codec={c.p2p_codec}"]  # fmt: skip
 
 
 def _parts(r: dict) -> dict[str, float]:
@@ -110,6 +129,14 @@ def _reason(entry: dict, best: dict | None, memory_bytes: float) -> str:
     return f"{why}: +{1e3 * worse[key]:.1f} ms{memory}"
 
 
+def _entry(r: dict, candidate: Job) -> dict:
+    return {
+        "throughput": r["throughput"], "step_time_s": r["step_time_s"], "bubble": r["bubble"],
+        "exposed_comm_s": r["exposed_comm_s"], "peak_memory_bytes": r["peak_memory_bytes"],
+        "set": set_strings(candidate), "prediction": r,
+    }  # fmt: skip
+
+
 def search(job: Job, cluster: Cluster, world: int) -> tuple[list[dict], int]:
     """(every layout of `job` on `world` ranks that fits `cluster`, best throughput first; how
     many layouts were predicted). Each: {"throughput", "step_time_s", "bubble",
@@ -124,21 +151,18 @@ def search(job: Job, cluster: Cluster, world: int) -> tuple[list[dict], int]:
         if tuple(set_strings(base)) in seen:
             continue  # the same layout (a V schedule sets its own 2 chunks)
         seen.add(tuple(set_strings(base)))
-        try:
-            piped = pipeline(base, cluster)
-        except (ConfigError, ScheduleError, ValueError):
-            continue
-        for comm in _comms(job, base.grid.dp):
-            candidate = _replace(base, comm=comm) if comm else base
-            r = predict(candidate, cluster, piped)
-            made += 1
-            if all(m["fits"] for m in r["memory"]):
-                fitting.append({
-                    "throughput": r["throughput"], "step_time_s": r["step_time_s"],
-                    "bubble": r["bubble"], "exposed_comm_s": r["exposed_comm_s"],
-                    "peak_memory_bytes": r["peak_memory_bytes"], "set": set_strings(candidate),
-                    "prediction": r,
-                })  # fmt: skip
+        for wire in _wires(base, cluster):
+            wired = _replace(base, comm={"p2p_codec": wire})
+            try:
+                piped = pipeline(wired, cluster)  # the wire's codec changes the messages
+            except (ConfigError, ScheduleError, ValueError):
+                break
+            for comm in _comms(job, wired, cluster):
+                candidate = _replace(wired, comm=comm) if comm else wired
+                r = predict(candidate, cluster, piped)
+                made += 1
+                if all(m["fits"] for m in r["memory"]):
+                    fitting.append(_entry(r, candidate))
     if not made:
         raise SearchError(f"no layout of this job on {world} ranks: every pp x dp, schedule "
                           "and M was refused (see `mpihybrid train` for the rule)")  # fmt: skip

@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid import __version__, _numba
-from mpihybrid.comm.buckets import GradientComm
+from mpihybrid.comm.buckets import GradientComm, ring_kind
 from mpihybrid.comm.codecs import get_codec, overflow_hint
 from mpihybrid.comm.device import (
     Backend,
@@ -28,7 +28,9 @@ from mpihybrid.comm.device import (
     select_backend,
 )
 from mpihybrid.comm.grid import ProcessGrid
-from mpihybrid.config import Job, to_toml
+from mpihybrid.comm.hier_ring import NodeGroups
+from mpihybrid.comm.nodes import NodeMapError, node_map
+from mpihybrid.config import ConfigError, Job, to_toml
 from mpihybrid.nn.data import build_task, heldout, replica_microbatches, task_dims
 from mpihybrid.nn.model import block_costs, boundary_shapes, build_blocks, build_stage
 from mpihybrid.nn.optim import ShardedOptimizer, build_optimizer, learning_rate
@@ -37,6 +39,7 @@ from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.pipeline.csv_schedule import csv_text
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
 from mpihybrid.pipeline.schedules import build_schedule, lower, placement_of
+from mpihybrid.pipeline.wire import P2PWire, encoded_peers
 from mpihybrid.sysinfo import clean_text, hostname, mpi_library
 from mpihybrid.trace.file import TraceWriter
 from mpihybrid.trace.recorder import (
@@ -99,8 +102,13 @@ def train(
     resume_from: str | list[str] | None = None,
     backend: Backend | None = None,
     peak_flops: float | None = None,
+    *,
+    notes: dict | None = None,
 ) -> Summary | None:
     """Run the job on every rank of `world`; rank 0 gets the Summary, the others None.
+
+    notes: more trace attributes (strings) from the caller, e.g. how grid.order = auto was
+    resolved (predict.auto: `order_choice`).
 
     peak_flops: one rank's GEMM rate (FLOP/s, e.g. the local cluster file's), for the roofline
     share in the step line (train.log_every); None leaves it out.
@@ -140,6 +148,12 @@ def train(
     try:
         i = flight.begin("build")
         run = _build(job, world, backend)
+        # which ring the stages run (comm.ring: two-level where a dp group spans nodes)
+        two_level = world.allreduce(int(run.gradcomm.groups is not None), op=MPI.MAX)
+        if run.trace is not None and run.trace.writer is not None:
+            run.trace.writer.attrs.update(
+                {**(notes or {}), "ring": "hierarchical" if two_level else "flat"}
+            )
         flight.pp_rank, flight.dp_rank = run.grid.pp_rank, run.grid.dp_rank
         run.flight, run.signals, run.watchdog = flight, signals, dog
         run.runtime.flight = flight
@@ -230,6 +244,9 @@ class _Run:
 def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     """Grid, task, this rank's stages, its action list, runtime, rings and optimizers."""
     g, t, c = job.grid, job.train, job.comm
+    if g.order == "auto":
+        raise ConfigError("grid.order = 'auto' is chosen before training (predict.auto."
+                          "resolve_order, as the mpihybrid command does)")  # fmt: skip
     on_host = backend.xp is np
     grid = ProcessGrid.build(world, g.layout)
     task = build_task(job.data)
@@ -252,10 +269,20 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, mb_size)
     recorder, trace = _build_trace(job, world, grid.dp_rank, len(actions))
     peer_ranks = grid.layout.pipeline_ranks(grid.dp_rank)
+    try:
+        nodes = node_map(world)  # collective: which ranks share a node (comm.nodes)
+    except NodeMapError as exc:
+        raise ConfigError(str(exc)) from None
+    wire = P2PWire.build(
+        c.p2p_codec, encoded_peers(c.p2p_codec_scope, world.Get_rank(), peer_ranks, nodes)
+    )
     # a GPU's arrays belong to the main thread's device context: its buckets go after the step;
     # its rings encode on the device and MPI sees the encoded bytes (staged through the host)
     overlap = c.overlap if on_host else "off"
-    gradcomm = GradientComm(grid.dp_comm, overlap, c.segment_kb * 256, backend)
+    gradcomm = GradientComm(
+        grid.dp_comm, overlap, c.segment_kb * 256, backend,
+        groups=_node_groups(job, world, grid, nodes),
+    )  # fmt: skip
     codec = get_codec(c.codec, c.block)
     # ZeRO-1: the buckets' rings reduce-scatter, the owner updates, a weight ring gathers
     param_codec = get_codec(c.param_codec or "fp32", c.block) if t.shard_optimizer else None
@@ -271,7 +298,7 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     runtime = PipelineRuntime(
         grid.pp_comm, stages, actions, placement, M, shapes, recorder, c.sync_sends, backend,
         peer_ranks, grads_final=lambda s, lo: rings[s].ready_from(lo),
-        poll=gradcomm.poll if gradcomm.progress == "poll" else None,
+        poll=gradcomm.poll if gradcomm.progress == "poll" else None, wire=wire,
     )  # fmt: skip
     # the flight recorder is made before the build; train() hands it to the runtime after
     return _Run(
@@ -288,6 +315,20 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
         peak_inflight=dict.fromkeys(stages, 0),
         trace=trace,
     )
+
+
+def _node_groups(job: Job, world: MPI.Comm, grid: ProcessGrid, nodes: list[int] | None):
+    """The dp group's nodes when its ring is the two-level one (comm.ring), else None; asked
+    for on one node: one warning (world rank 0), then the flat ring. Collective over dp_comm."""
+    dp_nodes = None
+    if nodes is not None:
+        dp_nodes = [nodes[r] for r in grid.layout.replica_ranks(grid.pp_rank)]
+    kind, warning = ring_kind(job.comm.ring, dp_nodes)
+    told = world.allreduce(int(bool(warning)), op=MPI.MAX)  # one line, whichever stage warned
+    if told and world.rank == 0:
+        log.warning("%s", warning or "comm.ring = 'hierarchical': a stage's replicas share one "
+                    "node: the flat ring there")  # fmt: skip
+    return NodeGroups(grid.dp_comm, dp_nodes) if kind == "hierarchical" else None
 
 
 def _optimizer(t, stage, reducer):
@@ -675,6 +716,7 @@ def _release(run: _Run) -> None:
     run.gradcomm.close()
     for s in sorted(run.rings):
         run.rings[s].close()
+    run.gradcomm.free_groups()
     run.grid.free()
 
 
@@ -808,6 +850,7 @@ def layout_attrs(job: Job, world_size: int) -> dict:
         "stage_ranks": np.array(_placement(job).stage_ranks, np.int64),  # pp rank of each stage
         "early_grad_send": job.train.early_grad_send,
         "codec": job.comm.codec,
+        "p2p_codec": job.comm.p2p_codec,
         "device": job.grid.device,
         **text,
     }
