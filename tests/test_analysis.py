@@ -178,6 +178,14 @@ def test_format_and_json(run):
     text = format_analysis(result)
     for needle in ("bubble", "time by rank", "time by stage", "all-reduce per stage", "busbw"):
         assert needle in text
+    # first, in words: the bubble against the formula, and what set it in this run
+    head, why = text.splitlines()[1:3]
+    assert head.startswith("in short        bubble ") and f"at pp={PP}, M={M}" in head
+    assert f"for {SCHEDULE}" in head and "of each step waiting on each other" in head
+    assert why.split(":")[0].strip() in (
+        "oversubscribed", "latency bound", "near the formula", "above the formula",
+        "below the formula",
+    ), why  # fmt: skip
     assert json.loads(json.dumps(result))["bytes"] == result["bytes"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mpihybrid.analysis.metrics import SPLIT, STEPS_ONLY, oversubscription_text
+from mpihybrid.analysis.plain import plain_lines
 from mpihybrid.units import human_bytes, human_rate, table
 
 
@@ -133,6 +134,7 @@ def _summary_lines(result: dict, ms) -> list[str]:
     run, st, bubble = result["run"], result["step_time"], result["bubble"]
     lines = [
         _run_line(run),
+        *plain_lines(result),
         *_state_line(run),
         f"measured        {window_text(result['window'])}: every figure below but bytes sent",
         f"step time       mean {1e3 * st['mean']:.2f} ms, median {1e3 * st['median']:.2f} ms "
