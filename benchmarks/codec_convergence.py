@@ -63,15 +63,15 @@ JOB_SETTINGS = ["grid.pp=1", 'checkpoint.dir=""', "checkpoint.every=0"]
 def run_one(job: str, data: Path, codec: str, dp: int, seed: int, steps: int, every: int,
             out: Path, lock: str = "", extra: tuple = (), base: tuple = tuple(SMALL)
             ) -> dict:  # fmt: skip
+    from mpihybrid.launch import mpiexec_command
     from mpihybrid.trace.read import load
-    from tests.helpers import mpiexec
 
     trace = out / f"{codec}-dp{dp}-seed{seed}.h5"
     sets = [*base, f"grid.dp={dp}", f"data.seed={seed}", f"train.seed={seed}",
             f"train.steps={steps}", f"train.eval_every={every}",
             f'data.train="{data}/train.bin"', f'data.val="{data}/val.bin"',
             *CODECS[codec], *extra]  # fmt: skip
-    cmd = [mpiexec(), "-n", str(dp), sys.executable, "-m", "mpihybrid", "train", job,
+    cmd = [*mpiexec_command(dp, sys.executable), "-m", "mpihybrid", "train", job,
            "--quiet", "--overwrite", "--trace", str(trace)]  # fmt: skip
     if lock:  # held for this run only: others' runs get their turn between two of ours
         cmd = ["flock", "-s" if lock.startswith("shared:") else "-x", lock.split(":")[-1], *cmd]

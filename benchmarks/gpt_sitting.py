@@ -56,9 +56,9 @@ def torch_run(steps: int) -> float:
 
 
 def bench_run(sets: list[str], kernels: str, steps: int) -> dict:
-    from tests.helpers import mpiexec
+    from mpihybrid.launch import mpiexec_command
 
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "mpihybrid", "bench", "train", JOB,
+    cmd = [*mpiexec_command(2, sys.executable), "-m", "mpihybrid", "bench", "train", JOB,
            "--json", "--quiet", "--repeats", "1", "--steps", str(steps)]  # fmt: skip
     for s in sets:
         cmd += ["--set", s]

@@ -46,6 +46,8 @@ import sys
 import time
 from pathlib import Path
 
+from mpihybrid.launch import mpiexec_command
+
 ROOT = Path(__file__).resolve().parent.parent
 GPT, MLP = "jobs/gpt_bench.toml", "jobs/bench_pp2.toml"
 CALIBRATION = (GPT, ["train.steps=20"])  # 19 measured steps: a few seconds of a shared machine
@@ -123,7 +125,7 @@ def calibrate(workdir: Path, quiet: float, retries: int) -> dict:
     trace, cluster = workdir / "cal.h5", workdir / "local.toml"
     attempts, others = 0, float("inf")
     while attempts <= retries and others > quiet:
-        _, others = _run(["mpiexec", "-n", "2", "mpihybrid", "train", job, *_sets(sets),
+        _, others = _run([*mpiexec_command(2, "mpihybrid"), "train", job, *_sets(sets),
                           "--quiet", "--trace", str(trace), "--overwrite"])  # fmt: skip
         _, fitting = _run(["mpihybrid", "predict", job, "--calibrate", str(trace),
                            "--cluster-out", str(cluster)])  # fmt: skip
@@ -155,7 +157,7 @@ def measure_and_predict(
     world = int(sets[0].split("=")[1]) * int(sets[1].split("=")[1])
     tries = []  # (measured, cores something else took meanwhile)
     while len(tries) <= retries and (not tries or tries[-1][1] > quiet):
-        out, others = _run(["mpiexec", "-n", str(world), "mpihybrid", "bench", "train", job,
+        out, others = _run([*mpiexec_command(world, "mpihybrid"), "bench", "train", job,
                             *_sets(sets), "--warmup", str(warmup), "--steps", str(steps),
                             "--repeats", "1", "--json"])  # fmt: skip
         tries.append((json.loads(out), others))
@@ -312,7 +314,7 @@ def phase_search(args) -> None:
     for rank_of, entry in ((ranked.index(e), e) for e in _distinct(ranked, args.layouts)):
         tries = []
         while len(tries) <= args.retries and (not tries or tries[-1][1] > args.quiet_below):
-            cmd = ["mpiexec", "-n", str(args.world), "mpihybrid", "bench", "train", job,
+            cmd = [*mpiexec_command(args.world, "mpihybrid"), "bench", "train", job,
                    *_sets(entry["set"]), "--warmup", str(args.warmup), "--steps", str(args.steps),
                    "--repeats", "1", "--json"]  # fmt: skip
             out, others = _run(cmd)

@@ -65,3 +65,13 @@ def mpiexec_command(n: int, *argv: str, mpiexec: str | None = None) -> list[str]
     """`mpiexec -n N [what this MPI needs] ARGV...` as a list."""
     mpiexec = mpiexec or find_mpiexec()
     return [mpiexec, "-n", str(n), *launch_options(mpi_flavour(mpiexec)), *argv]
+
+
+# what an MPI launcher puts in its ranks' environment (MPICH/Hydra, Open MPI, PMIx); a child
+# process that keeps them would take itself for a rank of the job
+LAUNCHER_PREFIXES = ("PMI", "HYDRA", "OMPI_", "PMIX_", "ORTE_", "OPAL_")
+
+
+def without_launcher(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` less every MPI launcher's variables: for a plain child process of a rank."""
+    return {k: v for k, v in environ.items() if not k.startswith(LAUNCHER_PREFIXES)}

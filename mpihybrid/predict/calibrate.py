@@ -52,6 +52,7 @@ except ModuleNotFoundError:  # Python 3.10
 from mpihybrid.analysis.messages import message_latency
 from mpihybrid.comm.codecs import CODECS, get_codec
 from mpihybrid.config import build_job, resolve
+from mpihybrid.launch import without_launcher
 from mpihybrid.nn.cost import FLOAT, KINDS, stage_work
 from mpihybrid.pipeline.schedules import build_schedule
 from mpihybrid.predict.cluster import Cluster, CodecRate, Device, Link, Node
@@ -178,7 +179,7 @@ def base_memory() -> int:
     """Peak resident bytes of a fresh interpreter after warm_runtime (VmHWM: a child's
     ru_maxrss would start from this process's own peak)."""
     code = "from mpihybrid.predict.calibrate import warm_runtime; warm_runtime()"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA"))}
+    env = without_launcher(os.environ)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     return 1024 * int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
 
@@ -197,7 +198,7 @@ def _worker_env() -> dict[str, str]:
     """A worker's environment: one BLAS thread, no MPI launcher's variables."""
     from mpihybrid._threads import THREAD_VARS
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA", "OMPI_"))}
+    env = without_launcher(os.environ)
     return {**env, **dict.fromkeys(THREAD_VARS, "1")}
 
 
@@ -311,7 +312,7 @@ def kernel_memory() -> float:
     """What numba's runtime and the compiled kernels add to a rank: a fresh interpreter's peak
     after warm_runtime() less one's after the same imports and MPI alone."""
     code = "from mpihybrid.predict.calibrate import bare_runtime; bare_runtime()"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA"))}
+    env = without_launcher(os.environ)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     bare = 1024 * int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
     return max(0.0, float(base_memory() - bare)) if bare else 0.0
