@@ -2,13 +2,17 @@
 
     mpiexec_command(4, sys.executable, "-m", "mpihybrid", "train")
     # MPICH:    [".../mpiexec", "-n", "4", python, "-m", "mpihybrid", "train"]
-    # Open MPI: [".../mpiexec", "-n", "4", "--oversubscribe", ("--allow-run-as-root",) python, ...]
+    # Open MPI: [".../mpiexec", "-n", "4", "--oversubscribe", "--quiet", (root:
+    #            "--allow-run-as-root",) python, ...]
 
 The MPI is told by `mpiexec --version`. MPICH's Hydra (and Intel MPI, MVAPICH: Hydra too) starts
 as many ranks as asked on any machine and runs as any user. Open MPI refuses more ranks than the
 host has cores ("There are not enough slots available") unless told `--oversubscribe`, and
 refuses to run as root unless told `--allow-run-as-root`; a test that starts 3 ranks on a 2-core
-machine, or a CI container that runs as root, needs both.
+machine, or a CI container that runs as root, needs both. `--quiet`: when a rank exits non-zero
+Open MPI's mpiexec prints a banner of its own ("Primary job terminated normally, but 1 process
+returned a non-zero exit code"); quiet, a run's stderr is the run's (one line for bad input),
+and the exit code is the same.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def launch_options(flavour: str, root: bool | None = None) -> list[str]:
     if flavour != OPEN_MPI:
         return []
     root = os.geteuid() == 0 if root is None else root
-    return ["--oversubscribe", *(["--allow-run-as-root"] if root else [])]
+    return ["--oversubscribe", "--quiet", *(["--allow-run-as-root"] if root else [])]
 
 
 def mpiexec_command(n: int, *argv: str, mpiexec: str | None = None) -> list[str]:
