@@ -20,7 +20,8 @@ from mpihybrid.config import ConfigError, load_job
 from mpihybrid.progress import progress
 from mpihybrid.trace.read import load
 from mpihybrid.train import checkpoint, memory
-from mpihybrid.train.flight import FLIGHT_ROWS, FlightRecorder, explain, read_records, record_dir
+from mpihybrid.train.explain import explain, read_records
+from mpihybrid.train.flight import FLIGHT_ROWS, FlightRecorder, record_dir
 from mpihybrid.train.watchdog import Watchdog
 from tests.helpers import ROOT, mpi_command, mpi_env, run_mpi
 
@@ -57,7 +58,7 @@ def _records(tmp_path: Path) -> Path:
 
 def test_explain_names_the_rank_the_others_wait_on(tmp_path):
     directory = _records(tmp_path)
-    found, records = read_records(tmp_path / "run.h5")  # a trace's name finds RUN.flight/
+    found, records, notes = read_records(tmp_path / "run.h5")  # a trace's name finds RUN.flight/
     assert found == directory and sorted(records) == [0, 1, 2]
     lines = explain(records)
     print("\n".join(lines))
@@ -107,6 +108,77 @@ def test_why_refuses_crafted_records(tmp_path):
         result = CliRunner().invoke(why, [str(tmp_path / f"{name}.h5")])
         assert result.exit_code == 2, (name, result.output)
         assert "not an mpihybrid flight record" in result.output
+
+
+def _node_records(directory: Path, waits: dict[int, int], hosts: dict[int, str]) -> None:
+    for rank, peer in waits.items():
+        flight = FlightRecorder(rank, pp_rank=rank % 2, dp_rank=rank // 2, world_size=len(hosts))
+        flight.host = hosts[rank]
+        flight.end(flight.begin("F", step=9, stage=rank % 2, microbatch=0))
+        flight.begin("RECV_F", step=9, stage=rank % 2, microbatch=1, peer=peer, tag=3)
+        flight.write(directory, "watchdog: no progress")
+
+
+def test_why_reads_a_cut_link_between_two_nodes(tmp_path):
+    """Every rank of node a waits on ranks of node b and back: the link, not "rank 2"."""
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    _node_records(tmp_path / "cut.flight", {0: 2, 1: 3, 2: 0, 3: 1}, hosts)
+    lines = explain(read_records(tmp_path / "cut.flight")[1])
+    assert lines[-1] == (
+        "no rank of node b answered ranks of node a: rank(s) 0-1 on a waited on rank(s) 2-3 on b"
+        ", and b's ranks on a's: the link between a and b stopped carrying messages"
+    )
+    # node b's ranks wait on each other (one of them stalled): not a cut link
+    _node_records(tmp_path / "one.flight", {0: 2, 1: 3, 2: 3, 3: 2}, hosts)
+    lines = explain(read_records(tmp_path / "one.flight")[1])
+    assert lines[-1].startswith("no rank of node b answered ranks of node a")
+    assert lines[-1].endswith("node b stopped, or the link from it")
+    _node_records(tmp_path / "same.flight", {0: 2, 1: 2, 2: 3, 3: 1}, dict.fromkeys(hosts, "a"))
+    assert explain(read_records(tmp_path / "same.flight")[1])[-1].startswith(
+        "the job stopped at rank 2: rank(s) 0-1 waited on it"
+    )
+
+
+def test_why_leaves_out_an_earlier_runs_records(tmp_path):
+    """Records an earlier run left beside the same trace path are not this run's."""
+    import h5py
+
+    directory = _records(tmp_path)  # ranks 0-2, just now
+    old = FlightRecorder(3, world_size=4, run_started=time.time() - 3600)
+    old.begin("RECV_B", step=2, peer=0)
+    old.write(directory, "watchdog: an old stall")
+    with h5py.File(directory / "rank3.h5", "a") as f:
+        f.attrs["written_at"] = time.time() - 3500
+    directory, records, notes = read_records(directory)
+    assert sorted(records) == [0, 1, 2]
+    assert len(notes) == 1 and notes[0].startswith(
+        "left out: 1 record(s) of an earlier run (rank 3"
+    )
+    # a trace whose run started after every record: the records are not its run's
+    with h5py.File(tmp_path / "run.h5", "w") as f:
+        f.attrs["run_started_at"] = time.time() + 60
+    result = CliRunner().invoke(why, [str(tmp_path / "run.h5")])
+    assert result.exit_code == 2
+    assert result.output.startswith("mpihybrid: error: no flight record of this run (it started at")
+
+
+def test_why_prints_a_bounded_answer_for_a_crafted_record(tmp_path):
+    """A 30 KB record once printed 80 MB (a world of 2**20 ranks, each "no record" one line)."""
+    import h5py
+
+    directory = _records(tmp_path)
+    with h5py.File(directory / "rank0.h5", "a") as f:
+        f.attrs["world_size"] = 1 << 20
+        f.attrs["reason"] = "x" * 100_000
+        f.attrs["host"] = "h" * 100_000
+    result = CliRunner().invoke(why, [str(directory)])
+    assert result.exit_code == 0, result.output
+    print(result.output)
+    assert len(result.output) < 5000
+    assert "rank 3-1048575: no record" in result.output
+    with h5py.File(directory / "rank1.h5", "a") as f:
+        f.attrs["reason"] = np.zeros(1000)  # an array where a string belongs
+    assert CliRunner().invoke(why, [str(directory)]).exit_code == 2
 
 
 def test_record_dir_follows_the_trace_then_the_checkpoints():

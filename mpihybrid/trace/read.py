@@ -81,19 +81,7 @@ def load(path: str | os.PathLike) -> Trace:
     with one sentence if it cannot, or if the file is not one this writer could have made:
     data stored elsewhere (links, external storage, virtual datasets), sizes the file does not
     hold, attributes or values out of their range (docs/robustness.md)."""
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise TraceError(f"no trace file at {path}") from None
-    except OSError as exc:
-        raise TraceError(f"cannot read {path}: {exc.strerror}") from None
-    if stat.S_ISDIR(mode):
-        raise TraceError(f"{path} is a directory, not a trace file")
-    if not stat.S_ISREG(mode):  # a FIFO or a device would block or never end
-        raise TraceError(f"{path} is not a regular file")
-    if not h5py.is_hdf5(path):
-        raise TraceError(f"{path} is not an HDF5 file")
+    path = _trace_file(path)
     where = path
     try:
         with h5py.File(path, "r") as f:
@@ -107,6 +95,37 @@ def load(path: str | os.PathLike) -> Trace:
         raise TraceError(f"{where} is truncated or corrupt ({err})") from err
     _check_values(path, trace)
     return trace
+
+
+def root_attrs(path: str | os.PathLike) -> dict[str, Any]:
+    """The root attributes of the trace file at `path` alone (no events, no parts read),
+    bounded as load() bounds them; TraceError as load's."""
+    path = _trace_file(path)
+    try:
+        with h5py.File(path, "r") as f:
+            return _attrs(path, f, path.stat().st_size)
+    except TraceError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError, json.JSONDecodeError) as err:
+        raise TraceError(f"{path} is truncated or corrupt ({err})") from err
+
+
+def _trace_file(path: str | os.PathLike) -> Path:
+    """`path` when it is a regular HDF5 file, else TraceError saying what it is."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise TraceError(f"no trace file at {path}") from None
+    except OSError as exc:
+        raise TraceError(f"cannot read {path}: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise TraceError(f"{path} is a directory, not a trace file")
+    if not stat.S_ISREG(mode):  # a FIFO or a device would block or never end
+        raise TraceError(f"{path} is not a regular file")
+    if not h5py.is_hdf5(path):
+        raise TraceError(f"{path} is not an HDF5 file")
+    return path
 
 
 def _parts_of(path: Path, file_id: str) -> list[Path]:

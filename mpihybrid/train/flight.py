@@ -4,7 +4,7 @@ when a run ends abnormally; `mpihybrid why RUN` reads them back.
     flight = FlightRecorder(world.rank, world_size=world.Get_size())
     i = flight.begin("RECV_F", step, stage, mb, peer, tag); ...; flight.end(i)   # per action
     flight.write(record_dir(trace_path, checkpoint_dir), "watchdog: ...")
-    directory, records = read_records("runs/x.h5"); print("\n".join(explain(records)))
+    (reading them back, `mpihybrid why`: train.explain)
 
 Two list stores per action on the hot path; the file format is in docs/robustness.md.
 """
@@ -43,8 +43,13 @@ RECORD_DTYPE = np.dtype(
 class FlightRecorder:
     """This rank's last FLIGHT_ROWS actions and waits, a fixed ring of tuples."""
 
-    def __init__(self, rank: int, pp_rank: int = -1, dp_rank: int = -1, world_size: int = 0):
+    def __init__(self, rank: int, pp_rank: int = -1, dp_rank: int = -1, world_size: int = 0,
+                 run_started: float = 0.0):  # fmt: skip
+        """run_started: rank 0's clock when the run began, the same on every rank (what tells
+        this run's records from an earlier run's in the same directory)."""
         self.rank, self.pp_rank, self.dp_rank, self.world_size = rank, pp_rank, dp_rank, world_size
+        self.run_started = run_started or time.time()
+        self.host = hostname()
         self.rows: list = [None] * FLIGHT_ROWS
         self.ends: list = [np.nan] * FLIGHT_ROWS
         self.count = 0  # rows ever begun
@@ -102,7 +107,8 @@ class FlightRecorder:
                 f.attrs.update(
                     format="mpihybrid-flight-1", rank=self.rank, pp_rank=self.pp_rank,
                     dp_rank=self.dp_rank, world_size=self.world_size, reason=reason,
-                    written_at=time.time(), host=hostname(), pid=os.getpid(),
+                    written_at=time.time(), host=self.host, pid=os.getpid(),
+                    run_started=self.run_started,
                 )  # fmt: skip
             os.replace(tmp, path)
             return path
@@ -153,90 +159,3 @@ def run_id() -> str:
     """A name for this run's records when it has no trace or checkpoint directory: the start
     time and rank 0's process id (rank 0 broadcasts it, so every rank writes to one place)."""
     return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
-
-
-def read_records(path: str | Path) -> tuple[Path, dict[int, tuple[dict, np.ndarray]]]:
-    """Every rank's flight record for a trace (RUN.h5) or a record directory: rank -> (attrs,
-    rows). ValueError with one line when there is none or a file is not one."""
-
-    path = Path(path)
-    directory = path if path.is_dir() else path.with_name(path.stem + ".flight")
-    if not directory.is_dir():
-        raise ValueError(f"no flight records at {directory} (written when a run ends abnormally)")
-    records = {}
-    for file in sorted(directory.glob("rank*.h5")):
-        records.update([_read_record(file)])
-    if not records:
-        raise ValueError(f"no flight records in {directory}")
-    return directory, records
-
-
-def _read_record(file: Path) -> tuple[int, tuple[dict, np.ndarray]]:
-    """One rank's record, read only when it is one this recorder could have written: a regular
-    HDF5 file, its rows a plain dataset kept in the file, at most FLIGHT_ROWS of them."""
-    import h5py
-
-    from mpihybrid.files import h5_dataset_problem
-
-    if not file.is_file() or file.is_symlink() or not h5py.is_hdf5(file):
-        raise ValueError(f"{file}: not an mpihybrid flight record")
-    try:
-        with h5py.File(file, "r") as f:
-            link = f.get("rows", getlink=True)
-            rows = f.get("rows") if isinstance(link, h5py.HardLink) else None
-            if (
-                f.attrs.get("format") != "mpihybrid-flight-1"
-                or not isinstance(rows, h5py.Dataset)
-                or rows.dtype != RECORD_DTYPE
-                or rows.ndim != 1
-                or rows.shape[0] > FLIGHT_ROWS
-                or h5_dataset_problem(rows, file.stat().st_size)
-            ):
-                raise ValueError(f"{file}: not an mpihybrid flight record")
-            attrs = {k: f.attrs[k] for k in RECORD_ATTRS if k in f.attrs}
-            world, rank = int(attrs.get("world_size", -1)), int(attrs.get("rank", -1))
-            if len(attrs) != len(RECORD_ATTRS) or not 0 <= rank < world <= MAX_WORLD:
-                raise ValueError(f"{file}: not an mpihybrid flight record")
-            return rank, (attrs, rows[()])
-    except (OSError, KeyError, TypeError) as exc:
-        raise ValueError(f"{file}: unreadable ({exc})") from None
-
-
-def explain(records: dict[int, tuple[dict, np.ndarray]]) -> list[str]:
-    """What each rank was doing when the job ended, and which rank the others waited on."""
-    world = max(int(a.get("world_size", 0)) for a, _ in records.values())
-    world = max(world, max(records) + 1)
-    written = max(float(a["written_at"]) for a, _ in records.values())
-    lines, waited_on = [], {}
-    for rank in range(world):
-        if rank not in records:
-            lines.append(f"rank {rank}: no record (stopped or killed before it could write one)")
-            continue
-        attrs, rows = records[rank]
-        head = f"rank {rank} (pp {attrs['pp_rank']}, dp {attrs['dp_rank']}, {attrs['host']})"
-        running = rows[np.isnan(rows["end"])]
-        done = rows[~np.isnan(rows["end"])]
-        last = f"; last done: {describe(done[-1])}" if len(done) else ""
-        if len(running):
-            row = running[-1]
-            lines.append(f"{head}: in {describe(row, float(attrs['written_at']))}{last}")
-            if int(row["peer"]) >= 0:
-                waited_on.setdefault(int(row["peer"]), []).append(rank)
-        else:
-            lines.append(f"{head}: between actions{last}")
-        lines.append(f"    ended by: {attrs['reason']}")
-    missing = [r for r in range(world) if r not in records]
-    if waited_on:
-        culprit = max(waited_on, key=lambda r: (r not in records, len(waited_on[r])))
-        who = ", ".join(map(str, waited_on[culprit]))
-        tail = " and left no record" if culprit not in records else ""
-        lines.append(f"the job stopped at rank {culprit}: rank(s) {who} waited on it{tail}")
-    elif missing and len(missing) < world:
-        who = ", ".join(map(str, missing))
-        lines.append(
-            f"the job stopped at rank {who}: the others waited for it in collectives and it left "
-            "no record"
-        )
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(written))
-    lines.insert(0, f"flight records of {len(records)} of {world} ranks, the last at {stamp}")
-    return lines

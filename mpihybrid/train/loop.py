@@ -13,6 +13,7 @@ import os
 import platform
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -138,8 +139,9 @@ def train(
     # model is built still counts; they stay until the process exits
     main_thread = threading.current_thread() is threading.main_thread()
     signals = StopSignals.install() if main_thread else None
-    flight = FlightRecorder(world.rank, world_size=world.Get_size())
-    flight_dir = record_dir(job.trace.path, job.checkpoint.dir, world.bcast(run_id(), root=0))
+    name, started = world.bcast((run_id(), time.time()), root=0)  # one run, one name and start
+    flight = FlightRecorder(world.rank, world_size=world.Get_size(), run_started=started)
+    flight_dir = record_dir(job.trace.path, job.checkpoint.dir, name)
     dog = Watchdog(
         flight, signals, job.comm.timeout_s, world.Abort, lambda: flight_dir,
         usr1_stops=bool(job.checkpoint.dir),
@@ -612,6 +614,8 @@ def _begin_trace(job: Job, run: _Run, to_run_start: float, resumed: bool) -> Non
     starts one holding the checkpoint's losses of the earlier steps."""
     rates = [learning_rate(job.train, i) for i in range(run.start)]
     earlier = {"loss": run.losses, "accuracy": run.accuracies, "lr": rates} if resumed else None
+    if run.trace.writer is not None:  # `why` leaves out flight records older than this run
+        run.trace.writer.attrs["run_started_at"] = run.flight.run_started
     run.trace.begin(to_run_start, run.start if resumed else None, earlier)
 
 
