@@ -76,6 +76,41 @@ def test_resume_with_another_dp(tmp_path, reference):
     np.testing.assert_allclose(losses(trace), reference["fp32"], rtol=1e-4)
 
 
+def test_resume_at_another_dp_keeps_the_default_global_batch(tmp_path, reference):
+    """The default global batch follows dp (32 a replica); the resume keeps the checkpoint's
+    64 at dp=1 (one line says so) instead of refusing a 'train.global_batch = 64 there, 32
+    here' checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    assert train(4, 5, "fp32", "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every=5",
+                 opt="adamw").returncode == 0  # fmt: skip
+    trace = tmp_path / "dp1.h5"
+    proc = run_mpi(2, "-m", "mpihybrid", "train", "--set", f"train.steps={STEPS}",
+                   "--set", "train.optimizer=adamw", "--set", f"checkpoint.dir={ckpt}",
+                   "--set", "grid.pp=2", "--trace", str(trace), timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    said = "train.global_batch = 64, as the checkpoint recorded (left at its default"
+    assert said in proc.stdout + proc.stderr
+    np.testing.assert_allclose(losses(trace), reference["fp32"], rtol=1e-4)
+    bad = run_mpi(2, "-m", "mpihybrid", "train", "--set", "train.steps=12", "--set",
+                  "train.optimizer=adamw", "--set", f"checkpoint.dir={ckpt}", "--set",
+                  "grid.pp=2", "--set", "train.microbatches=5", timeout=60)  # fmt: skip
+    assert bad.returncode == 2, bad.stderr
+    assert "train.global_batch = 64 is the checkpoint's" in bad.stderr
+
+
+def test_resume_switching_sharding_and_recompute_is_bit_identical(tmp_path, reference):
+    """Neither changes a bit with fp32, so a resume may switch both without --force."""
+    ckpt = tmp_path / "ckpt"
+    assert train(4, 4, "fp32", "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every=4",
+                 opt="adamw").returncode == 0  # fmt: skip
+    trace = tmp_path / "switched.h5"
+    proc = train(4, STEPS, "fp32", "--set", f"checkpoint.dir={ckpt}", "--set",
+                 "train.shard_optimizer=true", "--set", "train.recompute=full", "--trace",
+                 str(trace), opt="adamw")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_array_equal(losses(trace), reference["fp32"])
+
+
 def test_preemption_signal_checkpoints_and_exits_3(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
     cmd = mpi_command(4, "-m", "mpihybrid", "train", "--set", "train.steps=100000",

@@ -149,6 +149,7 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debu
     from mpihybrid.trace.read import TraceError
     from mpihybrid.train.checkpoint import CheckpointError
     from mpihybrid.train.memory import check_fits
+    from mpihybrid.train.resume import batch_given, keep_recorded_batch
 
     world = MPI.COMM_WORLD
     _setup_logging(world.rank, quiet)
@@ -162,6 +163,11 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debu
     error, job, resume_from = None, None, None
     try:
         job = load_job(job_file, overrides, world.Get_size())
+    except ConfigError as exc:
+        error = str(exc)
+    exit_on_any_error(world, error)
+    try:  # collective: a resume at another dp keeps the checkpoint's default global batch
+        job = keep_recorded_batch(job, world, batch_given(job_file, overrides))
     except ConfigError as exc:
         error = str(exc)
     exit_on_any_error(world, error)

@@ -126,6 +126,13 @@ class Recorder:
         """Forget the rows (after they were flushed); the buffer is kept for the next ones."""
         self._n = 0
 
+    def drop_before(self, step: int) -> None:
+        """Forget the rows of steps before `step` (0-based): a run that writes no trace file
+        keeps its last steps' rows only, not every step's."""
+        kept = self._rows[: self._n][self._rows[: self._n]["step"] >= step]
+        self._rows[: len(kept)] = kept
+        self._n = len(kept)
+
     @property
     def capacity(self) -> int:
         return len(self._rows)

@@ -49,6 +49,7 @@ from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.model import stage_num_params
 from mpihybrid.nn.optim import ShardedOptimizer
 from mpihybrid.progress import progress
+from mpihybrid.train.history import History
 from mpihybrid.units import human_bytes
 
 log = logging.getLogger("mpihybrid")
@@ -221,8 +222,9 @@ def _score(path: Path) -> float:
     return sum(tail) / len(tail) if tail and all(map(math.isfinite, tail)) else math.inf
 
 
-def manifest_for(job, step: int, losses: list, accuracies: list, files: dict) -> dict:
-    """files: {file name: sha256} of every file the ranks wrote."""
+def manifest_for(job, step: int, losses: History, accuracies: History, files: dict) -> dict:
+    """files: {file name: sha256} of every file the ranks wrote; the losses and accuracies of
+    the last History.KEEP steps, from step losses_from (0-based)."""
     from mpihybrid.config import to_toml
 
     return {
@@ -237,8 +239,9 @@ def manifest_for(job, step: int, losses: list, accuracies: list, files: dict) ->
         "optimizer": job.train.optimizer,
         "codec": job.comm.codec,
         "shard_optimizer": job.train.shard_optimizer,
-        "losses": losses,
-        "accuracies": accuracies,
+        "losses": losses.kept(),
+        "accuracies": accuracies.kept(),
+        "losses_from": losses.first,
         "job": to_toml(job),
         "files": dict(sorted(files.items())),
     }
@@ -632,7 +635,12 @@ def restore_all(world, dp_rank, job, candidates, stages, optimizers, rings):
             continue
         if world.rank == 0:
             log.info("resumed from %s (step %d)", path, manifest["step"])
-        return manifest["step"], list(manifest["losses"]), list(manifest["accuracies"])
+        first = int(manifest.get("losses_from", 0))  # a run past KEEP steps kept its last
+        return (
+            manifest["step"],
+            History(manifest["losses"], first),
+            History(manifest["accuracies"], first),
+        )
     where = Path(candidates[0]).parent if candidates else job.checkpoint.dir
     raise CheckpointError(f"no intact checkpoint to resume from in {where}: " + "; ".join(damaged))
 
@@ -642,10 +650,12 @@ def restore_all(world, dp_rank, job, candidates, stages, optimizers, rings):
 
 # What a resume may change and still be the same run: how long it runs, where and how it writes
 # its files, the grid's data-parallel width and placement, the ring's wire, the schedule and its
-# micro-batches (hybrid == serial: the same sums). Anything else (the model, the data and their
-# seeds, the batch, the optimizer and its settings) makes it another job.
+# micro-batches (hybrid == serial: the same sums), whether the optimizer state is sharded and
+# whether forwards are recomputed (neither changes a bit). Anything else (the model, the data and
+# their seeds, the batch, the optimizer and its settings) makes it another job.
 RESUMABLE = (
     "train.steps", "train.schedule", "train.microbatches", "train.early_grad_send",
+    "train.shard_optimizer", "train.recompute",
     "grid.dp", "grid.order", "grid.device", "comm.*", "trace.*", "checkpoint.*",
 )  # fmt: skip
 

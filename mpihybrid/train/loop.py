@@ -53,6 +53,7 @@ from mpihybrid.trace.recorder import (
 from mpihybrid.trace.stream import TraceStream
 from mpihybrid.train import checkpoint
 from mpihybrid.train.flight import FlightRecorder, record_dir, run_id
+from mpihybrid.train.history import History
 from mpihybrid.train.memory import peak_rss_bytes
 from mpihybrid.train.stops import (
     StopRequested,
@@ -83,8 +84,8 @@ class Summary:
     grid_as_run: str
     trace_path: str = ""
     params: list[np.ndarray] | None = None
-    # every rank's trace events since the trace's last flush (all of them when the run writes no
-    # trace file), rank 0's clock, run start = 0
+    # every rank's trace events since the trace's last flush (when the run writes no trace file:
+    # those of its last UNTRACED_STEPS steps or more), rank 0's clock, run start = 0
     events: np.ndarray | None = None
     extra: dict = field(default_factory=dict)
     start: int = 0  # the step this run began at (a resumed run ran steps - start of them)
@@ -226,8 +227,8 @@ class _Run:
     optimizers: dict
     ring_peer: int  # world rank the ring sends to (the trace's peer of an all-reduce)
     start: int = 0  # first step to run (after a resume, the checkpoint's)
-    losses: list = field(default_factory=list)
-    accuracies: list = field(default_factory=list)
+    losses: History = field(default_factory=History)  # by step, in a fixed ring
+    accuracies: History = field(default_factory=History)
     peak_inflight: dict = field(default_factory=dict)
     trace: TraceStream | None = None  # flushes the recorder's rows to the trace file as it goes
     peak_rss: int = 0  # this rank's peak resident set at the end of the training steps
@@ -619,6 +620,11 @@ def _begin_trace(job: Job, run: _Run, to_run_start: float, resumed: bool) -> Non
     run.trace.begin(to_run_start, run.start if resumed else None, earlier)
 
 
+# a run without a trace file keeps the rows of its last UNTRACED_STEPS to 2 x UNTRACED_STEPS
+# steps for its report (Summary.events), not every step's (1.6 KB a step at hidden 16)
+UNTRACED_STEPS = 256
+
+
 def _trace_step(job: Job, run: _Run, step: int, asked: bool, stopping: bool) -> None:
     """At the step boundary every rank reached: the step's metrics to the trace, and a flush when
     due (never after the last step: _finish writes that; always before a preemption's exit)."""
@@ -626,6 +632,8 @@ def _trace_step(job: Job, run: _Run, step: int, asked: bool, stopping: bool) -> 
     last = step == job.train.steps - 1
     if stopping or (not last and run.trace.due(step, asked)):
         run.trace.flush(attrs={"stopped_at_step": step + 1} if stopping else None)
+    elif not run.trace.writing and (step + 1) % UNTRACED_STEPS == 0:
+        run.recorder.drop_before(step + 1 - UNTRACED_STEPS)  # memory flat over a long run
 
 
 def _begin_updates(run: _Run, lr: float) -> None:
@@ -696,8 +704,8 @@ def _finish(
         steps=t.steps,
         runtime_s=runtime_s,
         samples_per_s=ran * t.global_batch / runtime_s if runtime_s > 0 else 0.0,
-        losses=run.losses,
-        accuracies=run.accuracies,
+        losses=run.losses.kept(),
+        accuracies=run.accuracies.kept(),
         test_accuracy=test_accuracy,
         bytes_sent=bytes_sent,
         replica_max_diff=replica_diff,
@@ -785,14 +793,25 @@ def _evaluate(job: Job, world, run: _Run) -> float:
     return world.allreduce(correct, op=MPI.SUM) / task.test_y.size
 
 
+REPLICA_BLOCK = 1 << 18  # floats compared at once by the replica check (1 MiB)
+
+
 def _replica_check(world, grid, stages) -> dict[int, float]:
-    """max |w - w_replica0| for every stage (0.0 means the replicas are bit-identical)."""
+    """max |w - w_replica0| for every stage (0.0 means the replicas are bit-identical), in
+    blocks of REPLICA_BLOCK: the whole-stage copy, difference and absolute value it once made
+    were three parameter-sized temporaries at the end of a run, the run's memory peak
+    (+220 MiB a rank at hidden 3072)."""
     local = {}
     for s, st in stages.items():
-        mine = host_array(st.flat_params)
-        reference = mine.copy()
-        grid.dp_comm.Bcast([reference, MPI.FLOAT], root=0)
-        diff = float(np.max(np.abs(mine - reference))) if st.num_params else 0.0
+        mine, diff = host_array(st.flat_params), 0.0
+        block = np.empty(min(REPLICA_BLOCK, mine.size), np.float32)
+        for lo in range(0, mine.size if grid.dp_size > 1 else 0, REPLICA_BLOCK):
+            piece = block[: min(REPLICA_BLOCK, mine.size - lo)]
+            piece[...] = mine[lo : lo + len(piece)]
+            grid.dp_comm.Bcast([piece, MPI.FLOAT], root=0)
+            np.subtract(mine[lo : lo + len(piece)], piece, out=piece)
+            worst = float(np.abs(piece, out=piece).max())
+            diff = worst if worst != worst else max(diff, worst)  # a nan stays
         local[s] = grid.dp_comm.allreduce(diff, op=MPI.MAX)
     gathered = world.gather(local if grid.dp_rank == 0 else {}, root=0)
     return {s: d for part in gathered or [] for s, d in part.items()}
