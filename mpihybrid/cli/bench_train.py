@@ -46,13 +46,20 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpihybrid.cli.bench_split import (
+    busy,
+    format_parts,
+    measured_wall,
+    profile_chunks,
+    rank_profiles,
+    time_split,
+)
 from mpihybrid.config import Job, to_toml
 from mpihybrid.nn.cost import gemm_flops, microbatch_rows, model_gemms, stage_work
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.layers import PASSES, Gemm
 from mpihybrid.nn.model import block_costs, build_blocks
-from mpihybrid.trace.recorder import KIND, step_times
-from mpihybrid.units import table as text_table
+from mpihybrid.trace.recorder import step_times
 
 
 def chunk_gemm_flops(job: Job) -> list[int]:
@@ -90,137 +97,6 @@ def _as_trace(job: Job, summary, world_size: int):
     return Trace(summary.events, steps, to_toml(job), layout_attrs(job, world_size))
 
 
-def _measured_wall(events: np.ndarray, first: int) -> float:
-    """Rank 0's wall time from the start of step `first` to the end of the last step (the
-    per-step metrics collective included)."""
-    rows = events[(events["kind"] == KIND["step"]) & (events["rank"] == 0)]
-    rows = rows[rows["step"] >= first]
-    return float(rows["end"].max() - rows["start"].min())
-
-
-def _busy(events: np.ndarray, first: int, wall: float) -> tuple[dict, dict]:
-    """Compute time (forward, backward, weight, optimizer) of the measured steps / wall time,
-    per rank and per stage (a stage's replicas summed)."""
-    kinds = [KIND[k] for k in ("forward", "backward", "weight", "optimizer")]
-    rows = events[np.isin(events["kind"], kinds) & (events["step"] >= first)]
-    took = rows["end"] - rows["start"]
-    per_rank = {
-        int(r): float(took[rows["rank"] == r].sum()) / wall for r in np.unique(rows["rank"])
-    }
-    per_stage = {
-        int(s): float(took[rows["stage"] == s].sum()) / wall for s in np.unique(rows["stage"])
-    }
-    return per_rank, per_stage
-
-
-# what the main thread spends on communication: point-to-point waits and the wait for the
-# gradient buckets after the pipeline; the buckets' rings themselves may run behind the compute
-_COMM_KINDS = ("send", "recv", "grad_wait")
-
-
-def _time_split(
-    events: np.ndarray,
-    first: int,
-    wall: float,
-    ranks: list[dict],
-    gemm: dict[int, float],
-    profiles: dict[int, dict[str, float]],
-) -> list[dict]:
-    """Per rank, fractions of the measured wall time: GEMM (`gemm[rank]`: seconds of matmuls at
-    the rank's measured rate), elementwise (the rest of F/B/W), optimizer, communication (the
-    main thread's waits: p2p and gradients); exposed = the gradient wait alone, hidden = the
-    share of the buckets' all-reduce + optimizer time that ran behind the compute. `parts`: the
-    main thread's wall time in pieces that add up to 1 (see _parts)."""
-    rows = events[events["step"] >= first]
-    took = rows["end"] - rows["start"]
-
-    def seconds(rank: int, kinds) -> float:
-        codes = [KIND[k] for k in kinds if k in KIND]
-        return float(took[(rows["rank"] == rank) & np.isin(rows["kind"], codes)].sum())
-
-    split = []
-    for r in ranks:
-        rank = r["rank"]
-        compute = seconds(rank, ("forward", "backward", "weight"))
-        matmul = min(gemm.get(rank, 0.0), compute)
-        wait = seconds(rank, ("grad_wait",))
-        bucket_work = seconds(rank, ("allreduce", "optimizer"))
-        split.append(
-            {
-                "rank": rank,
-                "parts": _parts(
-                    rank, compute, _rank_wall(events, first, rank), seconds, profiles.get(rank, {})
-                ),
-                "gemm": matmul / wall,
-                "elementwise": (compute - matmul) / wall,
-                "optimizer": seconds(rank, ("optimizer",)) / wall,
-                "communication": seconds(rank, _COMM_KINDS) / wall,
-                "exposed_allreduce": wait / wall,
-                "allreduce_hidden": max(0.0, 1 - wait / bucket_work) if bucket_work else 0.0,
-            }
-        )
-    return split
-
-
-def _rank_wall(events: np.ndarray, first: int, rank: int) -> float:
-    """The rank's own wall time over the measured steps (its clock, its step rows)."""
-    rows = events[(events["kind"] == KIND["step"]) & (events["rank"] == rank)]
-    rows = rows[rows["step"] >= first]
-    return float(rows["end"].max() - rows["start"].min())
-
-
-# the order the time split prints its pieces in
-_PARTS = ("GEMM (Linear)", "attention", "GELU", "LayerNorm", "embedding", "loss", "glue")
-
-
-def _parts(rank: int, compute: float, wall: float, seconds, profile: dict) -> dict[str, float]:
-    """The rank's main thread over the measured steps, fractions of wall adding up to 1: its
-    F/B/W time cut by op as the rank's chunks' profile (profile_chunk: Linear GEMMs, attention,
-    GELU, LayerNorm, embedding, loss, glue) cuts it; sends; receives (waiting for a neighbour:
-    the bubble, and the copies); the wait for the gradient buckets (exposed all-reduce and the
-    optimizer updates left to it); runtime: the rest (Python between actions, step metrics)."""
-    total = sum(profile.values())
-    keys = [k for k in _PARTS if k in profile] + [k for k in profile if k not in _PARTS]
-    parts = {k: compute * profile[k] / total / wall for k in keys} if total else {}
-    if not total:
-        parts["compute"] = compute / wall
-    parts["send"] = seconds(rank, ("send",)) / wall
-    parts["recv (bubble)"] = seconds(rank, ("recv",)) / wall
-    parts["gradient wait"] = seconds(rank, ("grad_wait",)) / wall
-    parts["runtime"] = max(0.0, 1.0 - sum(parts.values()))
-    return parts
-
-
-def _profile_chunks(job: Job, world: MPI.Comm) -> dict[int, dict[str, float]] | None:
-    """Every rank at once profiles some model chunks (chunk c on the ranks r with c = r modulo
-    min(world, chunks)); rank 0 gets {chunk: seconds per micro-batch by op}."""
-    from mpihybrid.nn.profile import num_chunks, profile_chunk
-
-    n = num_chunks(job)
-    mod = min(world.size, n)
-    mine = {c: profile_chunk(job, c, repeats=2) for c in range(n) if c % mod == world.rank % mod}
-    gathered = world.gather(mine, root=0)
-    if world.rank != 0:
-        return None
-    out: dict[int, dict[str, float]] = {}
-    for part in gathered:
-        for c, prof in part.items():
-            out.setdefault(c, prof)
-    return out
-
-
-def _rank_profiles(ranks: list[dict], chunks: dict[int, dict[str, float]]) -> dict:
-    """Each rank's profile: the sum over its chunks, op by op."""
-    out = {}
-    for r in ranks:
-        prof: dict[str, float] = {}
-        for s in r["stages"]:
-            for k, v in chunks.get(s, {}).items():
-                prof[k] = prof.get(k, 0.0) + v
-        out[r["rank"]] = prof
-    return out
-
-
 def _bench_job(job: Job, steps: int) -> Job:
     return dataclasses.replace(
         job,
@@ -256,7 +132,7 @@ def bench_train(
     runs, other_walls, last, roofs, peak_rss = _run_repeats(
         job, other, world, warmup, repeats, gemms, progress
     )
-    chunk_profiles = _profile_chunks(job, world)
+    chunk_profiles = profile_chunks(job, world)
     hot = hot_gemm_rate(max(gemms, key=lambda g: gemm_flops([g]))) if world.rank == 0 else 0.0
     if world.rank != 0:
         return None
@@ -285,14 +161,14 @@ def bench_train(
         "blas": blas_in_use(),
         **_roofline_figures(flops_per_token, throughputs, roofs, rates),
         **_busy_rows(job, report, events, warmup, wall),
-        "time_split": _time_split(
+        "time_split": time_split(
             events,
-            warmup,
-            wall,
-            report["ranks"],
-            _gemm_seconds(job, report["ranks"], chunk_gemm_flops(job), rates, steps),
-            _rank_profiles(report["ranks"], chunk_profiles),
-        ),  # fmt: skip
+            first=warmup,
+            wall=wall,
+            ranks=report["ranks"],
+            gemm=_gemm_seconds(job, report["ranks"], chunk_gemm_flops(job), rates, steps),
+            profiles=rank_profiles(report["ranks"], chunk_profiles),
+        ),
         "chunk_profiles": {str(c): p for c, p in sorted(chunk_profiles.items())},
         "peak_rss_bytes": [int(b) for b in peak_rss],
         "final_loss": float(last.losses[-1]) if last.losses else None,
@@ -385,7 +261,7 @@ def _run_repeats(
     def run_other() -> None:
         other_summary = fresh_train(other)
         if world.rank == 0:
-            other_walls.append(_measured_wall(other_summary.events, warmup))
+            other_walls.append(measured_wall(other_summary.events, warmup))
 
     for i in range(repeats):
         # pairs in ABBA order: whatever running first or second does to a run (the heap the
@@ -401,7 +277,7 @@ def _run_repeats(
         world.Barrier()
         roofs.append(world.gather(measure_gemm_rate(gemms), root=0))
         if world.rank == 0:
-            wall = _measured_wall(summary.events, warmup)
+            wall = measured_wall(summary.events, warmup)
             measured = [t for s, t in step_times(summary.events).items() if s >= warmup]
             report = analyze(_as_trace(job, summary, world.size), skip_steps=warmup)
             runs.append((wall, statistics.median(measured), report, summary.events))
@@ -415,7 +291,7 @@ def _run_repeats(
 
 def _busy_rows(job: Job, report: dict, events: np.ndarray, warmup: int, wall: float) -> dict:
     """The "ranks" and "stages" entries: busy fractions, activations measured and predicted."""
-    busy_rank, busy_stage = _busy(events, warmup, wall)
+    busy_rank, busy_stage = busy(events, warmup, wall)
     ranks = [
         {"rank": r["rank"], "stages": r["stages"], "busy": busy_rank.get(r["rank"], 0.0)}
         for r in report["ranks"]
@@ -494,7 +370,7 @@ def format_bench(result: dict) -> str:
             for t in result["time_split"]
         )
         + " (of wall; GEMM at the rank's measured rate)",
-        *_format_parts(result["time_split"]),
+        *format_parts(result["time_split"]),
         "stages         "
         + ", ".join(
             f"{s['stage']}: busy {100 * s['busy']:.0f}%, activations {s['peak_inflight']} "
@@ -515,22 +391,6 @@ def format_bench(result: dict) -> str:
             + ")",
         ]
     return "\n".join(lines)
-
-
-def _order(key: str) -> int:
-    return _PARTS.index(key) if key in _PARTS else 0
-
-
-def _format_parts(split: list[dict]) -> list[str]:
-    """The time split as a table: one row per piece, one column per rank, columns add to 100."""
-    keys = list(dict.fromkeys(k for t in split for k in t["parts"]))
-    tail = ("send", "recv (bubble)", "gradient wait", "runtime")
-    ops = sorted((k for k in keys if k not in tail), key=lambda k: (k not in _PARTS, _order(k)))
-    keys = ops + [k for k in tail if k in keys]
-    header = ["time split (% of each rank's wall; adds up to 100)"]
-    header += [f"rank {t['rank']}" for t in split]
-    rows = [[k, *(f"{100 * t['parts'].get(k, 0.0):.1f}" for t in split)] for k in keys]
-    return text_table(header, rows)
 
 
 if __name__ == "__main__":  # pragma: no cover
