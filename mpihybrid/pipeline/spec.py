@@ -9,8 +9,10 @@ from mpihybrid.pipeline.actions import Action
 from mpihybrid.pipeline.placement import Placement
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScheduleSpec:
+    """Built with keywords: each field says what it is (SPECS, csv_schedule.csv_spec)."""
+
     name: str
     build: Callable[[int, int, int], dict[int, list[Action]]]  # (pp, m, v) -> compute lists
     placement: str  # loop: stage s on rank s % p; v: rank r holds r and 2p-1-r; rows: a CSV's
