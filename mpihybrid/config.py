@@ -29,6 +29,8 @@ from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_co
 from mpihybrid.pipeline.wire import P2P_CODECS, P2P_SCOPES
 from mpihybrid.progress import TICK_S
 
+AUTO = "auto"  # train.schedule searched for the job at the start (cli/auto.py)
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -97,6 +99,10 @@ class TrainConfig:
     microbatches: int = 4  # M, per replica per step
     schedule: str = "1f1b"
     virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b; a V schedule sets its 2)
+    # schedule = "auto" (cli/auto.py): costs from this trace instead of timing the blocks,
+    # and the memory limit in micro-batches of a rank's share (0: pp, 1F1B's)
+    schedule_costs: str = ""
+    schedule_inflight: float = 0.0
     early_grad_send: bool = True  # a backward sends its input gradient before the weight gradient
     optimizer: str = "sgd"
     lr: float = 0.01  # the peak rate (lr_schedule: the rate after the warmup)
@@ -310,6 +316,8 @@ def _schedule_chunks(job: Job) -> Job:
     """A schedule whose spec fixes its chunks per rank (zb-v, dualpipev: 2; a CSV: its rows')
     sets train.virtual_stages when the job leaves it at 1; any other value is checked later."""
     t = job.train
+    if t.schedule == AUTO:  # the search decides (cli/auto.py), then the job is resolved again
+        return job
     try:
         fixed = get_spec(t.schedule).chunks
     except ScheduleError as exc:
@@ -335,7 +343,8 @@ def _check_names(job: Job) -> None:
     _one_of("model.activation", m.activation, ("relu", "gelu"))
     _one_of("data.kind", d.kind, KINDS[m.kind].data_kinds)
     try:
-        get_spec(t.schedule)  # a registered name, or csv:PATH of a readable schedule
+        if t.schedule != AUTO:
+            get_spec(t.schedule)  # a registered name, or csv:PATH of a readable schedule
     except ScheduleError as exc:
         raise ConfigError(f"train.schedule = {t.schedule!r}: {exc}") from None
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
@@ -429,6 +438,9 @@ def validate(job: Job) -> None:
         raise ConfigError(
             f"train.global_batch({t.global_batch}) > data.train_samples({d.train_samples})"
         )
+    if t.schedule == AUTO:
+        _check_auto(job)
+        return
     try:
         check_config(t.schedule, g.pp, t.microbatches, t.virtual_stages)
         if t.schedule.startswith("csv:"):  # its lists: every F/B/W once, no deadlock
@@ -454,6 +466,21 @@ def _check_finite(job: Job) -> None:
             values = value if isinstance(value, list) else [value]
             if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 raise ConfigError(f"{section}.{f.name} = {value!r}: must be a finite number")
+
+
+def _check_auto(job: Job) -> None:
+    """train.schedule = "auto": the search splits the blocks into pp (loop) or 2 pp (V) chunks."""
+    m, g, t = job.model, job.grid, job.train
+    if t.schedule_inflight and t.schedule_inflight < 1:
+        raise ConfigError(f"train.schedule_inflight = {t.schedule_inflight}: at least 1 "
+                          "micro-batch of a rank's share (0: pp)")  # fmt: skip
+    if isinstance(m.partition, list):
+        if len(m.partition) not in (g.pp, 2 * g.pp):
+            raise ConfigError(f"train.schedule = 'auto' with model.partition = {m.partition}: a "
+                              f"list of pp ({g.pp}) or 2 pp counts (loop or V)")  # fmt: skip
+        _check_partition(m, g.pp, len(m.partition) // g.pp)
+    else:
+        _check_partition(m, g.pp, 1)
 
 
 def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:

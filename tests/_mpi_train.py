@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from mpihybrid.cli.auto import resolve_auto  # noqa: E402
 from mpihybrid.config import load_job  # noqa: E402
 from mpihybrid.train.loop import train  # noqa: E402
 from tests.helpers import abort_on_exception  # noqa: E402
@@ -45,7 +46,7 @@ for name in args.schedules.split(","):
     overrides = [*args.overrides, f"train.schedule={name}"]
     if name == "interleaved-1f1b":
         overrides.append("train.virtual_stages=2")
-    job = load_job(args.job, overrides, world.Get_size())
+    job = resolve_auto(load_job(args.job, overrides, world.Get_size()), world)  # "auto": search
     summary = train(job, world, quiet=True, collect_params=args.serial, backend=backend)
     if world.rank != 0:
         continue

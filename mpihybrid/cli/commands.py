@@ -23,6 +23,7 @@ from typing import NoReturn
 import click
 
 from mpihybrid.cli.bench_blas import bench_blas  # click and the standard library only
+from mpihybrid.cli.schedule_search import schedule_search  # click alone at import
 from mpihybrid.comm.agree import first_error
 from mpihybrid.files import release_all
 from mpihybrid.pipeline.schedules import SCHEDULES  # pure Python: --help stays fast
@@ -171,7 +172,7 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debu
     except ConfigError as exc:
         error = str(exc)
     exit_on_any_error(world, error)
-    job = _timed_partition(job, world)  # collective: before the checkpoints are compared
+    job = _timed_partition(_auto_schedule(job, world), world)  # collective: before checkpoints
     job, order_choice = _auto_order(job, world)  # collective
     try:
         if world.rank == 0:
@@ -197,6 +198,23 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debu
         from mpihybrid.train.report import format_report
 
         click.echo(format_report(job, summary))
+
+
+def _auto_schedule(job, world):
+    """train.schedule = "auto" searched on rank 0 and the same schedule and split given to
+    every rank (cli/auto.py); bad costs or a limit no schedule meets: one line, exit 2 on
+    every rank. Any other schedule as it is."""
+    from mpihybrid.cli.auto import resolve_auto
+    from mpihybrid.config import AUTO, ConfigError
+
+    if job.train.schedule != AUTO:
+        return job
+    try:
+        return resolve_auto(job, world)
+    except ConfigError as exc:  # the same on every rank (rank 0's, broadcast)
+        exit_on_any_error(world, str(exc))
+    except Exception as exc:  # rank 0 alone, while the others wait in bcast: end them all
+        abort_job(world, exc, "searching the schedule", _debug_env())
 
 
 def _timed_partition(job, world):
@@ -487,6 +505,9 @@ def schedule_show(
         _fail(f"--csv {csv_path}: {exc.strerror}")
 
 
+schedule.add_command(schedule_search)
+
+
 # schedule show simulates in Python at about 20 us per action: these bound it to seconds
 SHOW_LIMITS = {"--pp": 256, "--microbatches": 4096, "--virtual": 16}
 SHOW_CELLS = 25_000  # pp x microbatches x virtual
@@ -678,9 +699,12 @@ def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json, q
     except ConfigError as exc:
         error = str(exc)
     exit_on_any_error(world, error)
-    job = _auto_order(_timed_partition(job, world), world)[0]
+    job = _auto_order(_timed_partition(_auto_schedule(job, world), world), world)[0]
     if other is not None:
-        other = (_auto_order(_timed_partition(other[0], world), world)[0], other[1])
+        other = (
+            _auto_order(_timed_partition(_auto_schedule(other[0], world), world), world)[0],
+            other[1],
+        )
     from mpihybrid.cli.bench_train import bench_train as run
     from mpihybrid.cli.bench_train import format_bench
     from mpihybrid.cli.progress import progress_echo

@@ -132,6 +132,33 @@ def timed_block_costs(job, repeats: int = 3) -> list[float]:
     return costs
 
 
+def block_pass_costs(job, repeats: int = 3) -> tuple[list[float], list[float], list[float]]:
+    """(F, B, W) seconds per micro-batch of each block of the whole model, timed apart on the
+    job's micro-batches as one stage (timed_block_costs' run, each pass on its own): what a
+    schedule search splits and orders. The loss rides with the head: its forward in F, its
+    gradient in B."""
+    from mpihybrid.nn.data import task_dims
+
+    stage = build_stage(job.model, *task_dims(job.data), 0, 1, job.train.seed)
+    owner = {}
+    for g, block in enumerate(stage.blocks):
+        for layer in block:
+            for sub in layer.branch if isinstance(layer, Residual) else [layer]:
+                owner[id(sub)] = g
+    inputs, targets = chunk_inputs(job, 0)
+    per = profile_stage(
+        stage, inputs, targets, True, True, repeats, key=lambda l, m: (owner[id(l)], m)
+    )
+    n = len(stage.blocks)
+    passes = [[per.get((g, m), 0.0) for g in range(n)]
+              for m in ("forward", "backward_input", "backward_weight")]  # fmt: skip
+    half = per.get(LOSS, 0.0) / 2  # timed as one: its forward and its gradient
+    passes[0][-1] += half
+    passes[1][-1] += half
+    glue = per.get(GLUE, 0.0) / max(3 * n, 1)  # the Python between layers, spread evenly
+    return tuple([x + glue for x in p] for p in passes)
+
+
 def timed_partition(job, repeats: int = 3) -> tuple[list[int], list[float]]:
     """(layers per chunk, seconds per block): the split of `model.partition` that balances the
     blocks' measured seconds (nn.model.partition on them), as a list a job file takes."""

@@ -116,6 +116,11 @@ def parse_csv(text: str, source: str) -> tuple[dict[int, list[Action]], Placemen
 _EMBEDDED: dict[str, str] = {}
 
 
+def register(name: str, text: str) -> None:
+    """Make csv:NAME resolve to `text` in this process (a searched schedule, cli/auto.py)."""
+    _EMBEDDED[name] = text
+
+
 @functools.lru_cache(maxsize=16)
 def _file_text(path: str, stamp: tuple[int, int]) -> str:
     try:  # a FIFO or a device: refused before it is opened (on every rank alike)

@@ -40,6 +40,7 @@ from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.pipeline.csv_schedule import csv_text
 from mpihybrid.pipeline.runtime import PipelineRuntime, forward_only
 from mpihybrid.pipeline.schedules import build_schedule, lower, placement_of
+from mpihybrid.pipeline.search import search_attrs
 from mpihybrid.pipeline.wire import P2PWire, encoded_peers
 from mpihybrid.sysinfo import clean_text, hostname, mpi_library
 from mpihybrid.trace.file import TraceWriter
@@ -876,6 +877,7 @@ def layout_attrs(job: Job, world_size: int) -> dict:
         "p2p_codec": job.comm.p2p_codec,
         "device": job.grid.device,
         **text,
+        **search_attrs(schedule),
     }
 
 

@@ -1,0 +1,334 @@
+"""Search a schedule for these costs under a memory limit: the split of blocks into chunks times
+the order of every rank's F, B and W, and how far each built-in schedule is from what it found.
+
+    result = search(costs, pp=2, m=4, max_inflight=2, placements=("loop", "v"))
+    result.lists, result.placement, result.ranges, result.sim, result.status, result.bound
+    print(format_result(result))
+
+For each placement (loop: one chunk per rank; v: rank r holds stages r and 2p-1-r) the splits of
+the blocks that load the busiest rank least (nn.model's rule, the few best) are each ordered by
+the greedy (search_greedy); the built-in schedules of that placement are candidates too. The
+best (placement, split) of each placement is then solved exactly (search_exact, CP-SAT) when it
+is small enough (EXACT_ACTIONS) and the solver is installed, seeded with the best order so far.
+Every candidate is judged by simulate.simulate on the same costs: the order whose step ends first
+wins (then the lower peak). Memory: at most `max_inflight` micro-batches of a rank's share alive
+on any rank (simulate.peak_per_rank, the liveness rule).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from mpihybrid.pipeline.actions import Action, ScheduleError
+from mpihybrid.pipeline.placement import Placement
+from mpihybrid.pipeline.search_costs import CostsError, SearchCosts
+from mpihybrid.pipeline.search_greedy import best_greedy
+from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
+
+EXACT_ACTIONS = 800  # the exact search runs where a step has at most this many F/B/W
+SPLITS = 3  # splits of the blocks tried per placement (the least-loaded first)
+MAX_ENUMERATED = 20_000  # splits enumerated before only the balanced one is tried
+SEARCHES: dict[str, str] = {}  # csv:auto@HASH -> its search's JSON (cli/auto.py; the trace's)
+
+
+def search_attrs(schedule: str) -> dict:
+    """The trace attribute of a searched schedule: {"schedule_search": JSON} or {}."""
+    return {"schedule_search": SEARCHES[schedule]} if schedule in SEARCHES else {}
+
+
+@dataclass
+class Candidate:
+    placement: Placement
+    ranges: list[range]
+    lists: dict[int, list[Action]]
+    sim: SimResult
+    how: str  # greedy | exact | a built-in's name
+    sim_costs: Costs = field(default_factory=Costs, repr=False)  # the costs of this split
+
+    @property
+    def key(self) -> tuple[float, float]:
+        return (round(self.sim.makespan, 12), max(self.sim.peak_per_rank))
+
+
+@dataclass
+class SearchResult:
+    best: Candidate
+    pp: int
+    m: int
+    max_inflight: float
+    costs: SearchCosts
+    status: str  # optimal | feasible (exact, with a proven bound) | heuristic
+    bound: float  # proven lower bound of the best placement and split (0: none)
+    solver_seconds: list[tuple[str, str, float, float, float]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    table: list[dict] = field(default_factory=list)  # the built-ins on the same costs
+
+    @property
+    def step_bound(self) -> float:
+        """The busiest rank's own work at the searched split (F + B + W of its stages, m times)."""
+        return busiest_work(self.costs, self.best.placement, self.best.ranges, self.m)
+
+    @property
+    def gap(self) -> float:
+        if not self.bound:
+            return float("nan")
+        return max(0.0, 1.0 - self.bound / self.best.sim.makespan)
+
+
+def busiest_work(costs: SearchCosts, placement: Placement, ranges: list[range], m: int) -> float:
+    load = [0.0] * placement.pp
+    for s, r in enumerate(ranges):
+        load[placement.rank_of(s)] += m * sum(costs.total(i) for i in r)
+    return max(load)
+
+
+def make_placement(style: str, pp: int) -> Placement:
+    return Placement.v(pp) if style == "v" else Placement.loop(pp)
+
+
+def splits(costs: SearchCosts, placement: Placement, count: int = SPLITS) -> list[list[range]]:
+    """The `count` splits of the blocks into the placement's stages with the least-loaded busiest
+    rank (then the smallest largest stage, then the sum of squares); a fixed split as it is."""
+    n, k = costs.units, placement.num_stages
+    if costs.fixed:
+        if n != k:
+            raise CostsError(
+                f"costs from {costs.source} are of {n} stages; a {placement.style} placement at "
+                f"pp={placement.pp} has {k} (a trace fixes its split: trace a run of {k} stages)"
+            )
+        return [[range(i, i + 1) for i in range(n)]]
+    if n < k:
+        raise CostsError(f"{n} blocks cannot make the {k} stages of a {placement.style} placement")
+    totals = [costs.total(i) for i in range(n)]
+    if math.comb(n - 1, k - 1) > MAX_ENUMERATED:
+        from mpihybrid.nn.model import balanced_for_ranks
+
+        return [balanced_for_ranks(totals, list(placement.stage_ranks))]
+    prefix = list(itertools.accumulate(totals, initial=0.0))
+    scored = []
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        sizes = [prefix[bounds[i + 1]] - prefix[bounds[i]] for i in range(k)]
+        load = [0.0] * placement.pp
+        for s, size in enumerate(sizes):
+            load[placement.rank_of(s)] += size
+        scored.append(((max(load), max(sizes), sum(x * x for x in sizes)), bounds))
+    scored.sort()
+    return [[range(b[i], b[i + 1]) for i in range(k)] for _, b in scored[:count]]
+
+
+def _builtin_seeds(placement: Placement, m: int, split: bool) -> list[tuple[str, dict]]:
+    """The built-in schedules' lists on this placement (as training runs them)."""
+    from mpihybrid.pipeline.schedules import SCHEDULES, build_schedule, chunks_for, get_spec
+
+    seeds = []
+    for name in SCHEDULES:
+        spec, v = get_spec(name), chunks_for(name, placement.chunks)
+        if spec.make_placement(placement.pp, v) != placement or spec.splits_backward != split:
+            continue
+        try:
+            seeds.append((name, build_schedule(name, placement.pp, m, v, early_grad_send=True)))
+        except ScheduleError:
+            continue
+    return seeds
+
+
+def search(
+    costs: SearchCosts,
+    pp: int,
+    m: int,
+    *,
+    max_inflight: float | None = None,
+    placements: tuple[str, ...] = ("loop", "v"),
+    split: bool = True,
+    time_limit: float = 60.0,
+    exact: bool = True,
+    deterministic: bool = False,
+    ranges: list[range] | None = None,
+    tick=None,
+) -> SearchResult:
+    """The best schedule found (module text). max_inflight: micro-batches of a rank's share
+    (default p, 1F1B's); ranges: a split of the blocks to keep (only placements of that many
+    stages are tried); tick(): called between candidates (a watchdog's progress)."""
+    limit = float(pp if max_inflight is None else max_inflight)
+    if not limit >= 1:
+        raise ScheduleError(
+            f"a memory limit of {limit:g} micro-batches of a rank's share: no schedule holds "
+            "less than one (the smallest limit any schedule meets is 1)"
+        )
+    split = split and costs.can_split
+    notes = [] if costs.can_split else [f"{costs.source}: backwards ran whole, so B/W not split"]
+    tick = tick or (lambda: None)
+    found: list[Candidate] = []
+    per_placement: dict[str, Candidate] = {}
+    for style in placements:
+        placement = make_placement(style, pp)
+        try:
+            tried = splits(costs, placement) if ranges is None else [ranges]
+        except CostsError as exc:
+            notes.append(f"{style} placement not tried: {exc}")
+            continue
+        for split_ranges in tried:
+            if len(split_ranges) != placement.num_stages:
+                notes.append(f"{style} placement not tried: the split kept has "
+                             f"{len(split_ranges)} stages")  # fmt: skip
+                break
+            sim_costs = costs.split(split_ranges)
+            try:
+                lists, sim = best_greedy(placement, m, sim_costs, max_inflight=limit, split=split)
+                found.append(Candidate(placement, split_ranges, lists, sim, "greedy", sim_costs))
+            except ScheduleError:
+                pass
+            for name, lists in _builtin_seeds(placement, m, split):
+                sim = simulate(lists, placement, sim_costs)
+                if max(sim.peak_per_rank) <= limit + 1e-9:
+                    found.append(Candidate(placement, split_ranges, lists, sim, name, sim_costs))
+            tick()
+        mine = [c for c in found if c.placement == placement]
+        if mine:
+            per_placement[style] = min(mine, key=lambda c: c.key)
+    if not found:
+        why = "; ".join(notes) or f"none holds at most {limit:g} micro-batches of a rank's share"
+        raise ScheduleError(f"schedule search found no schedule: {why}")
+    status, bound, solves = "heuristic", 0.0, []
+    if exact:
+        proved = _exact(per_placement, found, m, limit, split, time_limit, deterministic, notes,
+                        solves)  # fmt: skip
+        tick()
+    best = min(found, key=lambda c: c.key)
+    if exact and best.placement.style in proved:
+        seed, status, bound = proved[best.placement.style]
+        if best.ranges != seed.ranges:  # the bound is of another split
+            status, bound = "heuristic", 0.0
+    result = SearchResult(best, pp, m, limit, costs, status, bound, solves, notes)
+    result.table = builtin_table(costs, pp, m, limit, result)
+    return result
+
+
+def _exact(per_placement, found, m, limit, split, time_limit, deterministic, notes, solves):
+    """Solve each placement's best split exactly where small: {style: (seed, status, bound)};
+    the orders found join `found`, each solve's (style, status, seconds, found, bound) `solves`."""
+    from mpihybrid.pipeline.search_exact import SolverMissing, solve
+    from mpihybrid.pipeline.search_greedy import budgets
+
+    small = {s: c for s, c in per_placement.items()
+             if (3 if split else 2) * m * c.placement.num_stages <= EXACT_ACTIONS}  # fmt: skip
+    if len(small) < len(per_placement):
+        notes.append(f"exact search skipped where a step has more than {EXACT_ACTIONS} actions")
+    proved = {}
+    for style, seed in small.items():
+        try:
+            res = solve(seed.placement, m, seed.sim_costs, limit=budgets(seed.placement, limit),
+                        split=split, time_limit=time_limit / len(small), hint=seed.lists,
+                        deterministic=deterministic)  # fmt: skip
+        except SolverMissing as exc:
+            notes.append(f"{exc}; the greedy's schedule instead")
+            return {}
+        solves.append((style, res.status, res.seconds, res.makespan, res.bound))
+        if res.lists is not None:
+            sim = simulate(res.lists, seed.placement, seed.sim_costs)
+            found.append(Candidate(seed.placement, seed.ranges, res.lists, sim, "exact",
+                                   seed.sim_costs))  # fmt: skip
+            proved[style] = (seed, res.status, res.bound)
+    return proved
+
+
+def builtin_table(costs: SearchCosts, pp: int, m: int, limit: float, result) -> list[dict]:
+    """Every built-in schedule simulated on the same costs, at the split nn.model balances for
+    its placement (model.partition = "timed"'s rule), with its distance from the best found."""
+    from mpihybrid.pipeline.schedules import (
+        SCHEDULES,
+        build_schedule,
+        check_config,
+        chunks_for,
+        placement_of,
+    )
+
+    rows = []
+    best = result.best.sim.makespan
+    for name in SCHEDULES:
+        v = chunks_for(name, 2)
+        row = {"schedule": name, "v": v}
+        try:
+            check_config(name, pp, m, v)
+            placement = placement_of(name, pp, v)
+            ranges = splits(costs, placement, 1)[0]
+        except (ScheduleError, CostsError) as exc:
+            rows.append(row | {"note": str(exc).split(":", 1)[-1].strip()})
+            continue
+        lists = build_schedule(name, pp, m, v, early_grad_send=True)
+        sim = simulate(lists, placement, costs.split(ranges))
+        peak = max(sim.peak_per_rank)
+        rows.append(row | {
+            "makespan": sim.makespan, "bubble": sim.bubble_fraction, "peak": peak,
+            "vs_best": sim.makespan / best - 1,
+            "vs_bound": sim.makespan / result.bound - 1 if result.bound else None,
+            "note": "over the memory limit" if peak > limit + 1e-9 else "",
+        })  # fmt: skip
+    return rows
+
+
+def _time(seconds: float, unit: bool) -> str:
+    return f"{seconds:.4g}" if unit else f"{seconds * 1e3:.1f} ms"
+
+
+def csv_of(result: SearchResult) -> str:
+    """torch's compute-only CSV of the schedule found (csv_schedule.dump_csv)."""
+    from mpihybrid.pipeline.csv_schedule import dump_csv
+    from mpihybrid.pipeline.simulate import unit_costs
+
+    lists, placement = result.best.lists, result.best.placement
+    return dump_csv(lists, simulate(lists, placement, unit_costs(lists)).start)
+
+
+def format_result(result: SearchResult, grid: bool = True) -> str:
+    """What `mpihybrid schedule search` prints."""
+    from mpihybrid.pipeline.simulate import render_grid
+
+    best, unit = result.best, result.costs.source == "unit"
+    pl = best.placement
+    where = " ".join(f"r{r}:{','.join(map(str, pl.stages_of(r)))}" for r in range(pl.pp))
+    how = {"exact": "the exact search (CP-SAT)", "greedy": "the greedy list scheduler"}.get(
+        best.how, f"the built-in {best.how}'s order (nothing found beat it)"
+    )
+    proof = {
+        "optimal": "optimal: proved",
+        "feasible": f"best found, proven gap {result.gap:.1%}",
+        "heuristic": "no proven bound",
+    }.get(result.status, result.status)
+    lines = [
+        f"schedule search: pp={result.pp} M={result.m}, costs: {result.costs.source}; at most "
+        f"{result.max_inflight:g} micro-batches of a rank's share alive per rank",
+        f"found: {pl.style} placement ({where}), {[len(r) for r in best.ranges]} "
+        f"{'stages' if result.costs.fixed else 'blocks'} per stage, by {how}; {proof}",
+    ]
+    if grid:
+        lines.append(render_grid(best.lists, pl, 8, 64))
+    sim = best.sim
+    lines += [
+        f"simulated: step {_time(sim.makespan, unit)}, bubble {sim.bubble_fraction:.3f}, peak "
+        f"per rank {', '.join(f'{p:g}' for p in sim.peak_per_rank)} micro-batches of its share",
+        f"step-time bound (the busiest rank's own work at this split): "
+        f"{_time(result.step_bound, unit)} ({sim.makespan / result.step_bound - 1:+.1%} from it)",
+    ]
+    for style, status, seconds, found, bound in result.solver_seconds:
+        lines.append(f"solver, {style}: {status} in {seconds:.2f} s (model step "
+                     f"{_time(found, unit)}, proven bound {_time(bound, unit)})")  # fmt: skip
+    lines += result.notes
+    lines.append("built-in schedules on the same costs (each at the split that balances its "
+                 "placement, as model.partition = 'timed'; gradients sent before W):")  # fmt: skip
+    lines.append(f"{'schedule':<17} {'v':>2} {'step':>10} {'bubble':>7} {'rank peak':>9} "
+                 f"{'vs best':>8} {'vs bound':>8}  note")  # fmt: skip
+    for row in result.table:
+        if "makespan" not in row:
+            lines.append(f"{row['schedule']:<17} {row['v']:>2} not legal: {row['note']}")
+            continue
+        bound = f"{row['vs_bound']:+.1%}" if row["vs_bound"] is not None else "-"
+        lines.append(
+            f"{row['schedule']:<17} {row['v']:>2} {_time(row['makespan'], unit):>10} "
+            f"{row['bubble']:>7.3f} {row['peak']:>9g} {row['vs_best']:>+8.1%} {bound:>8}  "
+            f"{row['note']}".rstrip()
+        )
+    return "\n".join(lines)

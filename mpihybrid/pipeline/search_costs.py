@@ -1,0 +1,128 @@
+"""What a schedule search runs on: seconds of F, B and W per block (the split into chunks is then
+searched) or per stage (a trace's split, fixed), the message hop, a rank's gap between actions.
+
+    costs = unit_costs(pp)                 # 2p equal blocks, F = B = W = 1, free messages
+    costs = job_costs(job)                 # the job's blocks timed on this machine (F, B, W each)
+    costs = trace_costs(trace)             # a run's measured per-stage costs, as analyze uses them
+    sim_costs = costs.split(ranges)        # simulate.Costs of the stages these block ranges make
+
+Every way in is checked here (check_values): a NaN, infinite, zero or negative F or B, a negative
+W, hop or gap is one line naming the block or stage. check_job says whether a trace's costs are
+of the job in front of it (model, data, micro-batch size, pp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mpihybrid.pipeline.actions import ScheduleError
+from mpihybrid.pipeline.simulate import Costs
+
+
+class CostsError(ScheduleError):
+    """Costs a search cannot run on (bad values, another model's trace)."""
+
+
+@dataclass(frozen=True)
+class SearchCosts:
+    """Seconds per micro-batch of each unit (a block, or a stage where `fixed`)."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]  # input gradient alone
+    weight: tuple[float, ...]  # weight gradient alone (0: never measured apart, see can_split)
+    send: float = 0.0  # one message hop
+    gap: float = 0.0  # a rank's own time between two compute actions
+    tail: tuple[float, ...] = ()  # per stage (fixed only): the last W's extra (simulate.Costs)
+    whole: tuple[float, ...] = ()  # per stage (fixed only): a whole backward's measured seconds
+    fixed: bool = False  # units are stages whose split is given: the split is not searched
+    can_split: bool = True  # B and W measured apart (a trace of whole backwards: False)
+    source: str = "unit"
+    stage_ranks: tuple[int, ...] = ()  # a trace's placement (fixed only)
+    partition: tuple[int, ...] = ()  # a trace's layer counts per chunk (fixed only)
+
+    @property
+    def units(self) -> int:
+        return len(self.forward)
+
+    def total(self, i: int) -> float:
+        """F + B + W of unit i: its own work per micro-batch."""
+        return self.forward[i] + self.backward[i] + self.weight[i]
+
+    def split(self, ranges: Sequence[range]) -> Costs:
+        """simulate.Costs of the stages made of these unit ranges (fixed: one unit each)."""
+
+        def per(values: tuple[float, ...]) -> list[float]:
+            return [float(sum(values[i] for i in r)) for r in ranges]
+
+        whole = list(self.whole) if self.fixed and self.whole else None
+        tail = list(self.tail) if self.fixed and self.tail else 0.0
+        return Costs(
+            forward=per(self.forward),
+            backward=per(self.backward),
+            weight=per(self.weight),
+            send=self.send,
+            whole=whole,
+            tail=tail,
+            gap=self.gap,
+        )
+
+    def as_dict(self) -> dict:
+        """Plain lists and numbers (a trace attribute, JSON)."""
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SearchCosts:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
+        )
+
+
+def check_values(costs: SearchCosts) -> SearchCosts:
+    """The costs themselves, or CostsError naming the first bad value."""
+    unit = "stage" if costs.fixed else "block"
+    if not costs.units:
+        raise CostsError(f"costs from {costs.source}: no {unit}s")
+    n = costs.units
+    if len(costs.backward) != n or len(costs.weight) != n:
+        raise CostsError(f"costs from {costs.source}: F, B and W have different lengths")
+    for i, x in enumerate(costs.forward):
+        if not math.isfinite(x) or x <= 0:
+            raise CostsError(
+                f"costs from {costs.source}: {unit} {i} has F = {x!r} s; every F must be a "
+                "finite number > 0"
+            )
+    for name, values in (("B", costs.backward), ("W", costs.weight), ("tail", costs.tail),
+                         ("whole", costs.whole)):  # fmt: skip
+        for i, x in enumerate(values):
+            if not math.isfinite(x) or x < 0:
+                raise CostsError(f"costs from {costs.source}: {unit} {i} has {name} = {x!r} s")
+    for i in range(n):
+        if costs.backward[i] + costs.weight[i] <= 0:
+            raise CostsError(f"costs from {costs.source}: {unit} {i} has a backward of 0 s")
+    for name, x in (("message hop", costs.send), ("gap", costs.gap)):
+        if not math.isfinite(x) or x < 0:
+            raise CostsError(f"costs from {costs.source}: {name} = {x!r} s")
+    return costs
+
+
+def unit_costs(pp: int, blocks: int | None = None) -> SearchCosts:
+    """Equal blocks (2p by default: a V's chunk each, or two per loop stage), F = B = W = 1."""
+    n = blocks or 2 * pp
+    return SearchCosts((1.0,) * n, (1.0,) * n, (1.0,) * n, source="unit")
+
+
+def job_costs(job, repeats: int = 3) -> SearchCosts:
+    """The job's blocks timed on this machine, F, B and W apart (nn.profile: the whole model as
+    one stage on the job's own micro-batches; the loss rides with the head's F and B)."""
+    from mpihybrid.nn.profile import block_pass_costs
+
+    forward, backward, weight = block_pass_costs(job, repeats)
+    return check_values(
+        SearchCosts(tuple(forward), tuple(backward), tuple(weight), source="the job's timed blocks")
+    )

@@ -1,0 +1,173 @@
+"""The zero-bubble paper's exact formulation, solved by OR-Tools CP-SAT (the `search` extra).
+
+    result = solve(placement, m, costs, limit=[4] * pp, split=True, time_limit=60, hint=lists)
+    result.lists, result.status ("optimal" | "feasible"), result.makespan, result.bound
+
+Variables: the start of every F, B and W (stage, micro-batch) on its rank's timeline. Constraints:
+a rank runs one action at a time (NoOverlap of its intervals, each action lasting its cost plus
+the rank's gap); F of stage s waits for F of s-1, B of s for F of s and B of s+1, W for its B,
+each `send` later where the tensor crosses ranks; a micro-batch's activations on a stage are
+alive from its F's start to its W's end (its B's end where backwards are whole) and a rank holds
+at most limit[r] chunk micro-batches at once (a Cumulative). Objective: the last end (the
+step's makespan). Costs are scaled to integer ticks (SCALE ticks for the longest action), so the
+proven bound is of the rounded costs; the lists found are simulated again with the real ones.
+
+fifo: micro-batches start in order on every stage for each kind (every built-in schedule does).
+It shrinks the search a great deal; an optimum "proved" is then the optimum of FIFO orders.
+Without fifo only stage 0's forwards are ordered, which loses nothing (micro-batches are
+interchangeable). The solver is seeded with `hint` (the greedy's order, its simulated times).
+deterministic: one worker and a deterministic time limit, so the same costs give the same lists.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from mpihybrid.pipeline.actions import Action
+from mpihybrid.pipeline.placement import Placement
+from mpihybrid.pipeline.simulate import Costs, simulate
+
+SCALE = 1000  # ticks of the longest action
+
+
+class SolverMissing(ImportError):
+    """OR-Tools is not installed (pip install 'mpihybrid[search]')."""
+
+
+@dataclass
+class ExactResult:
+    lists: dict[int, list[Action]] | None  # None: nothing found in the time
+    status: str  # optimal | feasible | infeasible | unknown
+    makespan: float  # of the rounded costs, in seconds (inf: nothing found)
+    bound: float  # proven lower bound on it, in seconds
+    seconds: float  # wall time of the solve
+
+    @property
+    def gap(self) -> float:
+        """(found - bound) / found: 0 when optimal."""
+        if not self.lists or self.makespan <= 0:
+            return float("inf")
+        return max(0.0, (self.makespan - self.bound) / self.makespan)
+
+
+def _cp_model():
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError:
+        raise SolverMissing(
+            "the exact search needs OR-Tools: pip install 'mpihybrid[search]' (ortools>=9.10)"
+        ) from None
+    return cp_model
+
+
+def _value(x, s: int) -> float:
+    return x if isinstance(x, (int, float)) else x[s]
+
+
+def solve(
+    placement: Placement,
+    m: int,
+    costs: Costs,
+    *,
+    limit: list[int],
+    split: bool = True,
+    time_limit: float = 60.0,
+    hint: dict[int, list[Action]] | None = None,
+    fifo: bool = True,
+    deterministic: bool = False,
+    workers: int = 2,
+) -> ExactResult:
+    """The order minimising the makespan of these costs under the memory limit (module text)."""
+    cp_model = _cp_model()
+    model = cp_model.CpModel()
+    n, last = placement.num_stages, placement.num_stages - 1
+    kinds = ("F", "B", "W") if split else ("F", "B")
+
+    def cost(kind: str, s: int) -> float:
+        if kind == "F":
+            return _value(costs.forward, s)
+        if kind == "W" or split:
+            return _value(costs.weight if kind == "W" else costs.backward, s)
+        return _value(costs.backward, s) + _value(costs.weight, s)
+
+    longest = max(cost(k, s) for k in kinds for s in range(n)) + costs.gap
+    tick = longest / SCALE
+    dur = {(k, s): max(1, round((cost(k, s) + costs.gap) / tick)) for k in kinds for s in range(n)}
+    hop = round(costs.send / tick)
+    horizon = sum(dur[(k, s)] for k in kinds for s in range(n)) * m + 2 * n * (hop + 1)
+    start, end, per_rank = {}, {}, {r: [] for r in range(placement.pp)}
+    for s in range(n):
+        for mb in range(m):
+            for k in kinds:
+                key = (k, s, mb)
+                start[key] = model.NewIntVar(0, horizon, f"s{k}{s}_{mb}")
+                end[key] = start[key] + dur[(k, s)]
+                per_rank[placement.rank_of(s)].append(
+                    model.NewFixedSizeIntervalVar(start[key], dur[(k, s)], f"i{k}{s}_{mb}")
+                )
+
+    def after(key, before, cross: bool) -> None:
+        model.Add(start[key] >= end[before] + (hop if cross else 0))
+
+    for s in range(n):
+        for mb in range(m):
+            if s > 0:
+                after(("F", s, mb), ("F", s - 1, mb), placement.crosses(s - 1, s))
+            after(("B", s, mb), ("F", s, mb), False)
+            if s < last:
+                after(("B", s, mb), ("B", s + 1, mb), placement.crosses(s + 1, s))
+            if split:
+                after(("W", s, mb), ("B", s, mb), False)
+            for k in kinds if fifo else (("F",) if s == 0 else ()):
+                if mb + 1 < m:
+                    model.Add(start[(k, s, mb)] <= start[(k, s, mb + 1)])
+    for r, intervals in per_rank.items():
+        model.AddNoOverlap(intervals)
+        alive = []
+        for s in placement.stages_of(r):
+            for mb in range(m):
+                freed = end[("W" if split else "B", s, mb)]
+                size = model.NewIntVar(0, horizon, f"a{s}_{mb}")
+                alive.append(model.NewIntervalVar(start[("F", s, mb)], size, freed, f"l{s}_{mb}"))
+        model.AddCumulative(alive, [1] * len(alive), limit[r])
+    makespan = model.NewIntVar(0, horizon, "makespan")
+    model.AddMaxEquality(makespan, [end[key] for key in start])
+    model.Minimize(makespan)
+    if hint is not None:
+        _add_hint(model, start, hint, placement, costs, tick)
+    solver = cp_model.CpSolver()
+    if deterministic:
+        solver.parameters.num_workers = 1
+        solver.parameters.max_deterministic_time = time_limit
+    else:
+        solver.parameters.num_workers = workers
+        solver.parameters.max_time_in_seconds = time_limit
+    t0 = time.perf_counter()
+    code = solver.Solve(model)
+    seconds = time.perf_counter() - t0
+    status = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible",
+              cp_model.INFEASIBLE: "infeasible"}.get(code, "unknown")  # fmt: skip
+    bound = solver.BestObjectiveBound() * tick if status != "infeasible" else float("inf")
+    if status not in ("optimal", "feasible"):
+        return ExactResult(None, status, float("inf"), bound, seconds)
+    lists = _lists(placement, {key: solver.Value(v) for key, v in start.items()})
+    return ExactResult(lists, status, solver.ObjectiveValue() * tick, bound, seconds)
+
+
+def _add_hint(model, start, hint, placement, costs, tick) -> None:
+    """The hint's simulated start times, in ticks."""
+    result = simulate(hint, placement, costs)
+    for a, t in result.start.items():
+        key = (a.kind, a.stage, a.microbatch)
+        if key in start:
+            model.AddHint(start[key], round(t / tick))
+
+
+def _lists(placement: Placement, starts: dict[tuple[str, int, int], int]) -> dict:
+    """Each rank's actions in the order of their start ticks."""
+    order = {"F": 0, "B": 1, "W": 2}
+    lists: dict[int, list] = {r: [] for r in range(placement.pp)}
+    for (kind, s, mb), _ in sorted(starts.items(), key=lambda kv: (kv[1], order[kv[0][0]])):
+        lists[placement.rank_of(s)].append(Action(s, kind, mb))
+    return lists

@@ -1,0 +1,64 @@
+"""train.schedule = "auto" under mpiexec: == serial in fp32 with synchronous sends (MLP, GPT),
+the same schedule from the same costs, resume bit for bit, another model's costs refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpihybrid.trace.read import load
+from tests.helpers import results, run_mpi
+from tests.test_schedules_train import TINY_GPT
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize(
+    "pp, dp, m, model",
+    [(2, 2, 4, "mlp"), (3, 1, 6, "mlp"), (4, 1, 8, "mlp"), (2, 1, 4, "gpt")],
+)
+def test_auto_equals_serial(pp, dp, m, model):
+    settings = [f"grid.pp={pp}", f"grid.dp={dp}", f"train.microbatches={m}",
+                f"train.global_batch={dp * m * 2}", "train.steps=3", "comm.codec=fp32",
+                "comm.sync_sends=true", "model.depth=8"]  # fmt: skip
+    if model == "gpt":
+        settings += [*TINY_GPT, "train.optimizer=adamw", "train.lr=1e-4"]
+    else:
+        settings += ["model.hidden=16"]
+    argv = [arg for s in settings for arg in ("--set", s)]
+    proc = run_mpi(pp * dp, "tests/_mpi_train.py", "--serial", "--schedules", "auto", *argv,
+                   timeout=180)  # fmt: skip
+    (r,) = results(proc)
+    assert r["allclose"] and r["max_abs_diff"] < 1e-5, r
+    np.testing.assert_allclose(r["losses"], r["serial_losses"], rtol=1e-5)
+    assert r["replica_max_diff"] == 0.0
+
+
+def test_auto_from_a_trace_resumes_bit_for_bit_and_refuses_another_model(tmp_path):
+    base = ["--quiet", "--set", "grid.pp=2", "--set", "model.depth=8", "--set",
+            "train.optimizer=adamw", "--set", "model.hidden=16"]  # fmt: skip
+
+    def train(steps, *extra, ok=True):
+        proc = run_mpi(2, "-m", "mpihybrid", "train", *base, "--set", f"train.steps={steps}",
+                       *extra, timeout=120)  # fmt: skip
+        assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
+        return proc
+
+    costs = tmp_path / "costs.h5"
+    train(2, "--set", "train.schedule=zb-v", "--trace", str(costs))
+    auto = ["--set", "train.schedule=auto", "--set", f"train.schedule_costs={costs}"]
+    train(6, *auto, "--trace", str(tmp_path / "whole.h5"))
+    ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    train(3, *auto, "--set", ckpt, "--set", "checkpoint.every=3")
+    train(6, *auto, "--resume", "--set", ckpt, "--trace", str(tmp_path / "resumed.h5"))
+    whole, resumed = load(tmp_path / "whole.h5"), load(tmp_path / "resumed.h5")
+    np.testing.assert_array_equal(resumed.steps["loss"], whole.steps["loss"])
+    # the same costs gave the same schedule; the trace keeps it, its costs and the prediction
+    assert whole.attrs["schedule_csv"] == resumed.attrs["schedule_csv"]
+    assert str(whole.attrs["schedule"]).startswith("csv:auto@")
+    assert '"costs"' in str(whole.attrs["schedule_search"])
+    # costs of another model: one line, exit 2, before training
+    proc = train(2, *auto, "--set", "model.hidden=24", ok=False)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert len(lines) == 1 and "another model: model.hidden" in lines[0], proc.stderr
