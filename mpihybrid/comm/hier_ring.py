@@ -140,7 +140,7 @@ class TwoLevelRing:
             self._alone = None
             if intra.Get_size() == 1 and self.compress:  # quantised like the other nodes'
                 self._alone, _ = segment_layout(count, 1, segment, grid, codec.nbytes, origin=0)
-                self._scratch = np.empty(max(s[3] for s in self._alone[0]), np.uint8)
+                self._scratch = backend.empty(max(s[3] for s in self._alone[0]), np.uint8)
             self.inner, self.rings = None, []
             return
         self.inner = RingAllreduce(

@@ -1,0 +1,75 @@
+"""What predict says of benchmarks/two_nodes_sitting.sh's pairs: the "predicted" column of
+docs/communication.md's "Across nodes" table.
+
+    python benchmarks/two_nodes_predict.py [--cluster local]
+
+The harness as a cluster: nodes of the sitting's ranks (2, or 1 for A:1,B:1), sharing this
+machine's cores (node.cores = cores / 2 nodes), the network link at the sitting's RATE each way
+(alpha 100 us); everything else from the cluster file. Each line: the pair, the two predicted
+throughputs and their ratio (this / that, as `bench train --against` prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mpihybrid.config import load_job  # noqa: E402
+from mpihybrid.predict.cluster import Link, find_cluster, load_cluster  # noqa: E402
+from mpihybrid.predict.model import predict  # noqa: E402
+
+GPT = ["jobs/gpt_bench.toml", "train.global_batch=16"]
+WIRE = ["jobs/gpt_wire.toml"]
+RATES = {"2gbit": 2e9, "500mbit": 5e8, "200mbit": 2e8, "100mbit": 1e8, "50mbit": 5e7}
+# (rate, ranks a node, job + its --set, this, that): the sitting's pairs
+PAIRS = [
+    *((r, 2, WIRE, [f"comm.p2p_codec={c}"], ["comm.p2p_codec=fp32"])
+      for r in ("2gbit", "500mbit", "200mbit", "100mbit", "50mbit") for c in ("bf16", "int8")),
+    ("500mbit", 2, [*GPT, "grid.pp=2", "grid.dp=2", "grid.order=data-inner"],
+     ["comm.p2p_codec=int8"], ["comm.p2p_codec=fp32"]),
+    *((r, 2, [*GPT, "grid.pp=1", "grid.dp=4", *codec], ["comm.ring=hierarchical"],
+       ["comm.ring=flat"])
+      for r, codec in (("500mbit", []), ("2gbit", []), ("500mbit", ["comm.codec=int8"]),
+                       ("100mbit", []))),
+    ("500mbit", 2, [*GPT, "grid.pp=2", "grid.dp=2"], ["grid.order=auto"],
+     ["grid.order=data-inner"]),
+    ("500mbit", 2, [*GPT, "grid.pp=2", "grid.dp=2"], ["grid.order=pipeline-inner"],
+     ["grid.order=data-inner"]),
+    ("2gbit", 1, ["jobs/gpt_bench.toml", "grid.pp=1", "grid.dp=2"], ["comm.codec=int8"],
+     ["comm.codec=fp32"]),
+]  # fmt: skip
+
+
+def harness(cluster, rate: float, per_node: int):
+    cores = max((os.cpu_count() or 2) // 2, 1)
+    node = dataclasses.replace(cluster.node, ranks_per_node=per_node, cores=cores)
+    network = Link(1e-4, rate / 8, rate / 8)
+    return dataclasses.replace(cluster, node=node, links={**cluster.links, "network": network})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cluster", default="local")
+    args = ap.parse_args()
+    base = load_cluster(find_cluster(args.cluster))
+    for rate, per_node, job, this, that in PAIRS:
+        on = harness(base, RATES[rate], per_node)
+        path, sets = job[0], job[1:]
+        world = 2 * per_node
+        a = predict(load_job(path, [*sets, *this], world), on)
+        b = predict(load_job(path, [*sets, *that], world), on)
+        print(
+            f"{rate:>8} {per_node} a node  {path} {' '.join(sets)}  {' '.join(this)} / "
+            f"{' '.join(that)}: {a['throughput']:,.0f} / {b['throughput']:,.0f} = "
+            f"{a['throughput'] / b['throughput']:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
