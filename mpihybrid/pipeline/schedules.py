@@ -28,91 +28,20 @@ from mpihybrid.pipeline.actions import (
     split_backwards,
 )
 from mpihybrid.pipeline.csv_schedule import csv_spec
+from mpihybrid.pipeline.loop_schedules import gpipe, interleaved, naive, one_f_one_b, zb_h1
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.spec import ScheduleSpec
 from mpihybrid.pipeline.v_schedules import dualpipev, v_half, zb_h2, zb_v
 
 __all__ = [
-    "Action", "COMM_KINDS", "COMPUTE_KINDS", "Placement", "ScheduleError", "ScheduleSpec",
+    "Action",
+    "COMM_KINDS",
+    "COMPUTE_KINDS",
+    "Placement",
+    "ScheduleError",
+    "ScheduleSpec",
     "message_key",
-]  # fmt: skip
-
-
-# ---------------------------------------------------------------- generators (one rank each)
-
-
-def _naive(pp: int, m: int, rank: int) -> list[Action]:
-    # one micro-batch crosses the whole pipe forward and back before the next one starts
-    return [Action(rank, k, mb) for mb in range(m) for k in ("F", "B")]
-
-
-def _gpipe(pp: int, m: int, rank: int) -> list[Action]:
-    # all forwards, then all backwards: every activation stays alive until the flush
-    return [Action(rank, "F", mb) for mb in range(m)] + [Action(rank, "B", mb) for mb in range(m)]
-
-
-def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
-    num_warmup = min(pp - rank - 1, m)
-    num_steady = m - num_warmup
-    # warmup: forwards only
-    actions = [Action(rank, "F", mb) for mb in range(num_warmup)]
-    # steady state: one F, one B
-    for i in range(num_steady):
-        actions += [Action(rank, "F", num_warmup + i), Action(rank, "B", i)]
-    # cooldown: drain backwards
-    actions += [Action(rank, "B", mb) for mb in range(num_steady, m)]
-    return actions
-
-
-def _zb_h1(pp: int, m: int, rank: int) -> list[Action]:
-    # 1F1B with the backward split into B (input grad, on the critical path) and W (weight grad).
-    # Rank r keeps r Ws back; they fill the cooldown, where 1F1B waits for gradients. Peak memory
-    # stays at p in-flight micro-batches, the peak of 1F1B's first rank.
-    num_warmup = min(pp - rank - 1, m)
-    num_deferred = min(rank, m - num_warmup)
-    num_steady = m - num_warmup - num_deferred
-    f, b, w = num_warmup, 0, 0  # next micro-batch for F, B, W
-    # warmup: forwards only
-    actions = [Action(rank, "F", mb) for mb in range(num_warmup)]
-    # ramp: one F, one B; the W waits
-    for _ in range(num_deferred):
-        actions += [Action(rank, "F", f), Action(rank, "B", b)]
-        f, b = f + 1, b + 1
-    # steady state: one F, one B, the oldest W
-    for _ in range(num_steady):
-        actions += [Action(rank, "F", f), Action(rank, "B", b), Action(rank, "W", w)]
-        f, b, w = f + 1, b + 1, w + 1
-    # cooldown: drain backwards, each with a W, then the Ws kept back
-    for _ in range(b, m):
-        actions += [Action(rank, "B", b), Action(rank, "W", w)]
-        b, w = b + 1, w + 1
-    return actions + [Action(rank, "W", mb) for mb in range(w, m)]
-
-
-def _interleaved(pp: int, m: int, v: int, rank: int) -> list[Action]:
-    # Megatron-LM / torch pipelining: rank r walks "virtual micro-batches" k = 0 .. m*v-1 in rounds
-    # of p micro-batches per chunk; forwards go chunk 0 -> v-1, backwards chunk v-1 -> 0.
-    total = m * v
-    num_warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
-
-    def action(k: int, kind: str) -> Action:
-        chunk = (k % (pp * v)) // pp
-        if kind == "B":
-            chunk = v - 1 - chunk
-        microbatch = (k // (pp * v)) * pp + k % pp
-        return Action(chunk * pp + rank, kind, microbatch)
-
-    # warmup: forwards only
-    actions = [action(k, "F") for k in range(num_warmup)]
-    # steady state: one F, one B
-    for k in range(total - num_warmup):
-        actions += [action(num_warmup + k, "F"), action(k, "B")]
-    # cooldown: drain backwards
-    actions += [action(k, "B") for k in range(total - num_warmup, total)]
-    return actions
-
-
-# ---------------------------------------------------------------- the registry
+]
 
 
 def _each_rank(make: Callable[[int, int, int], list[Action]]):
@@ -142,7 +71,7 @@ SPECS: dict[str, ScheduleSpec] = {
     for spec in (
         ScheduleSpec(
             name="naive",
-            build=_each_rank(_naive),
+            build=_each_rank(naive),
             placement="loop",
             chunks=1,
             min_microbatches=_one,
@@ -153,7 +82,7 @@ SPECS: dict[str, ScheduleSpec] = {
         ),
         ScheduleSpec(
             name="gpipe",
-            build=_each_rank(_gpipe),
+            build=_each_rank(gpipe),
             placement="loop",
             chunks=1,
             min_microbatches=_one,
@@ -164,7 +93,7 @@ SPECS: dict[str, ScheduleSpec] = {
         ),
         ScheduleSpec(
             name="1f1b",
-            build=_each_rank(_one_f_one_b),
+            build=_each_rank(one_f_one_b),
             placement="loop",
             chunks=1,
             min_microbatches=_one,
@@ -175,7 +104,7 @@ SPECS: dict[str, ScheduleSpec] = {
         ),
         ScheduleSpec(
             name="interleaved-1f1b",
-            build=lambda pp, m, v: {r: _interleaved(pp, m, v, r) for r in range(pp)},
+            build=lambda pp, m, v: {r: interleaved(pp, m, v, r) for r in range(pp)},
             placement="loop",
             chunks=0,
             min_microbatches=lambda pp, v: pp,
@@ -187,7 +116,7 @@ SPECS: dict[str, ScheduleSpec] = {
         ),
         ScheduleSpec(
             name="zb-h1",
-            build=_each_rank(_zb_h1),
+            build=_each_rank(zb_h1),
             placement="loop",
             chunks=1,
             min_microbatches=_one,
