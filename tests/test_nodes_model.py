@@ -12,7 +12,8 @@ from mpihybrid.config import load_job
 from mpihybrid.pipeline.wire import P2PWire, encoded_peers
 from mpihybrid.predict.auto import choose_order
 from mpihybrid.predict.cluster import find_cluster, load_cluster
-from mpihybrid.predict.model import predict, ring_seconds
+from mpihybrid.predict.model import predict
+from mpihybrid.predict.wire import ring_seconds
 
 LOCAL = load_cluster(find_cluster("local"))
 

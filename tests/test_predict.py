@@ -22,7 +22,8 @@ from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.model import build_stage
 from mpihybrid.predict.calibrate import GEMM_SHAPES, fit_gemm
 from mpihybrid.predict.cluster import ClusterError, Link, load_cluster, parse_cluster
-from mpihybrid.predict.model import gemm_seconds, predict, ring_seconds
+from mpihybrid.predict.model import gemm_seconds, predict
+from mpihybrid.predict.wire import ring_seconds
 from mpihybrid.train.memory import peak_rss_bytes, reset_peak_rss
 from tests.helpers import ROOT, run_mpi
 

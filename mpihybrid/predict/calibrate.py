@@ -56,12 +56,7 @@ from mpihybrid.launch import without_launcher
 from mpihybrid.nn.cost import FLOAT, KINDS, stage_work
 from mpihybrid.pipeline.schedules import build_schedule
 from mpihybrid.predict.cluster import Cluster, CodecRate, Device, Link, Node
-from mpihybrid.predict.model import (
-    gemm_seconds,
-    optimizer_bytes,
-    predict,
-    rank_memory,
-)
+from mpihybrid.predict.model import gemm_seconds, optimizer_bytes, predict, rank_memory
 from mpihybrid.trace.read import Trace
 from mpihybrid.trace.recorder import KIND, step_times
 

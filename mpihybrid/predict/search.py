@@ -28,7 +28,8 @@ from mpihybrid.comm.layout import ORDERS
 from mpihybrid.config import ConfigError, Job, resolve
 from mpihybrid.pipeline.schedules import SCHEDULES, ScheduleError, chunks_for
 from mpihybrid.predict.cluster import Cluster
-from mpihybrid.predict.model import p2p_encoded, pipeline, predict, two_level
+from mpihybrid.predict.model import pipeline, predict
+from mpihybrid.predict.wire import p2p_encoded, two_level
 
 BUCKETS_KB = (256, 1024, 4096, 16384)
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)

@@ -72,34 +72,8 @@ def rank_memory(
     placement = placement_of(t.schedule, g.pp, t.virtual_stages)
     rank = placement.rank_of(mine[0])
     params = sum(work[s].params for s in mine)
-    codec = get_codec(c.codec, c.block)
-    lossy = codec.lossy and g.dp > 1
-    ring = FLOAT * params if lossy and c.error_feedback else 0  # the residual
-    # the reduce-scatter receives step s into slot s % 2 of two chunk-sized ones (comm.allreduce)
-    slots = min(2, g.dp - 1)
-    if lossy:  # per bucket: its encoded vector twice (the wire and the all-gather's, or on one
-        # node the neighbours' shared slots it decodes from), and apart from those the slots;
-        # sharded, off one node, the reduce-scatter alone: its wire once
-        ring += (1 if t.shard_optimizer and not ring_shared else 2) * codec.nbytes(params)
-        if not ring_shared:
-            ring += slots * codec.nbytes(math.ceil(params / g.dp))
-    elif g.dp > 1:
-        ring += slots * FLOAT * math.ceil(params / g.dp)
-    split = split_backwards(actions)
-    live = Liveness(split)
-    recompute = t.recompute == "full"  # a micro-batch in flight keeps its input alone
-    waiting, peak = {}, 0  # recompute: a split B's W caches until its W, and the peak with them
-    for a in actions:
-        held = work[a.stage].input_bytes if recompute else work[a.stage].activation_bytes
-        live.step(a.kind, a.stage, a.microbatch, held)
-        if recompute and (a.stage, a.microbatch) in split and a.kind in "BW":
-            if a.kind == "B":  # what its W's GEMMs read: the Linear inputs, output gradients
-                waiting[a.stage, a.microbatch] = wcache_bytes(work[a.stage])
-            else:
-                waiting.pop((a.stage, a.microbatch))
-        peak = max(peak, live.total_bytes + sum(waiting.values()))
-    if recompute:  # and one micro-batch's forward cache lives again during its backward
-        live.peak_total_bytes = peak + max(work[s].activation_bytes for s in mine)
+    ring = _ring_bytes(job, params, ring_shared)
+    live = _live_activations(job, work, actions, mine)
     # every receive of a step is posted when it starts: one buffer per (direction, mb)
     last, recv = len(work) - 1, 0
     for s in mine:
@@ -143,6 +117,49 @@ def rank_memory(
         "total_bytes": total,
         "fits": bool(not memory_bytes or total <= memory_bytes),
     }
+
+
+def _ring_bytes(job: Job, params: int, ring_shared: bool) -> int:
+    """The gradient ring's buffers for `params` parameters: the error-feedback residual, the
+    encoded vectors and the reduce-scatter's receive slots."""
+    t, c, g = job.train, job.comm, job.grid
+    codec = get_codec(c.codec, c.block)
+    lossy = codec.lossy and g.dp > 1
+    ring = FLOAT * params if lossy and c.error_feedback else 0  # the residual
+    # the reduce-scatter receives step s into slot s % 2 of two chunk-sized ones (comm.allreduce)
+    slots = min(2, g.dp - 1)
+    if lossy:  # per bucket: its encoded vector twice (the wire and the all-gather's, or on one
+        # node the neighbours' shared slots it decodes from), and apart from those the slots;
+        # sharded, off one node, the reduce-scatter alone: its wire once
+        ring += (1 if t.shard_optimizer and not ring_shared else 2) * codec.nbytes(params)
+        if not ring_shared:
+            ring += slots * codec.nbytes(math.ceil(params / g.dp))
+    elif g.dp > 1:
+        ring += slots * FLOAT * math.ceil(params / g.dp)
+    return ring
+
+
+def _live_activations(
+    job: Job, work: list[ChunkWork], actions: list[Action], mine: list[int]
+) -> Liveness:
+    """The rank's activations replayed over its actions (liveness.py); peak_total_bytes is its
+    peak, with recompute's weight caches and its one forward done again."""
+    split = split_backwards(actions)
+    live = Liveness(split)
+    recompute = job.train.recompute == "full"  # a micro-batch in flight keeps its input alone
+    waiting, peak = {}, 0  # recompute: a split B's W caches until its W, and the peak with them
+    for a in actions:
+        held = work[a.stage].input_bytes if recompute else work[a.stage].activation_bytes
+        live.step(a.kind, a.stage, a.microbatch, held)
+        if recompute and (a.stage, a.microbatch) in split and a.kind in "BW":
+            if a.kind == "B":  # what its W's GEMMs read: the Linear inputs, output gradients
+                waiting[a.stage, a.microbatch] = wcache_bytes(work[a.stage])
+            else:
+                waiting.pop((a.stage, a.microbatch))
+        peak = max(peak, live.total_bytes + sum(waiting.values()))
+    if recompute:  # and one micro-batch's forward cache lives again during its backward
+        live.peak_total_bytes = peak + max(work[s].activation_bytes for s in mine)
+    return live
 
 
 def rank_estimate(job: Job, pp_rank: int, ring_shared: bool = False) -> dict[str, int]:
