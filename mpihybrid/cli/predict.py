@@ -103,7 +103,10 @@ def format_prediction(r: dict) -> str:
     j, unit = r["job"], r["unit"]
     lines = [
         f"== predict: {j['model']}, pp={j['pp']} x dp={j['dp']} ({j['order']}), {j['schedule']}, "
-        f"M={j['microbatches']}, codec {j['codec']}, on {r['cluster']}",
+        f"M={j['microbatches']}, codec {j['codec']}"
+        + (f" ({j['ring']} ring)" if j.get("ring") == "hierarchical" else "")
+        + (f", pipeline wire {j['p2p_codec']}" if j.get("p2p_codec", "fp32") != "fp32" else "")
+        + f", on {r['cluster']}",
         f"step time      {1e3 * r['step_time_s']:.2f} ms (pipeline {1e3 * r['pipeline_s']:.2f} ms)",
         f"throughput     {r['throughput']:,.0f} {unit}/s",
         f"bubble         {r['bubble']:.3f}",
