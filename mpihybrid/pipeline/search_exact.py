@@ -136,6 +136,18 @@ def solve(
     model.Minimize(makespan)
     if hint is not None:
         _add_hint(model, start, hint, placement, costs, tick)
+    solver, status, seconds = _run(
+        cp_model, model, time_limit=time_limit, deterministic=deterministic, workers=workers
+    )
+    bound = solver.BestObjectiveBound() * tick if status != "infeasible" else float("inf")
+    if status not in ("optimal", "feasible"):
+        return ExactResult(None, status, float("inf"), bound, seconds)
+    lists = _lists(placement, {key: solver.Value(v) for key, v in start.items()})
+    return ExactResult(lists, status, solver.ObjectiveValue() * tick, bound, seconds)
+
+
+def _run(cp_model, model, *, time_limit: float, deterministic: bool, workers: int):
+    """(the solver, "optimal" | "feasible" | "infeasible" | "unknown", seconds it took)."""
     solver = cp_model.CpSolver()
     if deterministic:
         solver.parameters.num_workers = 1
@@ -146,13 +158,12 @@ def solve(
     t0 = time.perf_counter()
     code = solver.Solve(model)
     seconds = time.perf_counter() - t0
-    status = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible",
-              cp_model.INFEASIBLE: "infeasible"}.get(code, "unknown")  # fmt: skip
-    bound = solver.BestObjectiveBound() * tick if status != "infeasible" else float("inf")
-    if status not in ("optimal", "feasible"):
-        return ExactResult(None, status, float("inf"), bound, seconds)
-    lists = _lists(placement, {key: solver.Value(v) for key, v in start.items()})
-    return ExactResult(lists, status, solver.ObjectiveValue() * tick, bound, seconds)
+    names = {
+        cp_model.OPTIMAL: "optimal",
+        cp_model.FEASIBLE: "feasible",
+        cp_model.INFEASIBLE: "infeasible",
+    }
+    return solver, names.get(code, "unknown"), seconds
 
 
 def _add_hint(model, start, hint, placement, costs, tick) -> None:

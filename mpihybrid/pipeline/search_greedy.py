@@ -48,43 +48,75 @@ def list_schedule(
     limit[r]: chunk micro-batches rank r may hold (F to W, or to B when not split); reserve: on
     a rank of several chunks, first-chunk forwards stop that many short of it (a V otherwise
     fills up with them and stalls); fill: "idle" or "fit" (when a W fills a wait)."""
+    g = _ListScheduler(
+        placement,
+        m,
+        costs,
+        limit=limit,
+        split=split,
+        reserve=reserve,
+        fill=fill,
+        deep_first=deep_first,
+    )
     pp, last = placement.pp, placement.num_stages - 1
-    stages = {r: placement.stages_of(r) for r in range(pp)}
-    ends: dict[tuple[str, int, int], float] = {}
-    next_f = dict.fromkeys(range(last + 1), 0)
-    next_b = dict.fromkeys(range(last + 1), 0)
-    alive = dict.fromkeys(range(pp), 0)
-    deferred: dict[int, list[tuple[int, int]]] = {r: [] for r in range(pp)}
-    clock = dict.fromkeys(range(pp), 0.0)
-    out: dict[int, list[Action]] = {r: [] for r in range(pp)}
-    remaining = (3 if split else 2) * m * (last + 1)
+    cache = {r: g.decide(r) for r in range(pp)}  # a rank's decision changes when it or a
+    while g.remaining:  # neighbour (a rank holding an adjacent stage) commits an action
+        when, r, a = _earliest(cache)
+        if a is None:
+            raise ScheduleError(f"no order fits the memory limit {limit} (m={m})")
+        g.commit(r, when, a)
+        s = a.stage
+        for q in {r} | {placement.rank_of(t) for t in (s - 1, s + 1) if 0 <= t <= last}:
+            cache[q] = g.decide(q)
+    return g.out
 
-    def arrival(kind: str, s: int, mb: int, r: int) -> float:
+
+class _ListScheduler:
+    """list_schedule's state: what each stage has run, what each rank holds and when it is free."""
+
+    def __init__(self, placement, m, costs, *, limit, split, reserve, fill, deep_first):
+        self.placement, self.m, self.costs, self.limit = placement, m, costs, limit
+        self.split, self.reserve, self.fill, self.deep_first = split, reserve, fill, deep_first
+        pp, self.last = placement.pp, placement.num_stages - 1
+        self.stages = {r: placement.stages_of(r) for r in range(pp)}
+        self.ends: dict[tuple[str, int, int], float] = {}
+        self.next_f = dict.fromkeys(range(self.last + 1), 0)
+        self.next_b = dict.fromkeys(range(self.last + 1), 0)
+        self.alive = dict.fromkeys(range(pp), 0)
+        self.deferred: dict[int, list[tuple[int, int]]] = {r: [] for r in range(pp)}
+        self.clock = dict.fromkeys(range(pp), 0.0)
+        self.out: dict[int, list[Action]] = {r: [] for r in range(pp)}
+        self.remaining = (3 if split else 2) * m * (self.last + 1)
+
+    def arrival(self, kind: str, s: int, mb: int, r: int) -> float:
         """When tensor (kind, s, mb) is usable on rank r; INF while not yet scheduled."""
-        end = ends.get((kind, s, mb))
+        end = self.ends.get((kind, s, mb))
         if end is None:
             return INF
-        return end + (costs.send if placement.rank_of(s) != r else 0.0)
+        return end + (self.costs.send if self.placement.rank_of(s) != r else 0.0)
 
-    def ready_b(r: int, s: int) -> float:
-        mb = next_b[s]
-        if mb >= m or mb >= next_f[s]:
+    def ready_b(self, r: int, s: int) -> float:
+        mb = self.next_b[s]
+        if mb >= self.m or mb >= self.next_f[s]:
             return INF
-        t = arrival("F", s, mb, r)
-        return max(t, arrival("B", s + 1, mb, r)) if s < last else t
+        t = self.arrival("F", s, mb, r)
+        return max(t, self.arrival("B", s + 1, mb, r)) if s < self.last else t
 
-    def ready_f(r: int, s: int) -> float:
-        mb = next_f[s]
-        room = limit[r] - (reserve if len(stages[r]) > 1 and s == stages[r][0] else 0)
-        if mb >= m or alive[r] >= room:
+    def ready_f(self, r: int, s: int) -> float:
+        mb = self.next_f[s]
+        first = len(self.stages[r]) > 1 and s == self.stages[r][0]
+        room = self.limit[r] - (self.reserve if first else 0)
+        if mb >= self.m or self.alive[r] >= room:
             return INF
-        return arrival("F", s - 1, mb, r) if s > 0 else 0.0
+        return self.arrival("F", s - 1, mb, r) if s > 0 else 0.0
 
-    def decide(r: int) -> tuple[float, Action | None]:
+    def decide(self, r: int) -> tuple[float, Action | None]:
         """(when rank r acts next, what), given what is scheduled so far."""
-        free = clock[r] + (costs.gap if out[r] else 0.0)
-        bs = [(max(ready_b(r, s), free), next_b[s], -s, s) for s in stages[r]]
-        fs = [(max(ready_f(r, s), free), (-s if deep_first else s), s) for s in stages[r]]
+        free = self.clock[r] + (self.costs.gap if self.out[r] else 0.0)
+        next_b, next_f = self.next_b, self.next_f
+        bs = [(max(self.ready_b(r, s), free), next_b[s], -s, s) for s in self.stages[r]]
+        order = -1 if self.deep_first else 1
+        fs = [(max(self.ready_f(r, s), free), order * s, s) for s in self.stages[r]]
         now_b = [b for b in bs if b[0] <= free]
         now_f = [f for f in fs if f[0] <= free]
         if now_b:
@@ -94,9 +126,9 @@ def list_schedule(
             s = min(now_f)[2]
             return free, Action(s, "F", next_f[s])
         soonest = min([b[0] for b in bs] + [f[0] for f in fs])
-        if deferred[r]:
-            s, mb = deferred[r][0]
-            if fill == "idle" or free + _value(costs.weight, s) <= soonest:
+        if self.deferred[r]:
+            s, mb = self.deferred[r][0]
+            if self.fill == "idle" or free + _value(self.costs.weight, s) <= soonest:
                 return free, Action(s, "W", mb)
         if soonest == INF:
             return INF, None
@@ -108,34 +140,28 @@ def list_schedule(
         s = min(f for f in fs if f[0] == soonest)[2]
         return soonest, Action(s, "F", next_f[s])
 
-    cache = {r: decide(r) for r in range(pp)}  # a rank's decision changes when it or a
-    while remaining:  # neighbour (a rank holding an adjacent stage) commits an action
-        when, r, a = _earliest(cache)
-        if a is None:
-            raise ScheduleError(f"no order fits the memory limit {limit} (m={m})")
-        s, mb = a.stage, a.microbatch
+    def commit(self, r: int, when: float, a: Action) -> None:
+        """Rank r runs `a` from `when`: its stage moves on, its memory and clock with it."""
+        s, mb, costs = a.stage, a.microbatch, self.costs
         if a.kind == "F":
-            next_f[s] += 1
-            alive[r] += 1
+            self.next_f[s] += 1
+            self.alive[r] += 1
             duration = _value(costs.forward, s)
         elif a.kind == "B":
-            next_b[s] += 1
-            if split:
-                deferred[r].append((s, mb))
+            self.next_b[s] += 1
+            if self.split:
+                self.deferred[r].append((s, mb))
                 duration = _value(costs.backward, s)
             else:
-                alive[r] -= 1
+                self.alive[r] -= 1
                 duration = _value(costs.backward, s) + _value(costs.weight, s)
         else:
-            deferred[r].pop(0)
-            alive[r] -= 1
+            self.deferred[r].pop(0)
+            self.alive[r] -= 1
             duration = _value(costs.weight, s)
-        ends[(a.kind, s, mb)] = clock[r] = when + duration
-        out[r].append(a)
-        remaining -= 1
-        for q in {r} | {placement.rank_of(t) for t in (s - 1, s + 1) if 0 <= t <= last}:
-            cache[q] = decide(q)
-    return out
+        self.ends[(a.kind, s, mb)] = self.clock[r] = when + duration
+        self.out[r].append(a)
+        self.remaining -= 1
 
 
 def _earliest(cache: dict) -> tuple[float, int, Action | None]:
