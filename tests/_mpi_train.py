@@ -63,7 +63,10 @@ for name in args.schedules.split(","):
         out["copies"] = dict(fakegpu.counts)
     if args.serial:
         hybrid = np.concatenate(summary.params)
-        serial, serial_losses = train_serial(job)
+        norms = []
+        serial, serial_losses = train_serial(job, norms)
+        out["serial_norms"] = norms
+        out["norms"] = summary.extra.get("grad_norms", [])
         out["max_abs_diff"] = float(np.max(np.abs(hybrid - serial)))
         out["allclose"] = bool(np.allclose(hybrid, serial, rtol=1e-5, atol=1e-6))
         out["serial_losses"] = serial_losses

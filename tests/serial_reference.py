@@ -11,11 +11,12 @@ import numpy as np
 from mpihybrid.nn.data import build_task
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
-from mpihybrid.nn.optim import build_optimizer, learning_rate
+from mpihybrid.nn.optim import build_optimizer, clip_coefficient, learning_rate
 
 
-def train_serial(job) -> tuple[np.ndarray, list[float]]:
-    """Final flat parameters and per-step losses of the job trained serially."""
+def train_serial(job, norms: list | None = None) -> tuple[np.ndarray, list[float]]:
+    """Final flat parameters and per-step losses of the job trained serially; `norms` gets each
+    step's gradient norm (before train.grad_clip clips it)."""
     task = build_task(job.data)
     model = build_stage(job.model, task.in_features, task.num_classes, 0, 1, job.train.seed)
     optimizer = build_optimizer(job.train, model.flat_params)
@@ -27,6 +28,13 @@ def train_serial(job) -> tuple[np.ndarray, list[float]]:
         logits, cache = model.forward(x)
         loss, loss_cache = loss_fn.forward(logits, y)
         model.backward(loss_fn.backward(loss_cache), cache)
-        optimizer.step(model.flat_grads, learning_rate(job.train, step))
+        g = model.flat_grads
+        norm = float(np.sqrt(np.dot(g, g)))
+        if norms is not None:
+            norms.append(norm)
+        coef = clip_coefficient(norm, job.train.grad_clip)
+        if coef < 1.0:
+            g *= np.float32(coef)
+        optimizer.step(g, learning_rate(job.train, step))
         losses.append(loss)
     return model.flat_params, losses

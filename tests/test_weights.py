@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from mpihybrid.nn.data import build_task
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
 from mpihybrid.trace.file import load
-from tests.helpers import run_mpi
+from tests.helpers import mpi_env, run_mpi
 
 TINY = ["model.kind=gpt", "model.hidden=16", "model.heads=2", "model.ffn=32", "model.depth=3",
         "data.kind=markov", "data.vocab=37", "data.seq_len=8", "data.test_samples=4"]  # fmt: skip
@@ -144,6 +146,7 @@ def test_export_a_checkpoint_and_start_another_grid_from_it(tmp_path):
     expected = nw.export_tensors(saved, 5)
     assert sorted(tensors) == sorted(expected)
     assert all(np.array_equal(tensors[k], v) for k, v in expected.items())
+    _generate_ids_and_tokenizers(ckpt)
     again = run_mpi(1, "-m", "mpihybrid", "weights", "export", str(ckpt), "-o", str(out))
     assert again.returncode == 2 and "exists: pass --overwrite" in again.stderr
     trace = tmp_path / "init.h5"
@@ -159,3 +162,22 @@ def test_export_a_checkpoint_and_start_another_grid_from_it(tmp_path):
     loss, _ = SoftmaxCrossEntropy().forward(logits, y)
     assert load(trace).steps["loss"][0] == pytest.approx(loss, rel=1e-5)
     assert not math.isclose(loss, math.log(37), rel_tol=0.01)  # trained, not the initial model
+
+
+def run(argv):
+    return subprocess.run(argv, capture_output=True, text=True, env=mpi_env(), timeout=120)
+
+
+def _generate_ids_and_tokenizers(ckpt):
+    """A checkpoint of token data with no tokenizer (markov): --ids samples ids, a byte
+    tokenizer (256 tokens) does not fit its 37, and without either the error names both."""
+    gen = [sys.executable, "-m", "mpihybrid", "generate", str(ckpt), "--tokens", "5"]
+    ids = run([*gen, "--ids", "--prompt", "3, 4 5"])
+    assert ids.returncode == 0, ids.stderr
+    assert len(ids.stdout.split()) == 5 and all(0 <= int(t) < 37 for t in ids.stdout.split())
+    byte = run([*gen, "--tokenizer", "byte"])
+    assert byte.returncode == 2 and "its tokenizer has 256 tokens, the model 37" in byte.stderr
+    none = run(gen)
+    assert none.returncode == 2 and "--tokenizer byte|PATH, or --ids" in none.stderr
+    bad = run([*gen, "--ids", "--prompt", "40"])
+    assert bad.returncode == 2 and "outside the model's vocabulary [0, 37)" in bad.stderr

@@ -450,7 +450,17 @@ def _quality(trace: Trace) -> dict:
         "train_accuracy": float(accuracy[-1]) if accuracy is not None and len(accuracy) else None,
         "test_accuracy": trace.attrs.get("test_accuracy"),
         "heldout": heldout_rows(trace),
+        "grad_norm": _norms(trace.steps.get("grad_norm")),
     }
+
+
+def _norms(values) -> dict | None:
+    """train.grad_clip's global gradient norms: the last, the median and the largest."""
+    if values is None or not len(values):
+        return None
+    v = np.asarray(values, np.float64)
+    return {"last": float(v[-1]), "median": float(np.median(v)), "max": float(np.max(v)),
+            "max_step": int(np.argmax(v)) + 1}  # fmt: skip
 
 
 def heldout_rows(trace: Trace) -> list[dict]:

@@ -110,9 +110,20 @@ def _steps_only_lines(result: dict, ms) -> list[str]:
             f"train accuracy {q['train_accuracy']:.3f}"
         )
     lines += heldout_lines(q["heldout"])
+    lines += grad_norm_lines(q.get("grad_norm"))
     lines += ["", "step time by rank (ms per step)"]
     lines += table(["rank", "step ms"], [[str(r["rank"]), ms(r["step"])] for r in result["ranks"]])
     return lines
+
+
+def grad_norm_lines(norms: dict | None) -> list[str]:
+    """train.grad_clip's gradient norms (before clipping), one line."""
+    if not norms:
+        return []
+    return [
+        f"gradient norm   last {norms['last']:.4g}, median {norms['median']:.4g}, "
+        f"max {norms['max']:.4g} (step {norms['max_step']})"
+    ]
 
 
 def heldout_lines(rows: list[dict]) -> list[str]:
@@ -164,6 +175,7 @@ def _summary_lines(result: dict, ms) -> list[str]:
             f"train accuracy {q['train_accuracy']:.3f}{acc}"
         )
     lines += heldout_lines(q["heldout"])
+    lines += grad_norm_lines(q.get("grad_norm"))
     if result["straggler"] is not None:
         s = result["straggler"]
         lines.append(

@@ -251,7 +251,12 @@ def _checked(rule: str, test):
 @click.option("--seed", type=int, default=0, show_default=True,
               callback=_checked("must be >= 0", lambda v: v >= 0),
               help="Seeds the sampling.")  # fmt: skip
-def generate(checkpoint_dir, prompt, count, temperature, top_k, seed) -> None:
+@click.option("--tokenizer", "tokenizer_name", default=None, metavar="byte|PATH",
+              help="byte, or a tokenizer.json: for a checkpoint of token files made elsewhere "
+              "(default: the checkpoint's own, or the one beside its data.train).")  # fmt: skip
+@click.option("--ids", is_flag=True,
+              help="Token ids in and out, no tokenizer: --prompt '464 3290'.")  # fmt: skip
+def generate(checkpoint_dir, prompt, count, temperature, top_k, seed, tokenizer_name, ids):
     """Sample text from a checkpoint of a GPT trained on token files (a checkpoint.dir, its
     newest complete checkpoint, or one step-N directory), written by any pp x dp grid: every
     stage is loaded into this one process; the text goes through the tokenizer kept in the
@@ -259,9 +264,13 @@ def generate(checkpoint_dir, prompt, count, temperature, top_k, seed) -> None:
     from mpihybrid.nn.tokens import DataError
 
     try:
-        model, tokenizer, seq_len, vocab = load_model(Path(checkpoint_dir))
+        choice = "ids" if ids else tokenizer_name
+        model, tokenizer, seq_len, vocab = load_model(Path(checkpoint_dir), choice)
     except DataError as exc:
         _fail(str(exc))
+    if ids:
+        _generate_ids(model, _prompt_ids(prompt, vocab), seq_len, count, temperature, top_k, seed)
+        return
     if vocab > tokenizer.vocab:  # ids past the tokenizer's have no text: never sampled
         click.echo(
             f"mpihybrid: note: the model has {vocab} tokens, its tokenizer {tokenizer.vocab}: "
@@ -289,6 +298,30 @@ def generate(checkpoint_dir, prompt, count, temperature, top_k, seed) -> None:
         sys.exit(130)
 
 
+def _prompt_ids(prompt: str, vocab: int) -> list[int]:
+    """--ids: the prompt as token ids (spaces or commas between them; empty: token 0)."""
+    try:
+        context = [int(x) for x in prompt.replace(",", " ").split()]
+    except ValueError:
+        _fail(f"--prompt {prompt[:40]!r}: with --ids, give token ids (e.g. '464 3290')")
+    if any(not 0 <= t < vocab for t in context):
+        _fail(f"--prompt: a token id outside the model's vocabulary [0, {vocab})")
+    return context or [0]
+
+
+def _generate_ids(model, context, seq_len, count, temperature, top_k, seed) -> None:
+    """--ids: the sampled token ids, space-separated, as they come."""
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        x = np.asarray([context[-seq_len:]], np.int64)
+        for stage in model:
+            x, _cache = stage.forward(x)
+        token = sample(x[0, -1].astype(np.float64), temperature, top_k or 0, rng)
+        context.append(token)
+        click.echo(f"{' ' if i else ''}{token}", nl=False)
+    click.echo("")
+
+
 def sample(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
     """A token from softmax(logits / temperature) over the top_k largest (0: all)."""
     if temperature == 0.0:
@@ -300,15 +333,25 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Ge
     return int(rng.choice(len(p), p=p / p.sum()))
 
 
-def load_model(path: Path):
+def load_model(path: Path, choice: str | None = None):
     """Every stage of a checkpoint, in order, with its tokenizer, context length and the
-    model's vocabulary."""
-    from mpihybrid.nn.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_beside
+    model's vocabulary; choice: "byte", a tokenizer.json's path, "ids" (no tokenizer: None),
+    None (the checkpoint's own, or the one beside its data.train)."""
+    from mpihybrid.nn.tokenizer import (
+        TOKENIZER_FILE,
+        ByteTokenizer,
+        load_tokenizer,
+        tokenizer_beside,
+    )
     from mpihybrid.nn.tokens import DataError
 
     job, path, manifest = read_checkpoint(path)
     kept, beside = path / TOKENIZER_FILE, tokenizer_beside(job.data.train or ".")
-    if kept.is_file():
+    if choice == "ids":
+        return checkpoint_stages(path, job, manifest), None, job.data.seq_len, job.data.vocab
+    if choice is not None:
+        tokenizer = ByteTokenizer() if choice == "byte" else load_tokenizer(choice)
+    elif kept.is_file():
         tokenizer = load_tokenizer(kept)
     elif job.data.kind == "tokens" and beside.is_file():
         tokenizer = load_tokenizer(beside)
@@ -316,7 +359,7 @@ def load_model(path: Path):
         raise DataError(
             f"{path}: no {TOKENIZER_FILE} in the checkpoint nor beside its data.train "
             f"({job.data.train or 'none: data.kind = ' + job.data.kind}); generate needs the "
-            "tokenizer the data were prepared with"
+            "tokenizer the data were prepared with (--tokenizer byte|PATH, or --ids)"
         )
     model = checkpoint_stages(path, job, manifest)
     d = job.data

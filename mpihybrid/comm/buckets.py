@@ -158,6 +158,9 @@ class Reducer:
         self.update: Callable[[int, int], None] = lambda lo, hi: None
         self.master: Callable[[int, int], np.ndarray | None] = lambda lo, hi: None
         self.submitted = 0  # buckets handed to the ring this step
+        # hold: a reduced bucket waits for release() instead of updating at once (train.grad_clip:
+        # the update needs the norm over every bucket of every stage)
+        self.hold = False
 
     @property
     def bytes_sent(self) -> dict[str, int]:
@@ -195,11 +198,21 @@ class Reducer:
         if self.param_rings is None:
             yield from ring.steps(self.flat_grads[lo:hi], "mean")
             times.append(clock())
-            self.update(lo, hi)
+            if not self.hold:
+                self.update(lo, hi)
             times.append(clock())
             return
         yield from ring.reduce_scatter_steps(self.flat_grads[lo:hi], "mean")
         times.append(clock())
+        if self.hold:  # update and gather come with release()
+            times += [clock(), clock()]
+            return
+        yield from self._update_and_gather(i, times)
+
+    def _update_and_gather(self, i: int, times: list[float]) -> Iterator[MPI.Request]:
+        """Sharded: update this rank's chunk of bucket i, then all-gather the bucket's weights."""
+        clock = time.perf_counter
+        lo, hi = self.buckets[i]
         olo, ohi = self.owned[i]
         if ohi > olo:
             self.update(olo, ohi)
@@ -208,12 +221,25 @@ class Reducer:
         yield from gather
         times.append(clock())
 
+    def release(self, i: int) -> tuple[float, float, int]:
+        """A held bucket i: its update (sharded: and the weight gather, blocking); returns when
+        the update ended, when the gather ended, and the gather's bytes."""
+        times: list[float] = []
+        if self.param_rings is None:
+            lo, hi = self.buckets[i]
+            self.update(lo, hi)
+            end = time.perf_counter()
+            return end, end, 0
+        for request in self._update_and_gather(i, times):
+            request.Wait()
+        return times[0], times[1], self.param_rings[i].last_sent
+
     def _event(self, i: int, start: float, times: list[float]) -> BucketEvent:
         reduced, end = times[0], times[1]
         sent = self.rings[i].last_sent
         if self.param_rings is None:
             return BucketEvent(self.stage, i, start, reduced, end, sent, end, 0)
-        gathered = self.param_rings[i].last_sent
+        gathered = 0 if self.hold else self.param_rings[i].last_sent  # hold: release() says
         return BucketEvent(self.stage, i, start, reduced, end, sent, times[2], gathered)
 
     def ready_from(self, lo: int) -> None:

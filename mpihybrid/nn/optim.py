@@ -263,6 +263,14 @@ def learning_rate(cfg, step: int) -> float:
     return cfg.min_lr + coeff * (lr - cfg.min_lr)
 
 
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """What a gradient of l2 norm `norm` is multiplied by under train.grad_clip = max_norm:
+    torch's clip_grad_norm_ (max_norm / (norm + 1e-6), at most 1); 1.0 when clipping is off."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
 def check_settings(cfg) -> None:
     """Ranges of the optimizer's and the schedule's settings (ValueError, one line): a
     momentum of -5 or a beta of 1 diverges silently, a min_lr above lr climbs."""
@@ -279,6 +287,8 @@ def check_settings(cfg) -> None:
     ]:
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{where} = {value}: must be in [0, 1)")
+    if cfg.grad_clip < 0:
+        raise ValueError(f"train.grad_clip = {cfg.grad_clip}: must be >= 0 (0 = no clipping)")
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise ValueError(
             f"train.lr_schedule = {cfg.lr_schedule!r}: unknown; choose one of "

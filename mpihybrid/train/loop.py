@@ -52,7 +52,7 @@ from mpihybrid.trace.recorder import (
     clock_offset,
 )
 from mpihybrid.trace.stream import TraceStream
-from mpihybrid.train import checkpoint
+from mpihybrid.train import checkpoint, clip
 from mpihybrid.train.flight import FlightRecorder, record_dir, run_id
 from mpihybrid.train.history import History
 from mpihybrid.train.memory import peak_rss_bytes
@@ -243,6 +243,10 @@ class _Run:
     flight: FlightRecorder | None = None  # this rank's last actions and waits
     signals: StopSignals | None = None  # None: not the main thread (no signal handlers)
     watchdog: Watchdog | None = None
+    world: MPI.Comm | None = None
+    grad_clip: float = 0.0  # train.grad_clip: the buckets are held, updated after the norm
+    grad_norm: float = math.nan  # the last step's global gradient norm (with grad_clip)
+    grad_norms: list = field(default_factory=list)  # every step's of this run
 
 
 def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
@@ -299,6 +303,8 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
     }  # fmt: skip
     for st in stages.values():
         st.recompute = t.recompute == "full"
+    for ring in rings.values():
+        ring.hold = t.grad_clip > 0  # the updates wait for the global norm (train/clip.py)
     runtime = PipelineRuntime(
         grid.pp_comm, stages, actions, placement, M, shapes, recorder, c.sync_sends, backend,
         peer_ranks, grads_final=lambda s, lo: rings[s].ready_from(lo),
@@ -318,6 +324,8 @@ def _build(job: Job, world: MPI.Comm, backend: Backend) -> _Run:
         ring_peer=grid.replica_neighbour(+1),
         peak_inflight=dict.fromkeys(stages, 0),
         trace=trace,
+        world=world,
+        grad_clip=t.grad_clip,
     )
 
 
@@ -506,6 +514,7 @@ def _log_step(job: Job, world: MPI.Comm, run: _Run, step: int) -> None:
         f"loss {run.losses[-1]:.4f}",
         f"acc {run.accuracies[-1]:.3f}",
         f"lr {learning_rate(t, step):.3g}",
+        *([f"grad norm {run.grad_norm:.3g}"] if t.grad_clip else []),
         f"{1e3 * per_step:.1f} ms/step",
         f"{rows_per_s:,.0f} {unit}",
     ]
@@ -629,7 +638,10 @@ UNTRACED_STEPS = 256
 def _trace_step(job: Job, run: _Run, step: int, asked: bool, stopping: bool) -> None:
     """At the step boundary every rank reached: the step's metrics to the trace, and a flush when
     due (never after the last step: _finish writes that; always before a preemption's exit)."""
-    run.trace.add_step(step, run.losses[-1], run.accuracies[-1], lr=learning_rate(job.train, step))
+    more = {"grad_norm": run.grad_norm} if run.grad_clip else {}
+    run.trace.add_step(
+        step, run.losses[-1], run.accuracies[-1], lr=learning_rate(job.train, step), **more
+    )
     last = step == job.train.steps - 1
     if stopping or (not last and run.trace.due(step, asked)):
         run.trace.flush(attrs={"stopped_at_step": step + 1} if stopping else None)
@@ -659,6 +671,8 @@ def _reduce_and_update(run: _Run, step: int) -> None:
     t0 = Recorder.clock()
     events = run.gradcomm.finish()
     rec.record(KIND["grad_wait"], step, -1, -1, t0, Recorder.clock())
+    if run.grad_clip:
+        events = _clip_and_update(run, events)
     for ev in events:
         rec.record(
             KIND["allreduce"], step, ev.stage, ev.bucket, ev.start, ev.reduced, ev.nbytes,
@@ -670,6 +684,24 @@ def _reduce_and_update(run: _Run, step: int) -> None:
                 KIND["allreduce"], step, ev.stage, ev.bucket, ev.end, ev.gathered,
                 ev.gather_nbytes, run.ring_peer,
             )  # fmt: skip
+
+
+def _clip_and_update(run: _Run, events: list) -> list:
+    """train.grad_clip: the global norm (collective), the reduced gradients clipped by it, then
+    every held bucket's update (and sharded, its weight gather), in stage and bucket order on
+    every replica; the events carry the updates' own times."""
+    run.grad_norm = clip.global_norm(run.world, run.stages, run.rings, run.grid.dp_rank)
+    run.grad_norms.append(run.grad_norm)
+    coef = clip.clip_coefficient(run.grad_norm, run.grad_clip)
+    if coef < 1.0:
+        clip.scale(run.stages, run.rings, coef)
+    by_bucket = {(ev.stage, ev.bucket): ev for ev in events}
+    for s in sorted(run.rings):
+        for i in range(len(run.rings[s].buckets)):
+            ev = by_bucket[(s, i)]
+            ev.reduced = Recorder.clock()  # the optimizer row starts here, not at the ring's end
+            ev.end, ev.gathered, ev.gather_nbytes = run.rings[s].release(i)
+    return events
 
 
 def _finish(
@@ -717,6 +749,7 @@ def _finish(
         trace_path=job.trace.path,
         peak_rss_bytes=peak_rss,
         evals=run.evals,
+        extra={"grad_norms": run.grad_norms} if t.grad_clip else {},
     )
     return summary
 
