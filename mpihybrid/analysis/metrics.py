@@ -216,7 +216,9 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
         "window": _window(steps, step_time),
         "counts": {name: int(np.sum(ev["kind"] == KIND[name])) for name in KINDS},
         "ranks": ranks,
-        "stages": _stage_rows(window, of, bubble["costs"], schedule, pp, m, v, early),
+        "stages": _stage_rows(
+            window, of, bubble["costs"], schedule=schedule, pp=pp, m=m, v=v, early=early
+        ),
         "bubble": bubble,
         "bytes": _bytes_sent(ev, sends, ev[ev["kind"] == KIND["allreduce"]], messages),
         "messages": {"sends": int(np.sum(sends["microbatch"] >= 0)), "matched": len(messages)},
@@ -355,7 +357,7 @@ def _rank_rows(ev: np.ndarray) -> list[dict]:
 
 
 def _stage_rows(
-    ev: np.ndarray, of: dict, costs: dict, schedule: str, pp: int, m: int, v: int, early: bool
+    ev: np.ndarray, of: dict, costs: dict, *, schedule: str, pp: int, m: int, v: int, early: bool
 ) -> list[dict]:
     """Per stage: seconds in each SPLIT column, mean F/B/W, activations in flight measured and
     predicted by the schedule."""

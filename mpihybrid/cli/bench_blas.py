@@ -208,7 +208,7 @@ def _job(job_file: str | None, overrides: list[str], ranks: int):
 @click.option("--save", "do_save", is_flag=True,
               help="Write the fastest to the cache every mpihybrid run reads.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def bench_blas(job_file, overrides, ranks, repeats, rounds, do_save, as_json) -> None:
+def bench_blas(*, job_file, overrides, ranks, repeats, rounds, do_save, as_json) -> None:
     """Time JOB_FILE's matmuls under each OpenBLAS kernel set; --save keeps the fastest."""
     from mpihybrid.nn.cost import model_gemms
 

@@ -56,7 +56,7 @@ bench.add_command(bench_blas)
 )
 @click.option("--quiet", is_flag=True, help="No progress line per size on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON instead.")
-def bench_allreduce(sizes, codecs, repeats, segment_kb, transport, quiet, as_json) -> None:
+def bench_allreduce(*, sizes, codecs, repeats, segment_kb, transport, quiet, as_json) -> None:
     """Hand-written ring vs MPI's own Allreduce: time, algbw, busbw, bytes on the wire."""
     from mpi4py import MPI
 
@@ -179,7 +179,7 @@ def bench_codecs(size, codecs, repeats, as_json) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress line per repeat on stderr.")
-def bench_train(job_file, overrides, warmup, steps, repeats, against, as_json, quiet) -> None:
+def bench_train(*, job_file, overrides, warmup, steps, repeats, against, as_json, quiet) -> None:
     """Training throughput of JOB_FILE: tokens/s, busy fractions, FLOPs, roofline, memory."""
     from mpi4py import MPI
 

@@ -130,7 +130,7 @@ def bench_train(
     gemms = model_gemms(job)
 
     runs, other_walls, last, roofs, peak_rss = _run_repeats(
-        job, other, world, warmup, repeats, gemms, progress
+        job, other, world, warmup=warmup, repeats=repeats, gemms=gemms, progress=progress
     )
     chunk_profiles = profile_chunks(job, world)
     hot = hot_gemm_rate(max(gemms, key=lambda g: gemm_flops([g]))) if world.rank == 0 else 0.0
@@ -238,6 +238,7 @@ def _run_repeats(
     job: Job,
     other: Job | None,
     world: MPI.Comm,
+    *,
     warmup: int,
     repeats: int,
     gemms: list[Gemm],

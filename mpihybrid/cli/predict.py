@@ -159,7 +159,7 @@ def format_prediction(r: dict) -> str:
               "machine.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Every figure as JSON.")
 def predict(
-    job_file, overrides, cluster_path, trace_path, cluster_out, search, world, top,
+    *, job_file, overrides, cluster_path, trace_path, cluster_out, search, world, top,
     ranks_per_node, as_json,
 ) -> None:  # fmt: skip
     """Predict JOB_FILE's step time, throughput, bubble, exposed communication and memory.

@@ -58,7 +58,7 @@ from mpihybrid.files import release_all
     is_flag=True,
     help=f"On a failure, print the full traceback, not one line (also {DEBUG_ENV}=1).",
 )
-def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debug) -> None:
+def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, debug) -> None:
     """Train JOB_FILE (TOML; the embedded default job when omitted) on every rank of mpiexec.
 
     Ctrl-C (or SIGINT to mpiexec) stops every rank at the next step boundary, trace written,
@@ -115,7 +115,9 @@ def train(job_file, overrides, trace_path, overwrite, quiet, resume, force, debu
         exit_on_any_error(world, str(exc))
     resume_from = world.bcast(resume_from, root=0)
     notes = {"order_choice": order_choice} if order_choice else None
-    summary = _run_training(job, world, quiet, resume_from, debug or _debug_env(), notes)
+    summary = _run_training(
+        job, world, quiet=quiet, resume_from=resume_from, debug=debug or _debug_env(), notes=notes
+    )
     release_all()  # rank 0's locks on checkpoint.dir and the trace (exit drops them too)
     if summary is not None:
         from mpihybrid.train.report import format_report
@@ -173,7 +175,7 @@ def _auto_order(job, world):
     return job, line
 
 
-def _run_training(job, world, quiet: bool, resume_from, debug: bool, notes=None):
+def _run_training(job, world, *, quiet: bool, resume_from, debug: bool, notes=None):
     """train() with every way it can end mapped to one line and an exit code: 3 preempted,
     130 interrupted, 143 terminated, 2 a checkpoint or device refused before training, 1 a run
     that stopped (all ranks agreed) or a rank that failed alone (then the whole job is aborted:

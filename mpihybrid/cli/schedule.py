@@ -68,7 +68,7 @@ def schedule() -> None:
     "(a csv: schedule from the trace's copy of the file).",
 )
 def schedule_show(
-    name, pp, microbatches, virtual, show_all, early_grad_send, grid, csv_path, trace_path
+    *, name, pp, microbatches, virtual, show_all, early_grad_send, grid, csv_path, trace_path
 ):
     """Print a schedule's step x rank grid, predicted bubble and peak activations."""
     from mpihybrid.pipeline.csv_schedule import dump_csv, from_trace

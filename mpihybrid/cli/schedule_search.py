@@ -123,7 +123,7 @@ def search_job(job_file: str, overrides: list[str]):
     help="Write the schedule as torch's compute-only CSV (train.schedule=csv:FILE).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing --csv file.")
-def schedule_search(trace_path, job_file, overrides, pp, microbatches, max_inflight, memory,
+def schedule_search(*, trace_path, job_file, overrides, pp, microbatches, max_inflight, memory,
                     placement, split_bw, time_limit, exact, grid, csv_path, overwrite):  # fmt: skip
     """Search the split and order of a schedule for measured costs under a memory limit."""
     from mpihybrid.pipeline.actions import ScheduleError

@@ -58,21 +58,39 @@ def write_plots(
             ("speedup over GPipe at the same M", "x GPipe", "speedup_vs_gpipe", None, None, True)
         ],
         "bubble.png": [
-            ("bubble: the idle fraction of the pipeline phase", "idle fraction",
-             "bubble_measured", "bubble_predicted", "bubble_textbook", True),
+            (
+                "bubble: the idle fraction of the pipeline phase",
+                "idle fraction",
+                "bubble_measured",
+                "bubble_predicted",
+                "bubble_textbook",
+                True,
+            ),
         ],
         "memory.png": [
-            ("peak activations in flight, one stage", "micro-batches", "peak_inflight",
-             "peak_inflight_predicted", None, True),
-            ("peak activation memory, one rank (measured)", "MiB", "peak_activation_mib", None,
-             None, True),
+            (
+                "peak activations in flight, one stage",
+                "micro-batches",
+                "peak_inflight",
+                "peak_inflight_predicted",
+                None,
+                True,
+            ),
+            (
+                "peak activation memory, one rank (measured)",
+                "MiB",
+                "peak_activation_mib",
+                None,
+                None,
+                True,
+            ),
         ],
-    }  # fmt: skip
+    }
     paths = []
     for filename, panels in figures.items():
         fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 6.2), squeeze=False)
         for ax, panel in zip(axes[0], panels, strict=True):
-            _draw_panel(ax, series, ticks, repeats, *panel)
+            _draw_panel(ax, series, ticks, repeats, **dict(zip(PANEL_KEYS, panel, strict=True)))
         heading = "\n".join(t for t in (title, caveat) if t)
         if heading:
             fig.suptitle(heading, fontsize=10, color="#b00000" if caveat else "black")
@@ -84,8 +102,12 @@ def write_plots(
     return paths
 
 
+# a panel's settings, in the order figures lists them
+PANEL_KEYS = ("title", "ylabel", "measured", "predicted", "textbook", "zero")
+
+
 def _draw_panel(
-    ax, series, ticks, repeats, title, ylabel, measured, predicted, textbook, zero
+    ax, series, ticks, repeats, *, title, ylabel, measured, predicted, textbook, zero
 ) -> None:
     """One panel: each series' measured medians with min-max bars, its prediction dashed on
     top, the textbook values dotted (one line per distinct set), a legend naming every style."""

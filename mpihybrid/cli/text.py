@@ -61,7 +61,9 @@ def data() -> None:
               "(repeatable, e.g. --exclude site-packages --exclude test).")  # fmt: skip
 @click.option("--overwrite", is_flag=True, help="Replace token files already in DIR.")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
-def prepare(texts, output, kind, vocab, val_fraction, pattern, exclude, overwrite, quiet) -> None:
+def prepare(
+    *, texts, output, kind, vocab, val_fraction, pattern, exclude, overwrite, quiet
+) -> None:
     """Read UTF-8 TEXT files and directories (recursively, sorted; files there that are not
     UTF-8 text are skipped and counted) and write DIR/train.bin, DIR/val.bin (llm.c's format)
     and DIR/tokenizer.json."""
@@ -256,7 +258,7 @@ def _checked(rule: str, test):
               "(default: the checkpoint's own, or the one beside its data.train).")  # fmt: skip
 @click.option("--ids", is_flag=True,
               help="Token ids in and out, no tokenizer: --prompt '464 3290'.")  # fmt: skip
-def generate(checkpoint_dir, prompt, count, temperature, top_k, seed, tokenizer_name, ids):
+def generate(*, checkpoint_dir, prompt, count, temperature, top_k, seed, tokenizer_name, ids):
     """Sample text from a checkpoint of a GPT trained on token files (a checkpoint.dir, its
     newest complete checkpoint, or one step-N directory), written by any pp x dp grid: every
     stage is loaded into this one process; the text goes through the tokenizer kept in the

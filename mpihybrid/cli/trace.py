@@ -87,7 +87,7 @@ def analyze(run, as_json) -> None:
 @click.option("--ascii", "as_ascii", is_flag=True, help="Print the step x rank grid instead.")
 @click.option("--replica", type=int, default=0, show_default=True, help="Replica for --ascii.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
-def timeline(runs, output, step, step_span, as_ascii, replica, overwrite) -> None:
+def timeline(*, runs, output, step, step_span, as_ascii, replica, overwrite) -> None:
     """Gantt chart of RUN.h5: one row per rank, a colour per event kind, micro-batch numbers on
     the F/B/W bars; several runs stack on one time axis (1F1B above GPipe, say); or, with
     --ascii, the step x rank grid of the order each rank ran."""
