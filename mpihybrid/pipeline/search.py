@@ -255,8 +255,12 @@ def builtin_table(costs: SearchCosts, pp: int, m: int, limit: float, result) -> 
             check_config(name, pp, m, v)
             placement = placement_of(name, pp, v)
             ranges = splits(costs, placement, 1)[0]
-        except (ScheduleError, CostsError) as exc:
-            rows.append(row | {"note": str(exc).split(":", 1)[-1].strip()})
+        except CostsError:
+            rows.append(row | {"note": f"the costs are of {costs.units} stages, it runs "
+                                       f"{pp * v}"})  # fmt: skip
+            continue
+        except ScheduleError as exc:
+            rows.append(row | {"note": str(exc).splitlines()[0]})
             continue
         lists = build_schedule(name, pp, m, v, early_grad_send=True)
         sim = simulate(lists, placement, costs.split(ranges))
@@ -302,7 +306,8 @@ def format_result(result: SearchResult, grid: bool = True) -> str:
         f"schedule search: pp={result.pp} M={result.m}, costs: {result.costs.source}; at most "
         f"{result.max_inflight:g} micro-batches of a rank's share alive per rank",
         f"found: {pl.style} placement ({where}), {[len(r) for r in best.ranges]} "
-        f"{'stages' if result.costs.fixed else 'blocks'} per stage, by {how}; {proof}",
+        f"{'(the trace' + chr(39) + 's stages)' if result.costs.fixed else 'blocks per stage'}, "
+        f"by {how}; {proof}",
     ]
     if grid:
         lines.append(render_grid(best.lists, pl, 8, 64))
