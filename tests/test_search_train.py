@@ -57,6 +57,9 @@ def test_auto_from_a_trace_resumes_bit_for_bit_and_refuses_another_model(tmp_pat
     assert whole.attrs["schedule_csv"] == resumed.attrs["schedule_csv"]
     assert str(whole.attrs["schedule"]).startswith("csv:auto@")
     assert '"costs"' in str(whole.attrs["schedule_search"])
+    from mpihybrid.analysis.metrics import analyze
+
+    assert analyze(whole)["run"]["search"]["makespan"] > 0  # analyze's "searched" line
     # costs of another model: one line, exit 2, before training
     proc = train(2, *auto, "--set", "model.hidden=24", ok=False)
     assert proc.returncode == 2

@@ -209,6 +209,7 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     step_time = _step_time(all_steps, steps)
     run["world_size"] = int(attrs.get("world_size", len(ranks)))
     run["steps"] = len(step_time["per_step"])
+    run["search"] = _search_info(attrs)
     sends = ev[ev["kind"] == KIND["send"]]
     return {
         "events": "all",
@@ -241,6 +242,22 @@ def _window(steps: np.ndarray, step_time: dict) -> dict:
         "traced_steps": len(traced),
         "left_out": [s for s in traced if s < first],  # warm-up steps, from 1
     }
+
+
+def _search_info(attrs: dict) -> dict | None:
+    """A searched schedule's prediction (train.schedule = "auto": the schedule_search
+    attribute): placement, how it was found, predicted pipeline phase and bubble; else None."""
+    import json
+
+    text = attrs.get("schedule_search")
+    if text is None:
+        return None
+    try:
+        doc = json.loads(str(text))
+    except ValueError:
+        return None
+    keys = ("placement", "found_by", "status", "makespan", "bubble", "step_bound")
+    return {k: doc.get(k) for k in keys}
 
 
 def oversubscription(attrs: dict) -> dict | None:

@@ -163,6 +163,14 @@ def _summary_lines(result: dict, ms) -> list[str]:
         f"(simulated with measured F/B/W and a {1e6 * bubble['costs']['send']:.0f} us hop), "
         f"formula {bubble['formula_text']} = {bubble['formula']:.3f}"
     )
+    search = run.get("search")
+    if search and search.get("makespan") is not None:
+        lines.append(
+            f"searched        {search['placement']} placement by {search['found_by']} "
+            f"({search['status']}): predicted bubble {search['bubble']:.3f} and pipeline phase "
+            f"{1e3 * search['makespan']:.1f} ms from the costs it was searched on; measured "
+            f"bubble {bubble['measured']:.3f}"
+        )
     q = result["quality"]
     if q["final_loss"] is not None:
         acc = (
