@@ -35,9 +35,9 @@ def faults(job_path: str, overrides: list[str], steps: int) -> None:
     rows = []
     step_once = loop._train_step
 
-    def measured(*args) -> None:
+    def measured(*args, **kwargs) -> None:
         before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        step_once(*args)
+        step_once(*args, **kwargs)
         wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         rows.append(
             {

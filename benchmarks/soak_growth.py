@@ -38,8 +38,8 @@ def soak(steps: int, overrides: list[str], python: bool = True) -> dict:
     marks: dict[int, tuple] = {}
     step_once = loop._train_step
 
-    def step(job, world, run, s, quiet):
-        step_once(job, world, run, s, quiet)
+    def step(job, world, run, record, s, **kwargs):
+        step_once(job, world, run, record, s, **kwargs)
         if (s + 1) % steps == 0:
             gc.collect()
             snap = tracemalloc.take_snapshot() if python else None

@@ -30,6 +30,7 @@ from mpihybrid.nn.model import Stage  # noqa: E402
 from mpihybrid.pipeline.liveness import replay_rows  # noqa: E402
 from mpihybrid.predict.cluster import load_cluster  # noqa: E402
 from mpihybrid.predict.model import predict  # noqa: E402
+from mpihybrid.train import build as run_build  # noqa: E402
 from mpihybrid.train import loop  # noqa: E402
 from mpihybrid.train.memory import rank_estimate, reset_peak_rss  # noqa: E402
 
@@ -42,13 +43,13 @@ CLUSTER = os.path.join(
 def measure(job, world) -> dict | None:
     """One training run; rank 0 gets every rank's figures."""
     state = {}
-    build = loop._build
+    build = run_build.build_run
 
     def spy(*a, **k):  # the optimizer state each rank holds, read from the run as built
         run = build(*a, **k)
         state["bytes"] = sum(
             v.nbytes + (getattr(o, "master", None) is not None and o.master.nbytes)
-            for o in run.optimizers.values()
+            for o in (st.optimizer for st in run.states.values())
             for v in o.state().values()
         )
         return run
@@ -69,13 +70,13 @@ def measure(job, world) -> dict | None:
         backward_weight(stage, wcache, *a, **k)
         held["now"] -= sizes.pop(id(wcache))
 
-    loop._build = spy
+    run_build.build_run = spy
     Stage.backward_input, Stage.backward_weight = spy_b, spy_w
     reset_peak_rss()
     try:
         summary = loop.train(job, world, quiet=True)
     finally:
-        loop._build = build
+        run_build.build_run = build
         Stage.backward_input, Stage.backward_weight = backward_input, backward_weight
     states = world.gather(state["bytes"], root=0)
     wcaches = world.gather(held["peak"], root=0)

@@ -62,18 +62,20 @@ def gather_errors(cuts: tuple[int, ...], transport: str) -> list[float]:
 
 def ring_buffers(sets: list[str]) -> dict:
     """A GPT stage's rings as the trainer builds them: allocated bytes against the model's."""
+    from mpihybrid.comm.device import select_backend
     from mpihybrid.config import load_job
     from mpihybrid.nn.cost import stage_work
     from mpihybrid.pipeline.schedules import build_schedule
-    from mpihybrid.train import loop, memory
+    from mpihybrid.train import memory
+    from mpihybrid.train.build import build_run
 
     base = ["model.kind=gpt", "data.kind=random-tokens", "model.hidden=64", "model.depth=1",
             "model.heads=2", "data.vocab=64", "data.seq_len=8", "grid.pp=1",
             f"grid.dp={comm.size}", "train.global_batch=6", "train.microbatches=1",
             "train.steps=0", "train.optimizer=adamw", "comm.block=64", "trace.path="]  # fmt: skip
     job = load_job(None, [*base, *sets], comm.size)
-    run = loop._build(job, comm, loop.select_backend("cpu", False, comm))
-    red, opt = run.rings[0], run.optimizers[0]
+    run = build_run(job, comm, select_backend("cpu", False, comm))
+    red, opt = run.states[0].reducer, run.states[0].optimizer
     rings = red.rings + (red.param_rings or [])
     assert all(ring.shared is None for ring in rings), "run with MPIR_CVAR_NOLOCAL=1"
     master = getattr(opt, "master", None)

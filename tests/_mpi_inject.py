@@ -65,16 +65,16 @@ elif MODE == "exit-one" and RANK == 1:
 
     on_third_forward(leave)
 elif MODE == "usr1-end":
-    from mpihybrid.train import loop
+    from mpihybrid.train import evaluate
 
-    original_evaluate = loop._evaluate
+    original_evaluate = evaluate.heldout_accuracy
 
-    def evaluate(*args, **kwargs):
+    def signalled_evaluate(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)
         return original_evaluate(*args, **kwargs)
 
-    loop._evaluate = evaluate
+    evaluate.heldout_accuracy = signalled_evaluate
 elif MODE == "usr1-ckpt":
     from mpihybrid.train import loop
 
@@ -87,15 +87,15 @@ elif MODE == "usr1-ckpt":
 
     loop.checkpoint.save_all = save_all
 elif MODE == "usr1-build" and RANK == 1:
-    from mpihybrid.train import loop
+    from mpihybrid.train import build as run_build
 
-    original_build = loop._build
+    original_build = run_build.build_run
 
     def build(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGUSR1)
         return original_build(*args, **kwargs)
 
-    loop._build = build
+    run_build.build_run = build
 elif MODE == "kill" and RANK == 1:
     on_third_forward(lambda: os.kill(os.getpid(), signal.SIGKILL))
 elif MODE == "nan-grad" and RANK == 0:

@@ -16,12 +16,12 @@ from mpihybrid.train import checkpoint  # noqa: E402
 if MPI.COMM_WORLD.rank == 1:
     original = checkpoint.save_rank
 
-    def dying_save_rank(partial, s, dp_rank, stage, optimizer, ring, step):
+    def dying_save_rank(partial, state, dp_rank, step):
         if step == 8:
-            with open(partial / f"stage-{s:03d}.h5", "wb") as f:
+            with open(partial / f"stage-{state.index:03d}.h5", "wb") as f:
                 f.write(b"\x89HDF\r\n half a file")  # a torn write, then death
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(partial, s, dp_rank, stage, optimizer, ring, step)
+        return original(partial, state, dp_rank, step)
 
     checkpoint.save_rank = dying_save_rank
 

@@ -55,15 +55,16 @@ def run(comm, extra, resume=None):
 
 def state_elements(comm, extra):
     """Optimizer state elements on this rank (summed over the ranks of comm) after 1 step."""
-    from mpihybrid.train import loop
+    from mpihybrid.comm.device import select_backend
+    from mpihybrid.train.build import build_run
 
     pp = 2 if "grid.pp=2" in extra else 1
     dp = comm.Get_size() // pp
     job = load_job(
         None, [*BASE, f"train.global_batch={dp * 2 * 3}", *extra, "train.steps=0"], comm.Get_size()
     )
-    run = loop._build(job, comm, loop.select_backend("cpu", False, comm))
-    mine = sum(v.size for o in run.optimizers.values() for v in o.state().values())
+    run = build_run(job, comm, select_backend("cpu", False, comm))
+    mine = sum(v.size for st in run.states.values() for v in st.optimizer.state().values())
     run.gradcomm.close()
     run.grid.free()
     return comm.allreduce(mine)

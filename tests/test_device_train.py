@@ -26,6 +26,7 @@ from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
 from mpihybrid.nn.optim import build_optimizer
 from mpihybrid.train import checkpoint
+from mpihybrid.train.state import StageState
 from tests import fakegpu
 from tests.helpers import results, run_mpi
 
@@ -101,12 +102,12 @@ def test_checkpoint_of_device_arrays_round_trips(tmp_path):
     opt = build_optimizer(job.train, saved.flat_params)
     saved.flat_grads += 0.5
     opt.step(saved.flat_grads)
-    ring = SimpleNamespace(residual=None)
-    checkpoint.save_rank(tmp_path, 0, 0, saved, opt, ring, step=1)
+    ring = SimpleNamespace(residual=None, bind=lambda optimizer: None)
+    checkpoint.save_rank(tmp_path, StageState(0, saved, opt, ring), 0, step=1)
     loaded = build_stage(job.model, *dims, 0, 1, seed=7)  # other weights, overwritten on load
     loaded.to_device(fakegpu.asarray)
     opt2 = build_optimizer(job.train, loaded.flat_params)
-    checkpoint.load_rank(tmp_path, 0, 0, True, loaded, opt2, ring)
+    checkpoint.load_rank(tmp_path, StageState(0, loaded, opt2, ring), dp_rank=0, same_dp=True)
     assert type(loaded.flat_params) is fakegpu.DeviceArray  # still on the device, loaded in place
     np.testing.assert_array_equal(loaded.flat_params.get(), saved.flat_params.get())
     for name, buf in opt.state().items():

@@ -125,8 +125,8 @@ def test_an_mpi_error_is_one_line_naming_the_rank():
 
 
 def test_report_counts_the_steps_a_resumed_run_ran():
-    from mpihybrid.train.loop import Summary
     from mpihybrid.train.report import format_report
+    from mpihybrid.train.summary import Summary
 
     job = load_job(None, ["train.steps=10"], 2)
     summary = Summary(
@@ -139,14 +139,13 @@ def test_report_counts_the_steps_a_resumed_run_ran():
 
 
 def test_nonfinite_gradient_sum_flags_nan_and_inf():
-    from mpihybrid.train.loop import _nonfinite_stages
+    from mpihybrid.train.state import nonfinite_stages
 
     Stage = namedtuple("Stage", "flat_grads")
-    Run = namedtuple("Run", "stages")
     grads = {s: np.ones(1000, np.float32) for s in range(3)}
     grads[1][17], grads[2][999] = np.nan, -np.inf
-    run = Run({s: Stage(g) for s, g in grads.items()})
-    assert _nonfinite_stages(run) == [1, 2]
+    stages = {s: Stage(g) for s, g in grads.items()}
+    assert nonfinite_stages(stages) == [1, 2]
 
 
 def test_commit_fsyncs_files_manifest_directory_and_parent(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 
 from mpihybrid.config import load_job
 from mpihybrid.train import checkpoint
-from mpihybrid.train.loop import TrainingStopped, _stop_nonfinite
+from mpihybrid.train.stops import TrainingStopped, stop_nonfinite
 
 
 def checkpoints(root, losses_by_step: dict[int, list[float]]):
@@ -51,7 +51,7 @@ class World:
 def test_a_nonfinite_gradient_after_an_fp16_ring_names_its_range(codec, hint):
     job = load_job(None, [f"comm.codec={codec}"], 2)
     with pytest.raises(TrainingStopped) as err:
-        _stop_nonfinite(World(), job, 4, 1.5, [0])
+        stop_nonfinite(World(), job, 4, 1.5, [0])
     message = str(err.value)
     assert message.startswith("step 5: the gradient of stage 0 is not finite")
     assert ("65504" in message and "comm.codec=bf16" in message) == hint, message

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -193,4 +194,5 @@ def test_checkpoint_parameters_with_nan_are_refused(tmp_path):
 
     stage_file(tmp_path / "stage-000.h5", np.array([1, np.nan, 0, 0], np.float32))
     with pytest.raises(checkpoint.CheckpointError, match="nan or inf"):
-        checkpoint.load_rank(tmp_path, 0, 0, True, Stage(), None, None)
+        state = SimpleNamespace(index=0, stage=Stage(), optimizer=None, reducer=None, sharded=False)
+        checkpoint.load_rank(tmp_path, state, dp_rank=0, same_dp=True)

@@ -10,7 +10,7 @@ import pytest
 
 from mpihybrid import _numba
 from mpihybrid.config import ConfigError, build_job, resolve
-from mpihybrid.train import loop
+from mpihybrid.train import report
 
 
 class OneRank:
@@ -26,9 +26,9 @@ def made_up_run(steps_done: int, seconds: float, peak_flops=None) -> SimpleNames
 
 
 def line(job, run, step, monkeypatch, caplog) -> str:
-    monkeypatch.setattr(loop.Recorder, "clock", staticmethod(lambda: run._now))
-    with caplog.at_level(logging.INFO, logger=loop.log.name):
-        loop._log_step(job, OneRank(), run, step)
+    monkeypatch.setattr(report.Recorder, "clock", staticmethod(lambda: run._now))
+    with caplog.at_level(logging.INFO, logger=report.log.name):
+        report.log_step(job, OneRank(), run, step, held_out_s=run.eval_s, peak_flops=run.peak_flops)
     return caplog.records[-1].getMessage()
 
 

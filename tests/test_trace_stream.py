@@ -117,13 +117,13 @@ class _OneRank:
 
 @pytest.mark.parametrize("path", ["", "run.h5"])
 def test_a_billion_steps_allocate_a_small_buffer(tmp_path, path):
-    from mpihybrid.train.loop import _build_trace
+    from mpihybrid.train.tracing import build_trace
 
     job = Job(
         train=TrainConfig(steps=1_000_000_000),
         trace=TraceConfig(path=str(tmp_path / path) if path else ""),
     )
-    recorder, stream = _build_trace(job, _OneRank(), 0, 40)
+    recorder, stream = build_trace(job, _OneRank(), 0, 40)
     assert recorder.capacity * EVENT_DTYPE.itemsize < 2**24  # was 40 rows x 1e9 steps
 
 
@@ -164,13 +164,13 @@ def test_a_preempted_run_keeps_its_trace_and_the_resumed_run_continues_it(tmp_pa
 
 
 def test_more_ranks_than_cores_is_warned_once_with_the_numbers(caplog):
-    from mpihybrid.train import loop
+    from mpihybrid.train import tracing
 
-    assert loop.oversubscribed([("a", 2), ("a", 2), ("b", 4)]) is None
-    message = loop.oversubscribed([("vm", 2)] * 12)
+    assert tracing.oversubscribed([("a", 2), ("a", 2), ("b", 4)]) is None
+    message = tracing.oversubscribed([("vm", 2)] * 12)
     assert "12 ranks on vm, which has 2 cores" in message and "at most 2 ranks" in message
-    loop._oversubscription_told = False
+    tracing._oversubscription_told = False
     with caplog.at_level("WARNING", logger="mpihybrid"):
-        loop.warn_oversubscribed([("vm", 2)] * 3)
-        loop.warn_oversubscribed([("vm", 2)] * 3)
+        tracing.warn_oversubscribed([("vm", 2)] * 3)
+        tracing.warn_oversubscribed([("vm", 2)] * 3)
     assert [r.getMessage().startswith("oversubscribed: 3 ranks") for r in caplog.records] == [True]

@@ -133,7 +133,7 @@ def test_oversubscription_is_shown_where_the_figures_are(tmp_path):
 
 
 def test_oversubscription_hint_names_a_grid_the_cli_accepts():
-    from mpihybrid.train.loop import oversubscribed
+    from mpihybrid.train.tracing import oversubscribed
 
     text = oversubscribed([("h", 2)] * 4)
     assert "mpiexec -n 2 --set grid.pp=P --set grid.dp=D" in text

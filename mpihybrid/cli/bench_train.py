@@ -91,7 +91,7 @@ def hot_gemm_rate(gemm: Gemm, seconds: float = 0.3) -> float:
 def _as_trace(job: Job, summary, world_size: int):
     """The run as an in-memory Trace, so the analysis of `mpihybrid analyze` applies as is."""
     from mpihybrid.trace.read import Trace
-    from mpihybrid.train.loop import layout_attrs
+    from mpihybrid.train.tracing import layout_attrs
 
     steps = {"loss": np.array(summary.losses), "accuracy": np.array(summary.accuracies)}
     return Trace(summary.events, steps, to_toml(job), layout_attrs(job, world_size))

@@ -254,7 +254,7 @@ def _oversubscribed(world) -> str | None:
     import os
 
     from mpihybrid.sysinfo import hostname
-    from mpihybrid.train.loop import oversubscribed
+    from mpihybrid.train.tracing import oversubscribed
 
     hosts = world.gather((hostname(), os.cpu_count() or 1), root=0)
     message = oversubscribed(hosts) if hosts else None

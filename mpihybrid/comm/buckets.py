@@ -1,9 +1,10 @@
 """Gradients reduced in buckets as soon as the backward has finished them, behind the compute.
 
     comm = GradientComm(dp_comm, progress="thread")          # one per rank, shared by its stages
-    red = comm.reducer(stage.flat_grads, stage.param_ranges, codec, bucket_bytes=4 << 20)
-    red.begin_step(update)    # update(lo, hi): what a reduced bucket needs (the optimizer step)
-    red.ready_from(lo)        # the backward finished every gradient at offsets >= lo
+    red = comm.reducer(s, stage.flat_grads, stage.param_ranges, codec, bucket_bytes=4 << 20)
+    red.bind(optimizer)       # once: a reduced bucket [lo, hi) is optimizer.update(grads, lo, hi)
+    red.begin_step()          # every step, after optimizer.begin_step()
+    comm.ready_from(s, lo)    # the backward finished every gradient of stage s at offsets >= lo
     comm.poll()               # (progress="poll") move the rings on between two actions
     events = comm.finish()    # the rest, blocking: every bucket reduced and updated
 
@@ -23,7 +24,7 @@ compute like the rest.
 
     red = comm.reducer(s, flat_grads, param_ranges, codec, flat_params=p, param_codec=pc)
     red.owned                 # [(lo, hi)] per bucket: the flat offsets this rank updates
-    red.begin_step(update, master)   # master(lo, hi): the owner's fp32 weights there, or None
+    red.bind(sharded_optimizer)      # its master_of(lo, hi): the owner's fp32 weights, or None
 
 Across nodes (comm.ring): `GradientComm(..., groups=NodeGroups(dp_comm, nodes))` makes every
 bucket's ring the two-level ring of comm.hier_ring (inside each node, across, inside again)
@@ -155,8 +156,7 @@ class Reducer:
             (lo + ring.own_range[0], lo + ring.own_range[1])
             for (lo, _), ring in zip(self.buckets, self.rings, strict=True)
         ]
-        self.update: Callable[[int, int], None] = lambda lo, hi: None
-        self.master: Callable[[int, int], np.ndarray | None] = lambda lo, hi: None
+        self.optimizer = None  # what updates a reduced bucket's parameters (bind)
         self.submitted = 0  # buckets handed to the ring this step
         # hold: a reduced bucket waits for release() instead of updating at once (train.grad_clip:
         # the update needs the norm over every bucket of every stage)
@@ -179,15 +179,21 @@ class Reducer:
         """Whether the weight gather quantises (the owner then keeps an fp32 master copy)."""
         return self.sharded and any(ring.compress for ring in self.param_rings)
 
-    def begin_step(
-        self,
-        update: Callable[[int, int], None],
-        master: Callable[[int, int], np.ndarray | None] | None = None,
-    ) -> None:
-        """update(lo, hi): a reduced bucket's parameters [lo, hi) (sharded: this rank's chunk
-        of it); master(lo, hi): the owner's fp32 weights there, which the gather sends."""
-        self.update, self.submitted = update, 0
-        self.master = master if master is not None else (lambda lo, hi: None)
+    def bind(self, optimizer) -> None:
+        """Once, when the stage's optimizer is made: a reduced bucket's parameters [lo, hi)
+        (sharded: this rank's chunk of it) are optimizer.update(flat_grads, lo, hi); sharded,
+        optimizer.master_of(lo, hi) are the owner's fp32 weights there, which the gather sends."""
+        self.optimizer = optimizer
+
+    def begin_step(self) -> None:
+        """A new step: no bucket handed to the ring yet (the optimizer began its step)."""
+        self.submitted = 0
+
+    def update(self, lo: int, hi: int) -> None:
+        """The optimizer on the reduced gradient's [lo, hi), where the parameters live (on a GPU
+        its kernels finish before the trace's clock reads the end)."""
+        self.optimizer.update(self.flat_grads, lo, hi)
+        self.owner.backend.synchronize()  # a no-op on the CPU
 
     def bucket_steps(self, i: int, times: list[float]) -> Iterator[MPI.Request]:
         """Bucket i as a generator of requests: reduce, update (and, sharded, gather the
@@ -217,7 +223,8 @@ class Reducer:
         if ohi > olo:
             self.update(olo, ohi)
         times.append(clock())
-        gather = self.param_rings[i].gather_steps(self.flat_params[lo:hi], self.master(olo, ohi))
+        master = self.optimizer.master_of(olo, ohi)
+        gather = self.param_rings[i].gather_steps(self.flat_params[lo:hi], master)
         yield from gather
         times.append(clock())
 
@@ -285,7 +292,7 @@ class GradientComm:
             progress = "poll"  # this MPI cannot take calls from two threads at once
         self.dp_comm, self.progress, self.segment = dp_comm, progress, segment
         self.backend, self.groups = backend, groups
-        self.reducers: list[Reducer] = []
+        self.reducers: dict[int, Reducer] = {}  # by stage, in the order they were made
         self.events: list[BucketEvent] = []
         self._todo: list[tuple[Reducer, int]] = []  # poll: queued, not started
         self._current: tuple | None = None  # poll: (red, i, steps, request, start, times)
@@ -308,7 +315,7 @@ class GradientComm:
             self, stage, flat_grads, param_ranges, codec, error_feedback, bucket_bytes,
             self.segment, flat_params, param_codec, tensor_offsets,
         )  # fmt: skip
-        self.reducers.append(red)
+        self.reducers[stage] = red
         return red
 
     def ring(
@@ -330,6 +337,11 @@ class GradientComm:
             self.groups, count, codec, error_feedback, self.segment, residual, self.backend,
             role=role, cuts=cuts,
         )  # fmt: skip
+
+    def ready_from(self, stage: int, lo: int) -> None:
+        """Stage `stage`'s gradients at flat offsets >= lo are final this step (the runtime says
+        so during the stage's last backward): its buckets there go to the ring."""
+        self.reducers[stage].ready_from(lo)
 
     def submit(self, red: Reducer, i: int) -> None:
         if self.progress == "thread":
@@ -363,7 +375,7 @@ class GradientComm:
     def finish(self) -> list[BucketEvent]:
         """Submit what is left, wait until every bucket is reduced and updated; the step's
         bucket events (raises here what the communication thread raised)."""
-        for red in self.reducers:
+        for red in self.reducers.values():
             if self.progress == "off":
                 for i in range(len(red.buckets)):
                     self.events.append(red.run_bucket(i, MPI.Request.Wait))

@@ -112,11 +112,12 @@ def _write_h5(path: Path, arrays: dict[str, np.ndarray], attrs: dict) -> dict[st
     return {path.name: file_digest(path)}
 
 
-def save_rank(partial: Path, s: int, dp_rank: int, stage, optimizer, ring, step: int) -> dict:
-    """This rank's share of a checkpoint, into the (already created) partial directory.
-    Returns {file name: sha256} of the files it wrote."""
+def save_rank(partial: Path, state, dp_rank: int, step: int) -> dict:
+    """This rank's share of a checkpoint of one chunk (a train.state.StageState), into the
+    (already created) partial directory. Returns {file name: sha256} of the files it wrote."""
     digests = {}
-    sharded = isinstance(optimizer, ShardedOptimizer)
+    s, stage, optimizer, ring = state.index, state.stage, state.optimizer, state.reducer
+    sharded = state.sharded
     if sharded:
         digests |= _save_shard(partial, s, dp_rank, optimizer, step)
     if dp_rank == 0:
@@ -138,19 +139,19 @@ def save_rank(partial: Path, s: int, dp_rank: int, stage, optimizer, ring, step:
     return digests
 
 
-def share_nbytes(dp_rank: int, stages, optimizers, rings) -> int:
+def share_nbytes(dp_rank: int, states: dict) -> int:
     """Bytes of array data this rank writes into one checkpoint (what a full disk is told)."""
     total = 0
-    for s, st in stages.items():
-        sharded = isinstance(optimizers[s], ShardedOptimizer)
+    for st in states.values():
+        optimizer, residual = st.optimizer, st.reducer.residual
         if dp_rank == 0:
-            total += st.flat_params.nbytes
-        if dp_rank == 0 or sharded:
-            total += sum(v.nbytes for v in optimizers[s].state().values())
-        if sharded and optimizers[s].master is not None:
-            total += optimizers[s].master.nbytes
-        if rings[s].residual is not None:
-            total += rings[s].residual.nbytes
+            total += st.stage.flat_params.nbytes
+        if dp_rank == 0 or st.sharded:
+            total += sum(v.nbytes for v in optimizer.state().values())
+        if st.sharded and optimizer.master is not None:
+            total += optimizer.master.nbytes
+        if residual is not None:
+            total += residual.nbytes
     return total
 
 
@@ -355,18 +356,18 @@ def _verify(path: Path, name: str, manifest: dict) -> None:
         )
 
 
-def load_rank(
-    path: Path, s: int, dp_rank: int, same_dp: bool, stage, optimizer, ring, manifest=None
-) -> None:
-    """Restore this rank's stage `s` in place (residuals only when dp and the codec are
-    unchanged), each file first checked against the manifest's digest when one is given."""
+def load_rank(path: Path, state, *, dp_rank: int, same_dp: bool, manifest=None) -> None:
+    """Restore this rank's chunk (a train.state.StageState) in place (residuals only when dp
+    and the codec are unchanged), each file first checked against the manifest's digest when
+    one is given."""
+    s, stage, optimizer, ring = state.index, state.stage, state.optimizer, state.reducer
     _verify(path, f"stage-{s:03d}.h5", manifest or {})
     arrays, attrs = _read_h5(path / f"stage-{s:03d}.h5")
     params = arrays.get("params")
     if params is None or params.shape != stage.flat_params.shape:
         raise CheckpointError(f"{path}: stage {s} parameters do not fit this model")
     _check_finite(path, f"stage {s} parameters", params)
-    if (manifest or {}).get("shard_optimizer") or isinstance(optimizer, ShardedOptimizer):
+    if (manifest or {}).get("shard_optimizer") or state.sharded:
         _load_sharded(path, s, stage, optimizer, manifest or {}, arrays)
     else:
         copy_from_host(stage.flat_params, params)
@@ -531,13 +532,15 @@ def _check_space(root: Path, needed: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root))
 
 
-def save_all(world, dp_rank, job, step, stages, optimizers, rings, losses, accuracies) -> str:
-    """Collective: every rank writes its share into one partial directory; rank 0 commits it.
-    Returns the committed checkpoint's path on every rank, or raises the same CheckpointError
-    on every rank (a full disk, a refused rename): the partial directory is removed then, and
-    every earlier checkpoint stays as it was."""
+def save_all(
+    world, job, states: dict, *, dp_rank: int, step: int, losses: History, accuracies: History
+) -> str:
+    """Collective: every rank writes its share of its chunks (train.state.StageState) into one
+    partial directory; rank 0 commits it. Returns the committed checkpoint's path on every
+    rank, or raises the same CheckpointError on every rank (a full disk, a refused rename): the
+    partial directory is removed then, and every earlier checkpoint stays as it was."""
     root = Path(job.checkpoint.dir)
-    needed = world.allreduce(share_nbytes(dp_rank, stages, optimizers, rings))
+    needed = world.allreduce(share_nbytes(dp_rank, states))
     partial, error = None, None
     if world.rank == 0:
         try:
@@ -550,8 +553,8 @@ def save_all(world, dp_rank, job, step, stages, optimizers, rings, losses, accur
         raise CheckpointError(error)
     files, error = {}, None
     try:
-        for s, st in stages.items():
-            files |= save_rank(partial, s, dp_rank, st, optimizers[s], rings[s], step)
+        for st in states.values():
+            files |= save_rank(partial, st, dp_rank, step)
     except OSError as exc:
         error = _write_failed(exc, root, step, needed)
     shares = world.gather((files, error), root=0)  # every file is in place, or an error says not
@@ -597,7 +600,7 @@ def _union(parts) -> dict:
     return out
 
 
-def _restore_one(world, dp_rank, job, path: Path, stages, optimizers, rings) -> dict:
+def _restore_one(world, job, path: Path, states: dict, dp_rank: int) -> dict:
     """Collective: load checkpoint `path` on every rank; CheckpointDamaged on every rank when
     any rank found it damaged, CheckpointError when any found it unusable. Returns the manifest."""
     error, damaged, manifest = None, False, None
@@ -605,8 +608,8 @@ def _restore_one(world, dp_rank, job, path: Path, stages, optimizers, rings) -> 
         manifest = read_manifest(path)
         check_compatible(manifest, job, path)
         same = manifest["dp"] == job.grid.dp and manifest["codec"] == job.comm.codec
-        for s, st in stages.items():
-            load_rank(path, s, dp_rank, same, st, optimizers[s], rings[s], manifest)
+        for st in states.values():
+            load_rank(path, st, dp_rank=dp_rank, same_dp=same, manifest=manifest)
     except CheckpointError as exc:
         error, damaged = str(exc), isinstance(exc, CheckpointDamaged)
     found, damages = agree(world, error, damaged)
@@ -618,16 +621,16 @@ def _restore_one(world, dp_rank, job, path: Path, stages, optimizers, rings) -> 
     return manifest
 
 
-def restore_all(world, dp_rank, job, candidates, stages, optimizers, rings):
-    """Collective: resume from the newest intact checkpoint of `candidates` (newest first; one
-    path is a list of one). A damaged one is reported and the next older one tried; every rank
-    agrees on each verdict. Returns (step, losses, accuracies); CheckpointError on every rank
-    when none is intact or one is refused."""
+def restore_all(world, job, candidates, states: dict, *, dp_rank: int):
+    """Collective: resume this rank's chunks (train.state.StageState) from the newest intact
+    checkpoint of `candidates` (newest first; one path is a list of one). A damaged one is
+    reported and the next older one tried; every rank agrees on each verdict. Returns (step,
+    losses, accuracies); CheckpointError on every rank when none is intact or one is refused."""
     candidates = [candidates] if isinstance(candidates, (str, Path)) else list(candidates)
     damaged = []
     for path in map(Path, candidates):
         try:
-            manifest = _restore_one(world, dp_rank, job, path, stages, optimizers, rings)
+            manifest = _restore_one(world, job, path, states, dp_rank)
         except CheckpointDamaged as exc:
             damaged.append(str(exc))
             if world.rank == 0:

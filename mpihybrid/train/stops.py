@@ -8,8 +8,12 @@ that carry it to the CLI with its exit code.
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
+import numpy as np
+from mpi4py import MPI
+
+from mpihybrid.comm.codecs import overflow_hint
 from mpihybrid.config import Job
 from mpihybrid.train.watchdog import EXIT_INTERRUPTED, StopSignals
 
@@ -86,3 +90,18 @@ def stop_exception(stop: str, step: int, path: str | None) -> StopRequested:
             "from)"
         )  # fmt: skip
     return Preempted(step, path)
+
+
+def stop_nonfinite(world: MPI.Comm, job: Job, step: int, loss_sum: float, bad: list[int]):
+    """Collective, on every rank alike: name the step and the stages, raise TrainingStopped."""
+    stages = sorted({s for part in world.allgather(bad) for s in part})
+    if not math.isfinite(loss_sum):
+        last = job.grid.pp * job.train.virtual_stages - 1
+        what = f"the loss is {loss_sum} (stage {last}, the last)"
+    else:
+        what = f"the gradient of stage {', '.join(map(str, stages))} is not finite (nan or inf)"
+        hint = overflow_hint(job.comm.codec)
+        what += f" ({hint})" if hint else ""
+    raise TrainingStopped(
+        step + 1, f"step {step + 1}: {what}; stopped without writing a checkpoint of these weights"
+    )

@@ -1,0 +1,149 @@
+"""What a run is built from, once per rank before its first step: the grid, the task, the chunks
+this rank holds (StageState: layers, optimizer, reducer), its action list and the runtime that
+executes it, the gradient communication, and the trace.
+
+    run = build_run(job, world, backend)    # collective (the grid's communicators, the rings)
+    run.release()                           # collective, at the end or an agreed stop
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from mpihybrid.comm.buckets import GradientComm, ring_kind
+from mpihybrid.comm.device import Backend
+from mpihybrid.comm.grid import ProcessGrid
+from mpihybrid.comm.hier_ring import NodeGroups
+from mpihybrid.comm.nodes import NodeMapError, node_map
+from mpihybrid.config import ConfigError, Job
+from mpihybrid.nn.data import build_task
+from mpihybrid.nn.model import Stage, boundary_shapes, build_stage
+from mpihybrid.nn.weights import load_into
+from mpihybrid.pipeline.runtime import PipelineRuntime
+from mpihybrid.pipeline.schedules import build_schedule, lower, placement_of
+from mpihybrid.pipeline.wire import P2PWire, encoded_peers
+from mpihybrid.trace.recorder import Recorder
+from mpihybrid.trace.stream import TraceStream
+from mpihybrid.train.flight import FlightRecorder
+from mpihybrid.train.state import StageState, build_states
+from mpihybrid.train.tracing import build_trace
+from mpihybrid.train.watchdog import StopSignals, Watchdog
+
+log = logging.getLogger("mpihybrid")
+
+
+@dataclass
+class Run:
+    """What train() builds once on a rank and every step uses."""
+
+    grid: ProcessGrid
+    task: object  # nn.data: the samples, their shapes
+    backend: Backend
+    states: dict[int, StageState]  # global stage index -> the chunk this rank holds
+    runtime: PipelineRuntime
+    gradcomm: GradientComm  # the gradient buckets of every stage and how they make progress
+    recorder: Recorder
+    trace: TraceStream  # flushes the recorder's rows to the trace file as it goes
+    ring_peer: int  # world rank the ring sends to (the trace's peer of an all-reduce)
+    # what watches it, made before the build (train() hands them over after it)
+    flight: FlightRecorder | None = None  # this rank's last actions and waits
+    signals: StopSignals | None = None  # None: not the main thread (no signal handlers)
+    watchdog: Watchdog | None = None
+    peak_flops: float | None = None  # one rank's GEMM rate, for the step line's roofline %
+
+    @property
+    def stages(self) -> dict[int, Stage]:
+        """Global stage index -> its layers and flat buffers (what the runtime runs)."""
+        return self.runtime.stages
+
+    def release(self) -> None:
+        """Collective, at a normal end or an agreed stop: the communication thread, the rings'
+        shared windows and the grid's communicators. A window left to MPI_Finalize fails it on
+        some fabrics (MPICH over OFI: "fabricclose failed ... Device or resource busy", exit 15);
+        a sweep calls train() many times in one process."""
+        self.gradcomm.close()
+        for s in sorted(self.states):
+            self.states[s].reducer.close()
+        self.gradcomm.free_groups()
+        self.grid.free()
+
+
+def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
+    """Collective: grid, task, this rank's chunks, its action list, runtime, rings, optimizers
+    and trace."""
+    g, t, c = job.grid, job.train, job.comm
+    if g.order == "auto":
+        raise ConfigError("grid.order = 'auto' is chosen before training (predict.auto."
+                          "resolve_order, as the mpihybrid command does)")  # fmt: skip
+    on_host = backend.xp is np
+    grid = ProcessGrid.build(world, g.layout)
+    task = build_task(job.data)
+    M, v = t.microbatches, t.virtual_stages
+    placement = placement_of(t.schedule, g.pp, v)
+    num_stages = placement.num_stages
+    compute = build_schedule(t.schedule, g.pp, M, v, t.early_grad_send)
+    actions = lower(compute, placement)[grid.pp_rank]
+    stages = {
+        s: build_stage(job.model, task.in_features, task.num_classes, s, num_stages, t.seed)
+        for s in placement.stages_of(grid.pp_rank)
+    }
+    for st in stages.values():
+        if job.model.init:  # the file was checked against the model (config.validate)
+            load_into(st, job.model.init, job.model.depth + 2)  # gpt: embedding, layers, head
+        if not on_host:
+            st.to_device(backend.asarray)  # initialised on the host: the same draws everywhere
+        st.recompute = t.recompute == "full"
+    shapes = boundary_shapes(
+        job.model, task.in_features, task.num_classes, num_stages, job.microbatch_size
+    )
+    recorder, trace = build_trace(job, world, grid.dp_rank, len(actions))
+    peer_ranks = grid.layout.pipeline_ranks(grid.dp_rank)
+    try:
+        nodes = node_map(world)  # collective: which ranks share a node (comm.nodes)
+    except NodeMapError as exc:
+        raise ConfigError(str(exc)) from None
+    wire = P2PWire.build(
+        c.p2p_codec, encoded_peers(c.p2p_codec_scope, world.Get_rank(), peer_ranks, nodes)
+    )
+    # a GPU's arrays belong to the main thread's device context: its buckets go after the step;
+    # its rings encode on the device and MPI sees the encoded bytes (staged through the host)
+    overlap = c.overlap if on_host else "off"
+    gradcomm = GradientComm(
+        grid.dp_comm, overlap, c.segment_kb * 256, backend,
+        groups=_node_groups(job, world, grid, nodes),
+    )  # fmt: skip
+    states = build_states(job, stages, gradcomm)
+    runtime = PipelineRuntime(
+        grid.pp_comm, stages, actions, placement, M, shapes, recorder, c.sync_sends, backend,
+        peer_ranks, grads_final=gradcomm.ready_from,
+        poll=gradcomm.poll if gradcomm.progress == "poll" else None, wire=wire,
+    )  # fmt: skip
+    return Run(
+        grid=grid,
+        task=task,
+        backend=backend,
+        states=states,
+        runtime=runtime,
+        gradcomm=gradcomm,
+        recorder=recorder,
+        trace=trace,
+        ring_peer=grid.replica_neighbour(+1),
+    )
+
+
+def _node_groups(job: Job, world: MPI.Comm, grid: ProcessGrid, nodes: list[int] | None):
+    """The dp group's nodes when its ring is the two-level one (comm.ring), else None; asked
+    for on one node: one warning (world rank 0), then the flat ring. Collective over dp_comm."""
+    dp_nodes = None
+    if nodes is not None:
+        dp_nodes = [nodes[r] for r in grid.layout.replica_ranks(grid.pp_rank)]
+    kind, warning = ring_kind(job.comm.ring, dp_nodes)
+    told = world.allreduce(int(bool(warning)), op=MPI.MAX)  # one line, whichever stage warned
+    if told and world.rank == 0:
+        log.warning("%s", warning or "comm.ring = 'hierarchical': a stage's replicas share one "
+                    "node: the flat ring there")  # fmt: skip
+    return NodeGroups(grid.dp_comm, dp_nodes) if kind == "hierarchical" else None

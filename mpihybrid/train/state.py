@@ -1,0 +1,74 @@
+"""A chunk this rank holds, as one thing: its layers and flat buffers (nn.model.Stage), its
+optimizer and its gradient's reducer (comm.buckets.Reducer), bound to each other once.
+
+    states = build_states(job, stages, gradcomm)     # {stage index: StageState}
+    st.begin_step(lr)     # every step: gradients zeroed, the optimizer's step begun at rate lr
+    ...                   # the runtime's backward -> gradcomm.ready_from(s, lo) -> the ring
+                          #   -> reducer.update(lo, hi) -> optimizer.update(flat_grads, lo, hi)
+
+What checkpoints save and restore, what the runtime runs and the ring reduces: one object per
+chunk instead of three dicts kept in step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mpihybrid.comm.buckets import GradientComm, Reducer
+from mpihybrid.comm.codecs import get_codec
+from mpihybrid.config import Job
+from mpihybrid.nn.model import Stage
+from mpihybrid.nn.optim import ShardedOptimizer, build_optimizer
+
+
+@dataclass
+class StageState:
+    index: int  # the chunk's global stage index
+    stage: Stage
+    optimizer: object  # nn.optim: SGD | AdamW | ShardedOptimizer over stage.flat_params
+    reducer: Reducer  # the stage's gradient buckets and their rings (and the residual)
+
+    def __post_init__(self) -> None:
+        self.reducer.bind(self.optimizer)  # a reduced bucket is this optimizer's update
+
+    @property
+    def sharded(self) -> bool:
+        """train.shard_optimizer: this replica's optimizer holds the state of its chunks only."""
+        return isinstance(self.optimizer, ShardedOptimizer)
+
+    def begin_step(self, lr: float) -> None:
+        """A new step at rate `lr`: gradients zeroed, the optimizer's step begun."""
+        self.stage.zero_grad()
+        self.optimizer.begin_step(lr)
+        self.reducer.begin_step()
+
+
+def nonfinite_stages(stages: dict[int, Stage]) -> list[int]:
+    """The stages whose reduced gradient holds a nan or an inf: one sum over each flat gradient
+    (nan and inf survive a sum; a finite gradient's fp32 sum overflows only past 3e38, and a
+    gradient that large has diverged anyway)."""
+    return [s for s, st in stages.items() if not math.isfinite(float(st.flat_grads.sum()))]
+
+
+def build_states(job: Job, stages: dict[int, Stage], gradcomm: GradientComm) -> dict:
+    """Every chunk's StageState: the reducer over its gradient (comm.*: the codec, the buckets;
+    train.shard_optimizer: reduce-scatter, then the weights gathered in comm.param_codec), the
+    optimizer over its parameters (sharded: over the chunks of the buckets this replica owns,
+    with an fp32 master copy when the weight gather is lossy)."""
+    t, c = job.train, job.comm
+    codec = get_codec(c.codec, c.block)
+    param_codec = get_codec(c.param_codec or "fp32", c.block) if t.shard_optimizer else None
+    states = {}
+    for s, st in stages.items():
+        reducer = gradcomm.reducer(
+            s, st.flat_grads, st.param_ranges, codec, c.error_feedback, c.bucket_kb * 1024,
+            st.flat_params, param_codec, tuple(st.tensor_offsets),
+        )  # fmt: skip
+        if t.shard_optimizer:
+            optimizer = ShardedOptimizer(t, st.flat_params, reducer.owned, reducer.lossy_gather)
+        else:
+            optimizer = build_optimizer(t, st.flat_params)
+        reducer.hold = t.grad_clip > 0  # the updates wait for the global norm (train/clip.py)
+        states[s] = StageState(s, st, optimizer, reducer)
+    return states
