@@ -116,15 +116,15 @@ elif MODE == "commit" and RANK == 0:
     def failing_commit_dir(partial, final):
         raise OSError(errno.EIO, os.strerror(errno.EIO), str(final))
 
-    checkpoint.commit_dir = failing_commit_dir
+    checkpoint.disk.commit_dir = failing_commit_dir
 elif MODE == "enospc" and RANK == 1:
-    original_write = checkpoint._write_h5
+    original_write = checkpoint.disk.write_h5
 
     def full_disk(path, arrays, attrs):
         if attrs.get("step") == 4:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return original_write(path, arrays, attrs)
 
-    checkpoint._write_h5 = full_disk
+    checkpoint.disk.write_h5 = full_disk
 
 cli.main(sys.argv[2:])

@@ -14,7 +14,7 @@ from mpihybrid import cli  # noqa: E402
 from mpihybrid.train import checkpoint  # noqa: E402
 
 if MPI.COMM_WORLD.rank == 1:
-    original = checkpoint.save_rank
+    original = checkpoint.stages.save_rank
 
     def dying_save_rank(partial, state, dp_rank, step):
         if step == 8:
@@ -23,6 +23,6 @@ if MPI.COMM_WORLD.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         return original(partial, state, dp_rank, step)
 
-    checkpoint.save_rank = dying_save_rank
+    checkpoint.stages.save_rank = dying_save_rank
 
 cli.main(sys.argv[1:])

@@ -70,21 +70,21 @@ def test_a_full_disk_is_refused_before_hdf5_writes(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10, 10, 1000))
     with pytest.raises(OSError) as info:
-        checkpoint._check_space(tmp_path, needed=5000)
+        checkpoint.disk.check_space(tmp_path, needed=5000)
     assert info.value.errno == errno.ENOSPC
-    line = checkpoint._write_failed(info.value, tmp_path, 8, 5000)
+    line = checkpoint.disk.write_failed(info.value, tmp_path, 8, 5000)
     assert "no space left" in line and "4.88 KiB needed" in line and "1000 B free" in line
 
 
 def test_damaged_file_is_detected_by_its_digest(tmp_path):
     (tmp_path / "stage-000.h5").write_bytes(b"0123456789")
     manifest = {"files": {"stage-000.h5": checkpoint.file_digest(tmp_path / "stage-000.h5")}}
-    checkpoint._verify(tmp_path, "stage-000.h5", manifest)
+    checkpoint.disk.verify(tmp_path, "stage-000.h5", manifest)
     (tmp_path / "stage-000.h5").write_bytes(b"0123456789"[::-1])
     with pytest.raises(checkpoint.CheckpointDamaged, match="stage-000.h5 is damaged"):
-        checkpoint._verify(tmp_path, "stage-000.h5", manifest)
+        checkpoint.disk.verify(tmp_path, "stage-000.h5", manifest)
     with pytest.raises(checkpoint.CheckpointDamaged, match="not in its manifest"):
-        checkpoint._verify(tmp_path, "stage-001.h5", manifest)
+        checkpoint.disk.verify(tmp_path, "stage-001.h5", manifest)
 
 
 def test_unreadable_manifest_counts_as_damaged(tmp_path):

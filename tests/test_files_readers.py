@@ -174,7 +174,7 @@ def test_a_checkpoint_dataset_declaring_8_gib_is_refused_unread(tmp_path):
     with h5py.File(path, "a") as f:
         f.create_dataset("params", shape=(1 << 31,), dtype="f4")  # 8 GiB, file ~ 2 KB
     with pytest.raises(checkpoint.CheckpointError, match="params declares 8589934592 bytes"):
-        checkpoint._read_h5(path)
+        checkpoint.disk.read_h5(path)
 
 
 def test_checkpoint_data_in_external_storage_is_refused(tmp_path):
@@ -185,7 +185,7 @@ def test_checkpoint_data_in_external_storage_is_refused(tmp_path):
     with h5py.File(path, "a") as f:
         f.create_dataset("params", shape=(16,), dtype="f4", external=[(str(outside), 0, 64)])
     with pytest.raises(checkpoint.CheckpointError, match="external files"):
-        checkpoint._read_h5(path)
+        checkpoint.disk.read_h5(path)
 
 
 def test_checkpoint_parameters_with_nan_are_refused(tmp_path):

@@ -88,27 +88,12 @@ def train(
         backend = select_backend(job.grid.device, job.comm.cuda_aware, world)
     if backend.xp is not np and not quiet:
         log.info("rank %d: %s", world.rank, backend.describe())  # which GPU, which MPI path
-    # the handlers first (the CLI installs them before MPI starts): a signal that comes while the
-    # model is built still counts; they stay until the process exits
-    main_thread = threading.current_thread() is threading.main_thread()
-    signals = StopSignals.install() if main_thread else None
-    name, started = world.bcast((run_id(), time.time()), root=0)  # one run, one name and start
-    flight = FlightRecorder(world.rank, world_size=world.Get_size(), run_started=started)
-    flight_dir = record_dir(job.trace.path, job.checkpoint.dir, name)
-    dog = Watchdog(
-        flight, signals, job.comm.timeout_s, world.Abort, lambda: flight_dir,
-        usr1_stops=bool(job.checkpoint.dir),
-    ).start()  # fmt: skip
+    signals, flight, flight_dir, dog = _watch(job, world)
     run, record = None, Record()
     try:
         i = flight.begin("build")
         run = build.build_run(job, world, backend)
-        # which ring the stages run (comm.ring: two-level where a dp group spans nodes)
-        two_level = world.allreduce(int(run.gradcomm.groups is not None), op=MPI.MAX)
-        if run.trace.writer is not None:
-            run.trace.writer.attrs.update(
-                {**(notes or {}), "ring": "hierarchical" if two_level else "flat"}
-            )
+        tracing.note_ring(world, run, notes)
         flight.pp_rank, flight.dp_rank = run.grid.pp_rank, run.grid.dp_rank
         run.flight, run.signals, run.watchdog, run.peak_flops = flight, signals, dog, peak_flops
         run.runtime.flight = flight
@@ -134,6 +119,22 @@ def train(
     if summary is not None:
         summary.start = record.start
     return summary
+
+
+def _watch(job: Job, world: MPI.Comm):
+    """What watches a run, made before it is built: the stop-signal handlers (the CLI installs
+    them before MPI starts: a signal that comes while the model is built still counts; they stay
+    until the process exits), this rank's flight record and where it goes, the stall watchdog."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    signals = StopSignals.install() if main_thread else None
+    name, started = world.bcast((run_id(), time.time()), root=0)  # one run, one name and start
+    flight = FlightRecorder(world.rank, world_size=world.Get_size(), run_started=started)
+    flight_dir = record_dir(job.trace.path, job.checkpoint.dir, name)
+    dog = Watchdog(
+        flight, signals, job.comm.timeout_s, world.Abort, lambda: flight_dir,
+        usr1_stops=bool(job.checkpoint.dir),
+    ).start()  # fmt: skip
+    return signals, flight, flight_dir, dog
 
 
 def _steps(

@@ -14,7 +14,8 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from mpihybrid.config import ConfigError, Job, load_table, parse_override, tomllib, validate
+from mpihybrid.config import ConfigError, Job, load_table, parse_override, tomllib
+from mpihybrid.config.rules import validate
 from mpihybrid.train.checkpoint import CheckpointError, complete, read_manifest
 
 log = logging.getLogger("mpihybrid")

@@ -87,6 +87,16 @@ def warn_oversubscribed(hosts: list[tuple[str, int]]) -> None:
         _oversubscription_told = True
 
 
+def note_ring(world: MPI.Comm, run, notes: dict | None) -> None:
+    """Collective: which ring the stages run (comm.ring: two-level where a dp group spans
+    nodes) and the caller's notes (train(notes=...)), as trace attributes (rank 0's writer)."""
+    two_level = world.allreduce(int(run.gradcomm.groups is not None), op=MPI.MAX)
+    if run.trace.writer is not None:
+        run.trace.writer.attrs.update(
+            {**(notes or {}), "ring": "hierarchical" if two_level else "flat"}
+        )
+
+
 def layout_attrs(job: Job, world_size: int) -> dict:
     """The trace attributes that say how the run was laid out (what analysis reads back); a
     csv: schedule's text goes with them, so its trace is analysed without the file."""
