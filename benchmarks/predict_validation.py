@@ -383,8 +383,9 @@ def phase_memory(args) -> None:
     import dataclasses
 
     from mpihybrid.config import build_job, load_table, resolve
-    from mpihybrid.predict.calibrate import _base_memory, kernel_memory, trace_job
+    from mpihybrid.predict.calibrate import _base_memory, trace_job
     from mpihybrid.predict.cluster import load_cluster
+    from mpihybrid.predict.microbench import kernel_memory
     from mpihybrid.predict.model import predict
     from mpihybrid.trace.read import load
 

@@ -20,8 +20,8 @@ from mpihybrid.config import build_job, load_table, resolve
 from mpihybrid.nn.cost import stage_work
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.model import build_stage
-from mpihybrid.predict.calibrate import GEMM_SHAPES, fit_gemm
 from mpihybrid.predict.cluster import ClusterError, Link, load_cluster, parse_cluster
+from mpihybrid.predict.microbench import GEMM_SHAPES, fit_gemm
 from mpihybrid.predict.model import gemm_seconds, predict
 from mpihybrid.predict.wire import ring_seconds
 from mpihybrid.train.memory import peak_rss_bytes, reset_peak_rss
@@ -170,7 +170,7 @@ def test_a_job_that_does_not_fit_exits_4_after_its_prediction():
 
 def test_calibration_workers_run_one_blas_thread_each():
     from mpihybrid._threads import THREAD_VARS
-    from mpihybrid.predict.calibrate import _worker_env
+    from mpihybrid.predict.microbench import _worker_env
 
     env = _worker_env()
     assert all(env[name] == "1" for name in THREAD_VARS)

@@ -28,9 +28,18 @@ from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS
 WORK_TID, STEP_TID, BUCKET_TID = 0, 1, 2
 _TID = {KIND["step"]: STEP_TID, KIND["allreduce"]: BUCKET_TID, KIND["optimizer"]: BUCKET_TID}
 CSV_COLUMNS = (
-    "rank", "stage", "replica", "kind", "step", "microbatch", "start", "end", "duration", "bytes",
+    "rank",
+    "stage",
+    "replica",
+    "kind",
+    "step",
+    "microbatch",
+    "start",
+    "end",
+    "duration",
+    "bytes",
     "peer",
-)  # fmt: skip
+)
 
 
 def event_name(e: np.void, direction: str | None = None, chunks: bool = False) -> str:
@@ -135,11 +144,19 @@ def to_csv(trace: Trace) -> str:
         start, end = float(e["start"]), float(e["end"])
         writer.writerow(
             [
-                int(e["rank"]), int(e["stage"]), int(e["replica"]), KINDS[int(e["kind"])],
-                int(e["step"]) + 1, int(e["microbatch"]), repr(start), repr(end), repr(end - start),
-                int(e["bytes"]), int(e["peer"]),
+                int(e["rank"]),
+                int(e["stage"]),
+                int(e["replica"]),
+                KINDS[int(e["kind"])],
+                int(e["step"]) + 1,
+                int(e["microbatch"]),
+                repr(start),
+                repr(end),
+                repr(end - start),
+                int(e["bytes"]),
+                int(e["peer"]),
             ]
-        )  # fmt: skip
+        )
     return buf.getvalue()
 
 

@@ -478,8 +478,12 @@ def _norms(values) -> dict | None:
     if values is None or not len(values):
         return None
     v = np.asarray(values, np.float64)
-    return {"last": float(v[-1]), "median": float(np.median(v)), "max": float(np.max(v)),
-            "max_step": int(np.argmax(v)) + 1}  # fmt: skip
+    return {
+        "last": float(v[-1]),
+        "median": float(np.median(v)),
+        "max": float(np.max(v)),
+        "max_step": int(np.argmax(v)) + 1,
+    }
 
 
 def heldout_rows(trace: Trace) -> list[dict]:

@@ -18,11 +18,23 @@ LATENCY_BOUND = 0.5
 # measured within this of the formula (absolute, or relative to it): "near the formula"
 NEAR_ABS, NEAR_REL = 0.05, 0.25
 _FRACTIONS = (
-    (0.0, "none"), (0.05, "a twentieth"), (0.1, "a tenth"), (1 / 8, "an eighth"),
-    (1 / 6, "a sixth"), (0.2, "a fifth"), (0.25, "a quarter"), (1 / 3, "a third"),
-    (0.4, "two fifths"), (0.5, "half"), (0.6, "three fifths"), (2 / 3, "two thirds"),
-    (0.75, "three quarters"), (0.8, "four fifths"), (0.9, "nine tenths"), (1.0, "all"),
-)  # fmt: skip
+    (0.0, "none"),
+    (0.05, "a twentieth"),
+    (0.1, "a tenth"),
+    (1 / 8, "an eighth"),
+    (1 / 6, "a sixth"),
+    (0.2, "a fifth"),
+    (0.25, "a quarter"),
+    (1 / 3, "a third"),
+    (0.4, "two fifths"),
+    (0.5, "half"),
+    (0.6, "three fifths"),
+    (2 / 3, "two thirds"),
+    (0.75, "three quarters"),
+    (0.8, "four fifths"),
+    (0.9, "nine tenths"),
+    (1.0, "all"),
+)
 INDENT = " " * 16
 
 

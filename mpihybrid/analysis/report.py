@@ -256,8 +256,11 @@ def _bytes_lines(result: dict) -> list[str]:
             ]
             for a in result["allreduce"]
         ]
-        lines += ["", "all-reduce per stage (size = the fp32 vector; busbw = algbw * 2(n-1)/n, "
-                  "a reduce-scatter's or all-gather's algbw * (n-1)/n)"]  # fmt: skip
+        lines += [
+            "",
+            "all-reduce per stage (size = the fp32 vector; busbw = algbw * 2(n-1)/n, "
+            "a reduce-scatter's or all-gather's algbw * (n-1)/n)",
+        ]
         heads = ["stage", "phase", "n", "size", "time us", "algbw", "busbw", "wire/rank"]
         lines += table(heads, rows)
     return lines

@@ -39,12 +39,20 @@ def trace_costs(trace, path: str = "the trace", skip_steps: int = 1) -> SearchCo
         backward, weight = measured["whole"], [0.0] * len(forward)
     return check_values(
         SearchCosts(
-            tuple(forward), tuple(backward), tuple(weight), send=float(send),
-            gap=float(measured["gap"]), tail=tuple(measured["tail"]),
-            whole=tuple(measured["whole"]), fixed=True, can_split=split, source=path,
-            stage_ranks=placement.stage_ranks, partition=_trace_partition(trace),
+            tuple(forward),
+            tuple(backward),
+            tuple(weight),
+            send=float(send),
+            gap=float(measured["gap"]),
+            tail=tuple(measured["tail"]),
+            whole=tuple(measured["whole"]),
+            fixed=True,
+            can_split=split,
+            source=path,
+            stage_ranks=placement.stage_ranks,
+            partition=_trace_partition(trace),
         )
-    )  # fmt: skip
+    )
 
 
 def _trace_partition(trace) -> tuple[int, ...]:

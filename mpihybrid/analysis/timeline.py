@@ -135,8 +135,10 @@ def render_png(traces: Trace | list[Trace], steps: range | list[range], labels=N
     ranks_of = [sorted(_rank_labels(t.events, Placement.from_attrs(t.attrs))) for t in traces]
     # one time axis: the longest drawn span sets it, every panel starts at its first step
     origin = [float(r["start"].min()) if len(r) else 0.0 for r in drawn]
-    length = max((float(r["end"].max()) - o for r, o in zip(drawn, origin, strict=True)
-                  if len(r)), default=1.0)  # fmt: skip
+    length = max(
+        (float(r["end"].max()) - o for r, o in zip(drawn, origin, strict=True) if len(r)),
+        default=1.0,
+    )
     scale = 1e3  # ms on the axis
     panel_px = [HEADER_PX + ROW_PX * len(r) for r in ranks_of]
     height_in = sum(panel_px) / DPI
@@ -191,9 +193,12 @@ def _panel(ax, trace: Trace, rows, steps: range, ranks, t0, length, scale, label
     ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_xlim(0, length * scale)
     ax.ticklabel_format(axis="x", style="plain", useOffset=False)
-    ax.set_xlabel(f"ms since {steps_text(steps)} began" if label is None else
-                  f"ms since the first drawn step began ({steps_text(steps)} of this run)",
-                  fontsize=8)  # fmt: skip
+    ax.set_xlabel(
+        f"ms since {steps_text(steps)} began"
+        if label is None
+        else f"ms since the first drawn step began ({steps_text(steps)} of this run)",
+        fontsize=8,
+    )
     a = trace.attrs
     title = (
         f"{a.get('schedule', '')}, pp={a.get('pp', '?')} x dp={a.get('dp', '?')}, "

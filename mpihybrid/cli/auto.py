@@ -46,21 +46,39 @@ def decide(job, tick=None) -> dict:
         if counts is not None:
             ranges = block_ranges(job.model, counts)
     limit = t.schedule_inflight or job.grid.pp
-    result = search(costs, job.grid.pp, t.microbatches, max_inflight=limit, ranges=ranges,
-                    time_limit=AUTO_TIME, deterministic=True, tick=tick)  # fmt: skip
+    result = search(
+        costs,
+        job.grid.pp,
+        t.microbatches,
+        max_inflight=limit,
+        ranges=ranges,
+        time_limit=AUTO_TIME,
+        deterministic=True,
+        tick=tick,
+    )
     best = result.best
     if partition is None:
         partition = layer_counts(job.model, best.ranges)
     sim = best.sim
     info = {
-        "placement": best.placement.style, "found_by": best.how, "status": result.status,
-        "makespan": sim.makespan, "bubble": sim.bubble_fraction, "bound": result.bound,
-        "step_bound": result.step_bound, "peak_per_rank": sim.peak_per_rank,
-        "max_inflight": limit, "costs": costs.as_dict(),
+        "placement": best.placement.style,
+        "found_by": best.how,
+        "status": result.status,
+        "makespan": sim.makespan,
+        "bubble": sim.bubble_fraction,
+        "bound": result.bound,
+        "step_bound": result.step_bound,
+        "peak_per_rank": sim.peak_per_rank,
+        "max_inflight": limit,
+        "costs": costs.as_dict(),
         "builtins": [{k: v for k, v in r.items()} for r in result.table],
-    }  # fmt: skip
-    return {"csv": csv_of(result), "partition": partition, "chunks": best.placement.chunks,
-            "info": json.dumps(info)}  # fmt: skip
+    }
+    return {
+        "csv": csv_of(result),
+        "partition": partition,
+        "chunks": best.placement.chunks,
+        "info": json.dumps(info),
+    }
 
 
 def trace_partition_setting(trace):

@@ -165,8 +165,13 @@ def format_table(rows: list[dict]) -> str:
 # encode+feedback: x + residual encoded, the new error kept (the ring's first hop);
 # reduce-encode: decode-add, encode and decode of the sum in one pass (the ring owner's last hop)
 CODEC_OPERATIONS = (
-    "encode", "encode+residual", "encode+feedback", "decode", "decode-add", "reduce-encode",
-)  # fmt: skip
+    "encode",
+    "encode+residual",
+    "encode+feedback",
+    "decode",
+    "decode-add",
+    "reduce-encode",
+)
 
 
 def bench_codecs(size: int, codecs: list[str], repeats: int = 5, block: int = 256) -> list[dict]:

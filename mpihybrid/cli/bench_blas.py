@@ -50,8 +50,12 @@ def openblas_core() -> str:
     if not path:
         return ""
     lib = ctypes.CDLL(path)
-    for symbol in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename",
-                   "openblas_get_corename64_", "openblas_get_corename"):  # fmt: skip
+    for symbol in (
+        "scipy_openblas_get_corename64_",
+        "scipy_openblas_get_corename",
+        "openblas_get_corename64_",
+        "openblas_get_corename",
+    ):
         fn = getattr(lib, symbol, None)
         if fn is not None:
             fn.restype = ctypes.c_char_p
@@ -65,10 +69,13 @@ def gemm_pass_seconds(gemms, repeats: int) -> float:
 
     rng = np.random.default_rng(0)
     operands = [
-        (rng.standard_normal((b, m, k), np.float32), rng.standard_normal((b, k, n), np.float32),
-         np.empty((b, m, n), np.float32))
+        (
+            rng.standard_normal((b, m, k), np.float32),
+            rng.standard_normal((b, k, n), np.float32),
+            np.empty((b, m, n), np.float32),
+        )
         for b, m, k, n in gemms
-    ]  # fmt: skip
+    ]
     times = []
     for _ in range(repeats + 1):  # the first pass warms up
         start = time.perf_counter()
@@ -94,8 +101,10 @@ def _environ(core: str) -> dict[str, str]:
 def time_core(core: str, gemms: list, ranks: int, repeats: int) -> dict | None:
     """`ranks` fresh processes at once under kernel set `core`: the slowest one's time, or None
     when the set does not run here (a process failed: an instruction the CPU lacks)."""
-    code = "import json,sys; from mpihybrid.cli.bench_blas import probe; " \
-           "print(json.dumps(probe(json.loads(sys.argv[1]), int(sys.argv[2]))))"  # fmt: skip
+    code = (
+        "import json,sys; from mpihybrid.cli.bench_blas import probe; "
+        "print(json.dumps(probe(json.loads(sys.argv[1]), int(sys.argv[2]))))"
+    )
     cmd = [sys.executable, "-c", code, json.dumps(gemms), str(repeats)]
     procs = [
         subprocess.Popen(cmd, env=_environ(core), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -199,22 +208,36 @@ def _job(job_file: str | None, overrides: list[str], ranks: int):
 
 @click.command("blas")
 @click.argument("job_file", required=False, type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override one job setting (repeatable).")  # fmt: skip
-@click.option("--ranks", type=click.IntRange(1, 1024), default=None,
-              help="Processes timed at once (default: the machine's cores).")  # fmt: skip
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override one job setting (repeatable).",
+)
+@click.option(
+    "--ranks",
+    type=click.IntRange(1, 1024),
+    default=None,
+    help="Processes timed at once (default: the machine's cores).",
+)
 @click.option("--repeats", type=click.IntRange(1, 1000), default=5, show_default=True)
 @click.option("--rounds", type=click.IntRange(1, 100), default=5, show_default=True)
-@click.option("--save", "do_save", is_flag=True,
-              help="Write the fastest to the cache every mpihybrid run reads.")  # fmt: skip
+@click.option(
+    "--save",
+    "do_save",
+    is_flag=True,
+    help="Write the fastest to the cache every mpihybrid run reads.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench_blas(*, job_file, overrides, ranks, repeats, rounds, do_save, as_json) -> None:
     """Time JOB_FILE's matmuls under each OpenBLAS kernel set; --save keeps the fastest."""
     from mpihybrid.nn.cost import model_gemms
 
     if not openblas_path():
-        click.echo("mpihybrid: error: numpy's BLAS is not OpenBLAS: no kernel set to choose",
-                   err=True)  # fmt: skip
+        click.echo(
+            "mpihybrid: error: numpy's BLAS is not OpenBLAS: no kernel set to choose", err=True
+        )
         sys.exit(2)
     ranks = ranks or os.cpu_count() or 1
     gemms = [list(g) for g in model_gemms(_job(job_file, list(overrides), ranks))]
@@ -227,7 +250,9 @@ def bench_blas(*, job_file, overrides, ranks, repeats, rounds, do_save, as_json)
         return
     click.echo(format_rows(rows, choice, ranks))
     if path:
-        click.echo(f"wrote {path}: every mpihybrid run on this machine now uses {choice!r} "
-                   f"(unless {CORE_VAR} or {ENV} is set)")  # fmt: skip
+        click.echo(
+            f"wrote {path}: every mpihybrid run on this machine now uses {choice!r} "
+            f"(unless {CORE_VAR} or {ENV} is set)"
+        )
     else:
         click.echo("(--save to use the fastest in every run)")

@@ -84,23 +84,33 @@ def bench_allreduce(*, sizes, codecs, repeats, segment_kb, transport, quiet, as_
     _, on_node = local_rank(MPI.COMM_WORLD)
     needed = memory_needed("allreduce", max(size_list), len(codec_list), on_node)
     try:  # every rank reads the same node's figure: all agree
-        check_memory(f"--sizes up to {max(size_list):,} bytes on {on_node} ranks", needed,
-                     mem_available())  # fmt: skip
+        check_memory(
+            f"--sizes up to {max(size_list):,} bytes on {on_node} ranks", needed, mem_available()
+        )
     except ValueError as exc:
         _fail(str(exc), rank)
     from mpihybrid.cli.progress import progress_echo
 
     progress = progress_echo(rank, quiet)
     rows = run(
-        MPI.COMM_WORLD, size_list, codec_list, repeats=repeats, progress=progress,
-        transport=transport, **segment,
-    )  # fmt: skip
+        MPI.COMM_WORLD,
+        size_list,
+        codec_list,
+        repeats=repeats,
+        progress=progress,
+        transport=transport,
+        **segment,
+    )
     if MPI.COMM_WORLD.rank == 0:
         if as_json:
             import json
 
-            doc = {"ranks": MPI.COMM_WORLD.size, "repeats": repeats, "transport": transport,
-                   "rows": rows}  # fmt: skip
+            doc = {
+                "ranks": MPI.COMM_WORLD.size,
+                "repeats": repeats,
+                "transport": transport,
+                "rows": rows,
+            }
             click.echo(json.dumps(doc, indent=2))
         else:
             click.echo(format_table(rows))
@@ -146,8 +156,13 @@ def bench_codecs(size, codecs, repeats, as_json) -> None:
     if rank == 0 and as_json:
         import json
 
-        doc = {"size_bytes": nbytes // 4 * 4, "repeats": repeats, "fast": _numba.describe(),
-               "unit": "GB/s of float32 per CPU second of one core", "rows": rows}  # fmt: skip
+        doc = {
+            "size_bytes": nbytes // 4 * 4,
+            "repeats": repeats,
+            "fast": _numba.describe(),
+            "unit": "GB/s of float32 per CPU second of one core",
+            "rows": rows,
+        }
         click.echo(json.dumps(doc, indent=2))
     elif rank == 0:
         click.echo(
@@ -167,8 +182,13 @@ def bench_codecs(size, codecs, repeats, as_json) -> None:
     help="Override one job setting (repeatable), e.g. --set train.schedule=1f1b.",
 )
 @click.option("--warmup", type=click.IntRange(0, MAX_STEPS), default=3, show_default=True)
-@click.option("--steps", type=click.IntRange(1, MAX_STEPS), default=10, show_default=True,
-              help="Measured steps per repeat.")  # fmt: skip
+@click.option(
+    "--steps",
+    type=click.IntRange(1, MAX_STEPS),
+    default=10,
+    show_default=True,
+    help="Measured steps per repeat.",
+)
 @click.option("--repeats", type=click.IntRange(1, MAX_REPEATS), default=3, show_default=True)
 @click.option(
     "--against",

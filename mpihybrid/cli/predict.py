@@ -49,8 +49,10 @@ def _load_job(job_file: str, overrides: list[str], search: bool = False):
     if job.grid.dp == -1:
         raise ValueError("grid.dp = -1 takes the world size from mpiexec: give --set grid.dp=N")
     if search and job.model.partition == "timed":
-        raise ValueError("model.partition = 'timed' times one layout and --search varies them: "
-                         "search with 'cost', then time the layout chosen")  # fmt: skip
+        raise ValueError(
+            "model.partition = 'timed' times one layout and --search varies them: "
+            "search with 'cost', then time the layout chosen"
+        )
     return resolve_partition(resolve(job, job.grid.pp * max(job.grid.dp, 1)))
 
 
@@ -71,8 +73,10 @@ def _calibrate(trace_path: str, cluster_name: str, out: str | None, echo) -> Pat
 
     path = Path(out) if out else user_dir() / "local.toml"
     if out is None and path.exists():
-        raise ValueError(f"{path} exists (an earlier calibration): give --cluster-out PATH to "
-                         "replace it or to write another file")  # fmt: skip
+        raise ValueError(
+            f"{path} exists (an earlier calibration): give --cluster-out PATH to "
+            "replace it or to write another file"
+        )
     try:
         network = load_cluster(cluster_name).links["network"]
     except ClusterError:
@@ -136,32 +140,76 @@ def format_prediction(r: dict) -> str:
 
 @click.command()
 @click.argument("job_file")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override one job setting (repeatable).")  # fmt: skip
-@click.option("--cluster", "cluster_path", default=DEFAULT_CLUSTER, show_default=True,
-              metavar="NAME|FILE", help="The cluster to predict on: a file, or a name "
-              "(a100_80gb, a100_40gb; local: your calibrated file, else the packaged "
-              "one).")  # fmt: skip
-@click.option("--calibrate", "trace_path", metavar="TRACE.h5",
-              help="Fit this machine to a trace of a real run, print the figures and the file "
-              "written, then predict on it.")  # fmt: skip
-@click.option("--cluster-out", metavar="FILE", help="Where --calibrate writes (replacing the "
-              "file); default: a new ~/.config/mpihybrid/clusters/local.toml.")  # fmt: skip
-@click.option("--search", is_flag=True, help="Rank every layout of the job for its world size "
-              "(pp x dp, grid.order, schedule, M, codec, comm.bucket_kb) that fits, best "
-              "first.")  # fmt: skip
-@click.option("--world", type=int, metavar="N",
-              help="--search: the world size (default: the job's pp x dp).")  # fmt: skip
-@click.option("--top", type=int, default=15, show_default=True, metavar="N",
-              help="--search: rows printed (--json gives every layout).")  # fmt: skip
-@click.option("--ranks-per-node", type=int, metavar="N", help="Ranks placed on one node "
-              "(default: the cluster's node.ranks_per_node), e.g. 4 for `mpiexec -n 4` on one "
-              "machine.")  # fmt: skip
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override one job setting (repeatable).",
+)
+@click.option(
+    "--cluster",
+    "cluster_path",
+    default=DEFAULT_CLUSTER,
+    show_default=True,
+    metavar="NAME|FILE",
+    help="The cluster to predict on: a file, or a name "
+    "(a100_80gb, a100_40gb; local: your calibrated file, else the packaged "
+    "one).",
+)
+@click.option(
+    "--calibrate",
+    "trace_path",
+    metavar="TRACE.h5",
+    help="Fit this machine to a trace of a real run, print the figures and the file "
+    "written, then predict on it.",
+)
+@click.option(
+    "--cluster-out",
+    metavar="FILE",
+    help="Where --calibrate writes (replacing the "
+    "file); default: a new ~/.config/mpihybrid/clusters/local.toml.",
+)
+@click.option(
+    "--search",
+    is_flag=True,
+    help="Rank every layout of the job for its world size "
+    "(pp x dp, grid.order, schedule, M, codec, comm.bucket_kb) that fits, best "
+    "first.",
+)
+@click.option(
+    "--world", type=int, metavar="N", help="--search: the world size (default: the job's pp x dp)."
+)
+@click.option(
+    "--top",
+    type=int,
+    default=15,
+    show_default=True,
+    metavar="N",
+    help="--search: rows printed (--json gives every layout).",
+)
+@click.option(
+    "--ranks-per-node",
+    type=int,
+    metavar="N",
+    help="Ranks placed on one node "
+    "(default: the cluster's node.ranks_per_node), e.g. 4 for `mpiexec -n 4` on one "
+    "machine.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Every figure as JSON.")
 def predict(
-    *, job_file, overrides, cluster_path, trace_path, cluster_out, search, world, top,
-    ranks_per_node, as_json,
-) -> None:  # fmt: skip
+    *,
+    job_file,
+    overrides,
+    cluster_path,
+    trace_path,
+    cluster_out,
+    search,
+    world,
+    top,
+    ranks_per_node,
+    as_json,
+) -> None:
     """Predict JOB_FILE's step time, throughput, bubble, exposed communication and memory.
 
     Exit 4 (after the prediction) when a rank does not fit the device's memory; with --search,
@@ -193,14 +241,27 @@ def predict(
             node = dataclasses.replace(cluster.node, ranks_per_node=ranks_per_node)
             cluster = dataclasses.replace(cluster, node=node)
         if search:
-            _search(job, cluster, world if world is not None else job.grid.pp * job.grid.dp,
-                    top, as_json, job_file)  # fmt: skip
+            _search(
+                job,
+                cluster,
+                world if world is not None else job.grid.pp * job.grid.dp,
+                top,
+                as_json,
+                job_file,
+            )
             return
         if world is not None:
             raise ValueError("--world is the world size --search ranks layouts for")
         result = run_prediction(job, cluster)
-    except (ConfigError, ClusterError, ScheduleError, SearchError, TraceError, ValueError,
-            OSError) as exc:  # fmt: skip
+    except (
+        ConfigError,
+        ClusterError,
+        ScheduleError,
+        SearchError,
+        TraceError,
+        ValueError,
+        OSError,
+    ) as exc:
         _fail(str(exc))
     result["cluster_file"] = str(cluster_file)
     click.echo(json.dumps(result, indent=1) if as_json else format_prediction(result))
@@ -229,8 +290,15 @@ def _search(job, cluster, world: int, top: int, as_json: bool, job_file: str) ->
         raise ValueError(f"--world {world} / --top {top}: must be >= 1")
     ranked, made = search(job, cluster, world)
     if as_json:
-        keys = ("throughput", "step_time_s", "bubble", "exposed_comm_s", "peak_memory_bytes",
-                "set", "reason")  # fmt: skip
+        keys = (
+            "throughput",
+            "step_time_s",
+            "bubble",
+            "exposed_comm_s",
+            "peak_memory_bytes",
+            "set",
+            "reason",
+        )
         click.echo(json.dumps([{k: e[k] for k in keys} for e in ranked], indent=1))
     else:
         click.echo(format_search(ranked, made, world, cluster.name, top, job_file))

@@ -123,8 +123,23 @@ def search_job(job_file: str, overrides: list[str]):
     help="Write the schedule as torch's compute-only CSV (train.schedule=csv:FILE).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing --csv file.")
-def schedule_search(*, trace_path, job_file, overrides, pp, microbatches, max_inflight, memory,
-                    placement, split_bw, time_limit, exact, grid, csv_path, overwrite):  # fmt: skip
+def schedule_search(
+    *,
+    trace_path,
+    job_file,
+    overrides,
+    pp,
+    microbatches,
+    max_inflight,
+    memory,
+    placement,
+    split_bw,
+    time_limit,
+    exact,
+    grid,
+    csv_path,
+    overwrite,
+):
     """Search the split and order of a schedule for measured costs under a memory limit."""
     from mpihybrid.pipeline.actions import ScheduleError
     from mpihybrid.pipeline.search import csv_of, format_result, search
@@ -152,8 +167,16 @@ def schedule_search(*, trace_path, job_file, overrides, pp, microbatches, max_in
 
             max_inflight = inflight_for_bytes(job, parse_bytes(memory))
         styles = ("loop", "v") if placement == "both" else (placement,)
-        result = search(costs, pp, m, max_inflight=max_inflight, placements=styles,
-                        split=split_bw, time_limit=time_limit, exact=exact)  # fmt: skip
+        result = search(
+            costs,
+            pp,
+            m,
+            max_inflight=max_inflight,
+            placements=styles,
+            split=split_bw,
+            time_limit=time_limit,
+            exact=exact,
+        )
     except (ScheduleError, ValueError, OSError) as exc:
         _fail(str(exc).splitlines()[0])
     click.echo(format_result(result, grid))

@@ -52,13 +52,27 @@ def data() -> None:
     "(needs `tokenizers`: mpihybrid[text]).",
 )
 @click.option("--vocab", type=int, help=f"bpe: vocabulary size, 257..65536 [{DEFAULT_BPE_VOCAB}].")
-@click.option("--val-fraction", type=float, default=0.1, show_default=True,
-              help="The corpus's last fraction of tokens held out as val.bin.")  # fmt: skip
-@click.option("--glob", "pattern", default="*", show_default=True,
-              help="In directories: the file names to read (e.g. '*.py').")  # fmt: skip
-@click.option("--exclude", multiple=True, metavar="NAME",
-              help="In directories: leave out files and directories of this name or glob "
-              "(repeatable, e.g. --exclude site-packages --exclude test).")  # fmt: skip
+@click.option(
+    "--val-fraction",
+    type=float,
+    default=0.1,
+    show_default=True,
+    help="The corpus's last fraction of tokens held out as val.bin.",
+)
+@click.option(
+    "--glob",
+    "pattern",
+    default="*",
+    show_default=True,
+    help="In directories: the file names to read (e.g. '*.py').",
+)
+@click.option(
+    "--exclude",
+    multiple=True,
+    metavar="NAME",
+    help="In directories: leave out files and directories of this name or glob "
+    "(repeatable, e.g. --exclude site-packages --exclude test).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace token files already in DIR.")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 def prepare(
@@ -241,23 +255,48 @@ def _checked(rule: str, test):
 @click.command()
 @click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR")
 @click.option("--prompt", default="", help="Text to continue (default: the start of a document).")
-@click.option("--tokens", "count", type=int, default=200, show_default=True,
-              callback=_checked("must be >= 0", lambda v: v >= 0),
-              help="Tokens to generate (printed as they come).")  # fmt: skip
-@click.option("--temperature", type=float, default=1.0, show_default=True,
-              callback=_checked("must be a finite number >= 0",
-                                lambda v: math.isfinite(v) and v >= 0),
-              help="Divides the logits; 0 = always the most likely token.")  # fmt: skip
-@click.option("--top-k", type=int, callback=_checked("must be >= 1", lambda v: v >= 1),
-              help="Sample among the k most likely tokens only [all].")  # fmt: skip
-@click.option("--seed", type=int, default=0, show_default=True,
-              callback=_checked("must be >= 0", lambda v: v >= 0),
-              help="Seeds the sampling.")  # fmt: skip
-@click.option("--tokenizer", "tokenizer_name", default=None, metavar="byte|PATH",
-              help="byte, or a tokenizer.json: for a checkpoint of token files made elsewhere "
-              "(default: the checkpoint's own, or the one beside its data.train).")  # fmt: skip
-@click.option("--ids", is_flag=True,
-              help="Token ids in and out, no tokenizer: --prompt '464 3290'.")  # fmt: skip
+@click.option(
+    "--tokens",
+    "count",
+    type=int,
+    default=200,
+    show_default=True,
+    callback=_checked("must be >= 0", lambda v: v >= 0),
+    help="Tokens to generate (printed as they come).",
+)
+@click.option(
+    "--temperature",
+    type=float,
+    default=1.0,
+    show_default=True,
+    callback=_checked("must be a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
+    help="Divides the logits; 0 = always the most likely token.",
+)
+@click.option(
+    "--top-k",
+    type=int,
+    callback=_checked("must be >= 1", lambda v: v >= 1),
+    help="Sample among the k most likely tokens only [all].",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    callback=_checked("must be >= 0", lambda v: v >= 0),
+    help="Seeds the sampling.",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer_name",
+    default=None,
+    metavar="byte|PATH",
+    help="byte, or a tokenizer.json: for a checkpoint of token files made elsewhere "
+    "(default: the checkpoint's own, or the one beside its data.train).",
+)
+@click.option(
+    "--ids", is_flag=True, help="Token ids in and out, no tokenizer: --prompt '464 3290'."
+)
 def generate(*, checkpoint_dir, prompt, count, temperature, top_k, seed, tokenizer_name, ids):
     """Sample text from a checkpoint of a GPT trained on token files (a checkpoint.dir, its
     newest complete checkpoint, or one step-N directory), written by any pp x dp grid: every

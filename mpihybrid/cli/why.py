@@ -38,7 +38,7 @@ def why(run: str, as_json: bool) -> None:
                 "rows": [
                     describe(row) + ("" if row["end"] == row["end"] else " (running)")
                     for row in rows
-                ],  # fmt: skip
+                ],
             }
             for rank, (attrs, rows) in sorted(records.items())
         }

@@ -136,9 +136,13 @@ class RingAllreduce:
         bounds = [int(b) for b in chunk_bounds(self.count, p)]
         # fp32 copies bits: no codec block to keep apart, no cut
         self.segments, offset = segment_layout(
-            self.count, p, segment, cuts if self.compress else (),
-            codec.nbytes if self.compress else lambda n: 4 * n, origin if self.compress else None,
-        )  # fmt: skip
+            self.count,
+            p,
+            segment,
+            cuts if self.compress else (),
+            codec.nbytes if self.compress else lambda n: 4 * n,
+            origin if self.compress else None,
+        )
         self.chunk_nbytes = [sum(s[3] for s in segs) for segs in self.segments]
         own = (self.dp_rank + 1) % p  # the chunk this rank's reduce-scatter completes
         self.own_range = (bounds[own], bounds[own + 1])

@@ -133,9 +133,17 @@ class TwoLevelRing:
         if role == "all_gather":  # the weight gather: inside the node, one grid for all nodes
             grid = tuple(sorted({*cuts, *groups.cuts(count)}))
             self.gather = RingAllreduce(
-                intra, count, codec, False, segment, None, backend, role="all_gather",
-                cuts=grid, origin=0,
-            )  # fmt: skip
+                intra,
+                count,
+                codec,
+                False,
+                segment,
+                None,
+                backend,
+                role="all_gather",
+                cuts=grid,
+                origin=0,
+            )
             self.own_range = self.gather.own_range
             self._alone = None
             if intra.Get_size() == 1 and self.compress:  # quantised like the other nodes'
@@ -144,9 +152,15 @@ class TwoLevelRing:
             self.inner, self.rings = None, []
             return
         self.inner = RingAllreduce(
-            intra, count, codec, error_feedback, segment, self.residual, backend,
+            intra,
+            count,
+            codec,
+            error_feedback,
+            segment,
+            self.residual,
+            backend,
             role="reduce_scatter",
-        )  # fmt: skip
+        )
         self.own_range = self.inner.own_range
         self.rings = []  # (lo, hi, ring) of the pieces this rank owns, in vector order
         for lo, hi, owners in groups.pieces(count):
@@ -159,9 +173,15 @@ class TwoLevelRing:
         self.gather = None
         if role == "allreduce":
             self.gather = RingAllreduce(
-                intra, count, get_codec("fp32"), False, segment, None, backend,
+                intra,
+                count,
+                get_codec("fp32"),
+                False,
+                segment,
+                None,
+                backend,
                 role="all_gather",
-            )  # fmt: skip
+            )
 
     def _sum_across(self, flat: np.ndarray) -> Iterator[MPI.Request]:
         """Steps 1 and 2: afterwards flat[own_range] holds the sum over the whole dp group."""

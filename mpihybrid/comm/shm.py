@@ -43,8 +43,9 @@ class SharedWire:
         self._views = []
         for rank in range(comm.Get_size()):
             memory, _ = self.win.Shared_query(rank)
-            self._views.append(np.frombuffer(memory, np.uint8, count=nbytes) if nbytes else
-                               np.empty(0, np.uint8))  # fmt: skip
+            self._views.append(
+                np.frombuffer(memory, np.uint8, count=nbytes) if nbytes else np.empty(0, np.uint8)
+            )
         self.own = self._views[comm.Get_rank()]
 
     def of(self, rank: int) -> np.ndarray:

@@ -91,8 +91,9 @@ class TokenTask:
         learns.
     """
 
-    def __init__(self, kind: str, vocab: int, seq_len: int, test_samples: int, seed: int,
-                 branching: int = 2) -> None:  # fmt: skip
+    def __init__(
+        self, kind: str, vocab: int, seq_len: int, test_samples: int, seed: int, branching: int = 2
+    ) -> None:
         self.kind, self.vocab, self.seq_len, self.seed = kind, vocab, seq_len, seed
         self.in_features, self.num_classes = seq_len, vocab
         self.successors = None
@@ -190,8 +191,9 @@ def build_task(cfg) -> TeacherTask | TokenTask | TextTask:
     if cfg.kind == "teacher":
         return TeacherTask(cfg.features, cfg.train_samples, cfg.test_samples, cfg.seed)
     if cfg.kind in ("random-tokens", "markov"):
-        return TokenTask(cfg.kind, cfg.vocab, cfg.seq_len, cfg.test_samples, cfg.seed,
-                         cfg.branching)  # fmt: skip
+        return TokenTask(
+            cfg.kind, cfg.vocab, cfg.seq_len, cfg.test_samples, cfg.seed, cfg.branching
+        )
     if cfg.kind == "tokens":
         return TextTask(cfg)
     raise ValueError(f"data.kind = {cfg.kind!r}: unknown")

@@ -338,14 +338,19 @@ def check_counts(counts: list, layers: int, num_chunks: int, ends_may_be_empty=F
         n < (0 if ends_may_be_empty and c in (0, num_chunks - 1) else 1)
         for c, n in enumerate(counts)
     ):
-        least = "(0 allowed first and last: the embedding or the head alone)" if ends_may_be_empty \
-            else ""  # fmt: skip
+        least = (
+            "(0 allowed first and last: the embedding or the head alone)"
+            if ends_may_be_empty
+            else ""
+        )
         raise ValueError(
             f"model.partition = {counts}: every count must be an integer >= 1 {least}".rstrip()
         )
     if sum(counts) != layers:
-        raise ValueError(f"model.partition = {counts}: counts add up to {sum(counts)}, "
-                         f"the model has {layers} layers")  # fmt: skip
+        raise ValueError(
+            f"model.partition = {counts}: counts add up to {sum(counts)}, "
+            f"the model has {layers} layers"
+        )
 
 
 def stage_ranges(cfg, in_features: int, num_classes: int, num_chunks: int) -> list[range]:

@@ -129,9 +129,17 @@ class AdamW:
         decay, b1, b2, scale, shift = self._scalars
         if self.fused:
             kernels.adamw_update(
-                params, grads, self.m[lo:hi], self.v[lo:hi],
-                decay, b1, b2, scale, shift, bool(self.weight_decay),
-            )  # fmt: skip
+                params,
+                grads,
+                self.m[lo:hi],
+                self.v[lo:hi],
+                decay,
+                b1,
+                b2,
+                scale,
+                shift,
+                bool(self.weight_decay),
+            )
             return
         for start in range(0, hi - lo, self.block):
             end = min(start + self.block, hi - lo)

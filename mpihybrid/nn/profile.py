@@ -150,8 +150,10 @@ def block_pass_costs(job, repeats: int = 3) -> tuple[list[float], list[float], l
         stage, inputs, targets, True, True, repeats, key=lambda l, m: (owner[id(l)], m)
     )
     n = len(stage.blocks)
-    passes = [[per.get((g, m), 0.0) for g in range(n)]
-              for m in ("forward", "backward_input", "backward_weight")]  # fmt: skip
+    passes = [
+        [per.get((g, m), 0.0) for g in range(n)]
+        for m in ("forward", "backward_input", "backward_weight")
+    ]
     half = per.get(LOSS, 0.0) / 2  # timed as one: its forward and its gradient
     passes[0][-1] += half
     passes[1][-1] += half

@@ -69,10 +69,12 @@ class BpeTokenizer:
         # a run of letters, digits, punctuation or spaces longer than MAX_RUN_BYTES is cut into
         # pieces of that many bytes (one character per byte after ByteLevel): the trainer
         # rescans a whole word at each merge, so one unsplit 256 KB run took 35 s, 4 MB hours
-        hf.pre_tokenizer = pre.Sequence([
-            pre.ByteLevel(add_prefix_space=False),
-            pre.Split(tokenizers.Regex(f".{{{MAX_RUN_BYTES}}}"), "isolated"),
-        ])  # fmt: skip
+        hf.pre_tokenizer = pre.Sequence(
+            [
+                pre.ByteLevel(add_prefix_space=False),
+                pre.Split(tokenizers.Regex(f".{{{MAX_RUN_BYTES}}}"), "isolated"),
+            ]
+        )
         hf.decoder = tokenizers.decoders.ByteLevel()
         trainer = tokenizers.trainers.BpeTrainer(
             vocab_size=vocab,
@@ -113,8 +115,11 @@ class BpeTokenizer:
 def _byte_of_char() -> dict[str, int]:
     """GPT-2's byte-level alphabet read back: each of its 256 characters -> its byte
     (printable bytes stand for themselves, the others for chr(256 + n) in byte order)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)}  # fmt: skip
+    printable = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
     table, n = {}, 0
     for byte in range(256):
         if byte in printable:

@@ -40,12 +40,17 @@ _LAYER = {
 def block_names(g: int, num_blocks: int) -> list[tuple[str, tuple, str, bool]]:
     """Block g's tensors: (nanoGPT name, path to the layer, its parameter, transposed)."""
     if g == 0:
-        return [("transformer.wte.weight", (0,), "tokens", False),
-                ("transformer.wpe.weight", (0,), "positions", False)]  # fmt: skip
+        return [
+            ("transformer.wte.weight", (0,), "tokens", False),
+            ("transformer.wpe.weight", (0,), "positions", False),
+        ]
     if g == num_blocks - 1:
-        return [("transformer.ln_f.weight", (0,), "weight", False),
-                ("transformer.ln_f.bias", (0,), "bias", False),
-                (HEAD, (1,), "weight", True), (HEAD_BIAS, (1,), "bias", False)]  # fmt: skip
+        return [
+            ("transformer.ln_f.weight", (0,), "weight", False),
+            ("transformer.ln_f.bias", (0,), "bias", False),
+            (HEAD, (1,), "weight", True),
+            (HEAD_BIAS, (1,), "bias", False),
+        ]
     out = []
     for (branch, i), name in _LAYER.items():
         prefix = f"transformer.h.{g - 1}.{name}"

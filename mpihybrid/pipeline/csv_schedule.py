@@ -103,11 +103,15 @@ def parse_csv(text: str, source: str) -> tuple[dict[int, list[Action]], Placemen
     for (stage, mb), (kind, rank, col) in sorted(kinds.items()):
         where = f"{source} row {rank + 1} (rank {rank}) cell {col + 1}"
         if kind == "I" and (stage, mb) not in weights:
-            raise ScheduleError(f"{where}: {stage}I{mb} has no {stage}W{mb} (I is the input "
-                                "gradient only; B is the whole backward)")  # fmt: skip
+            raise ScheduleError(
+                f"{where}: {stage}I{mb} has no {stage}W{mb} (I is the input "
+                "gradient only; B is the whole backward)"
+            )
         if kind == "B" and (stage, mb) in weights:
-            raise ScheduleError(f"{where}: {stage}B{mb} is a whole backward, yet {stage}W{mb} "
-                                "runs too (split backwards are I then W)")  # fmt: skip
+            raise ScheduleError(
+                f"{where}: {stage}B{mb} is a whole backward, yet {stage}W{mb} "
+                "runs too (split backwards are I then W)"
+            )
     m = 1 + max((a.microbatch for acts in actions.values() for a in acts), default=-1)
     return actions, placement, m
 

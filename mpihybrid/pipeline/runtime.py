@@ -112,13 +112,22 @@ class PipelineRuntime:
         self.flight = flight
         # what the flight record says of each action: kind, stage, mb, peer (world rank), tag
         self.flight_rows = [
-            (a.kind, a.stage, a.microbatch, self.peer_ranks[a.peer] if a.peer >= 0 else -1,
-             tag_for(*message_key(a), num_microbatches) if a.peer >= 0 else -1)
+            (
+                a.kind,
+                a.stage,
+                a.microbatch,
+                self.peer_ranks[a.peer] if a.peer >= 0 else -1,
+                tag_for(*message_key(a), num_microbatches) if a.peer >= 0 else -1,
+            )
             for a in actions
-        ]  # fmt: skip
-        # One preallocated receive buffer per RECV action, reused every step; an encoded link
-        # also has a byte buffer per RECV (what arrives) and per SEND (what leaves)
+        ]
         self.wire = wire if wire is not None else P2PWire()
+        self._allocate(actions, boundary_shapes)
+
+    def _allocate(self, actions: list[Action], boundary_shapes: list[tuple[int, ...]]) -> None:
+        """One preallocated receive buffer per RECV action, reused every step; an encoded link
+        also has a byte buffer per RECV (what arrives) and per SEND (what leaves)."""
+        backend = self.backend
         self.recv_buffers: dict[tuple[str, int, int], np.ndarray] = {}
         self.wire_buffers: dict[tuple[str, int, int], np.ndarray] = {}  # RECV's, SEND's (S...)
         for a in actions:

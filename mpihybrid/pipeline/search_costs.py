@@ -97,8 +97,12 @@ def check_values(costs: SearchCosts) -> SearchCosts:
                 f"costs from {costs.source}: {unit} {i} has F = {x!r} s; every F must be a "
                 "finite number > 0"
             )
-    for name, values in (("B", costs.backward), ("W", costs.weight), ("tail", costs.tail),
-                         ("whole", costs.whole)):  # fmt: skip
+    for name, values in (
+        ("B", costs.backward),
+        ("W", costs.weight),
+        ("tail", costs.tail),
+        ("whole", costs.whole),
+    ):
         for i, x in enumerate(values):
             if not math.isfinite(x) or x < 0:
                 raise CostsError(f"costs from {costs.source}: {unit} {i} has {name} = {x!r} s")

@@ -193,8 +193,16 @@ def best_greedy(
         range(top, 0, -1), ("idle", "fit"), (True, False), reserves
     ):
         try:
-            lists = list_schedule(placement, m, costs, limit=[cap] * placement.pp, split=split,
-                                  reserve=reserve, fill=fill, deep_first=deep)  # fmt: skip
+            lists = list_schedule(
+                placement,
+                m,
+                costs,
+                limit=[cap] * placement.pp,
+                split=split,
+                reserve=reserve,
+                fill=fill,
+                deep_first=deep,
+            )
             validate(lists, placement, m)
         except ScheduleError:
             continue

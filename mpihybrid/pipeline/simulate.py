@@ -245,8 +245,10 @@ def render_grid(
 def grid_legend(actions: dict[int, list[Action]], v: int) -> str:
     """What render_grid's cells mean, for these actions."""
     if split_backwards(actions):
-        kinds = ("F forward, B backward (input gradient), W weight gradient, BW a whole "
-                 "backward (B and W in one action) and ~ its second step")  # fmt: skip
+        kinds = (
+            "F forward, B backward (input gradient), W weight gradient, BW a whole "
+            "backward (B and W in one action) and ~ its second step"
+        )
     else:
         kinds = "F forward, B backward"
     chunk = ", a leading digit the model chunk" if v > 1 else ""

@@ -54,6 +54,7 @@ def encoded_peers(
     if scope not in P2P_SCOPES:
         raise ValueError(f"p2p scope must be one of {', '.join(P2P_SCOPES)}, got {scope!r}")
     return {
-        p for p, w in enumerate(peer_world)
+        p
+        for p, w in enumerate(peer_world)
         if w != my_world and (scope == "all" or (nodes is not None and nodes[w] != nodes[my_world]))
-    }  # fmt: skip
+    }

@@ -64,7 +64,6 @@ def resolve_order(job: Job, world: MPI.Comm, cluster: str = "local") -> tuple[Jo
         try:
             choice = choose_order(job, nodes, load_cluster(find_cluster(cluster)))
         except Exception as exc:  # the others wait in bcast: a choice for all, and why
-            choice = ("pipeline-inner", f"grid.order = auto: no prediction ({exc}): "
-                      "pipeline-inner")  # fmt: skip
+            choice = ("pipeline-inner", f"grid.order = auto: no prediction ({exc}): pipeline-inner")
     order, line = world.bcast(choice, root=0)
     return with_order(job, order), line

@@ -105,8 +105,14 @@ class Cluster:
 
 
 # fields that may be 0 (not counted); every other rate must be > 0
-MAY_BE_ZERO = {"gemm_bandwidth", "host_copy_bandwidth", "node_bandwidth", "base_memory_bytes",
-               "cores", "kernel_memory_bytes"}  # fmt: skip
+MAY_BE_ZERO = {
+    "gemm_bandwidth",
+    "host_copy_bandwidth",
+    "node_bandwidth",
+    "base_memory_bytes",
+    "cores",
+    "kernel_memory_bytes",
+}
 
 
 def _section(table: dict, where: str, cls: type, optional: tuple[str, ...] = ()):
@@ -186,12 +192,17 @@ def shared_cores(cluster: Cluster, world: int) -> Cluster:
     k = ranks / n.cores
     d = cluster.device
     device = Device(
-        gemm_flops=d.gemm_flops / k, gemm_bandwidth=d.gemm_bandwidth / k,
-        gemm_call_s=d.gemm_call_s * k, mem_bandwidth=d.mem_bandwidth / k,
-        optimizer_bandwidth=d.optimizer_bandwidth / k, op_overhead_s=d.op_overhead_s * k,
-        step_overhead_s=d.step_overhead_s * k, base_memory_bytes=d.base_memory_bytes,
-        host_copy_bandwidth=d.host_copy_bandwidth / k, kernel_memory_bytes=d.kernel_memory_bytes,
-    )  # fmt: skip
+        gemm_flops=d.gemm_flops / k,
+        gemm_bandwidth=d.gemm_bandwidth / k,
+        gemm_call_s=d.gemm_call_s * k,
+        mem_bandwidth=d.mem_bandwidth / k,
+        optimizer_bandwidth=d.optimizer_bandwidth / k,
+        op_overhead_s=d.op_overhead_s * k,
+        step_overhead_s=d.step_overhead_s * k,
+        base_memory_bytes=d.base_memory_bytes,
+        host_copy_bandwidth=d.host_copy_bandwidth / k,
+        kernel_memory_bytes=d.kernel_memory_bytes,
+    )
     link = cluster.links["node"]
     links = {**cluster.links, "node": Link(link.alpha_s * k, link.bandwidth / k, 0.0)}
     codecs = {name: CodecRate(r.encode / k, r.decode / k) for name, r in cluster.codecs.items()}

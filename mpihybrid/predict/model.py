@@ -233,12 +233,18 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
     stages = []
     for s, w in enumerate(work):
         ring = ring_seconds(job, s, w.params, cluster)[0]
-        stages.append({
-            "stage": s, "params": w.params, "forward_s": costs.forward[s],
-            "backward_s": costs.backward[s], "weight_s": costs.weight[s], "allreduce_s": ring,
-            "optimizer_s": optimizer_seconds(job, w.params, cluster),
-            "activation_bytes_per_microbatch": w.activation_bytes,
-        })  # fmt: skip
+        stages.append(
+            {
+                "stage": s,
+                "params": w.params,
+                "forward_s": costs.forward[s],
+                "backward_s": costs.backward[s],
+                "weight_s": costs.weight[s],
+                "allreduce_s": ring,
+                "optimizer_s": optimizer_seconds(job, w.params, cluster),
+                "activation_bytes_per_microbatch": w.activation_bytes,
+            }
+        )
     return {
         "job": {
             "model": job.model.kind,
@@ -255,7 +261,7 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
             else "flat",
             "overlap": job.comm.overlap,
             "global_batch": t.global_batch,
-        },  # fmt: skip
+        },
         "cluster": cluster.name,
         "unit": "tokens" if units > 1 else "samples",
         "step_time_s": step,
@@ -276,8 +282,11 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
 
 def _predict_auto(job: Job, cluster: Cluster) -> dict:
     """grid.order = auto, as training resolves it (predict.auto) on the cluster's nodes."""
-    orders = ("pipeline-inner", "data-inner") if job.grid.pp > 1 and job.grid.dp > 1 else (
-        "pipeline-inner",)  # fmt: skip
+    orders = (
+        ("pipeline-inner", "data-inner")
+        if job.grid.pp > 1 and job.grid.dp > 1
+        else ("pipeline-inner",)
+    )
     found = {
         o: predict(dataclasses.replace(job, grid=dataclasses.replace(job.grid, order=o)), cluster)
         for o in orders
@@ -291,9 +300,13 @@ def _notes(job: Job, cluster: Cluster) -> list[str]:
     """What the prediction cannot see from this pair of job and cluster."""
     gpu = cluster.device.host_copy_bandwidth > 0
     if gpu and job.grid.device == "cpu":
-        return ["the cluster's device is a GPU (host_copy_bandwidth > 0) but the job computes on "
-                "the CPU (grid.device = cpu): the times are for the GPU"]  # fmt: skip
+        return [
+            "the cluster's device is a GPU (host_copy_bandwidth > 0) but the job computes on "
+            "the CPU (grid.device = cpu): the times are for the GPU"
+        ]
     if not gpu and job.grid.device == "cuda":
-        return ["the job computes on a GPU (grid.device = cuda) but the cluster's device has "
-                "host_copy_bandwidth = 0: the times are for arrays on the host"]  # fmt: skip
+        return [
+            "the job computes on a GPU (grid.device = cuda) but the cluster's device has "
+            "host_copy_bandwidth = 0: the times are for arrays on the host"
+        ]
     return []

@@ -57,8 +57,10 @@ def _pipelines(job: Job, world: int):
         for order, (name, v), m in itertools.product(orders, schedules, counts):
             if job.train.global_batch % (dp * m):
                 continue
-            yield {"grid": {"pp": pp, "dp": dp, "order": order},
-                   "train": {"schedule": name, "virtual_stages": v, "microbatches": m}}  # fmt: skip
+            yield {
+                "grid": {"pp": pp, "dp": dp, "order": order},
+                "train": {"schedule": name, "virtual_stages": v, "microbatches": m},
+            }
 
 
 def _comms(job: Job, base: Job, cluster: Cluster):
@@ -68,8 +70,7 @@ def _comms(job: Job, base: Job, cluster: Cluster):
     buckets = sorted(set(BUCKETS_KB) | {job.comm.bucket_kb})
     spans = any(two_level(_with_ring(base, "auto"), r, cluster) for r in range(base.grid.pp))
     rings = ("auto", "flat") if spans else (base.comm.ring,)
-    return [{"codec": c, "bucket_kb": b, "ring": r}
-            for c in CODECS for b in buckets for r in rings]  # fmt: skip
+    return [{"codec": c, "bucket_kb": b, "ring": r} for c in CODECS for b in buckets for r in rings]
 
 
 def _with_ring(job: Job, ring: str) -> Job:
@@ -86,11 +87,18 @@ def _wires(base: Job, cluster: Cluster) -> list[str]:
 def set_strings(job: Job) -> list[str]:
     """The `--set` strings that make this layout of the job."""
     g, t, c = job.grid, job.train, job.comm
-    return [f"grid.pp={g.pp}", f"grid.dp={g.dp}", f"grid.order={g.order}",
-            f"train.schedule={t.schedule}", f"train.virtual_stages={t.virtual_stages}",
-            f"train.microbatches={t.microbatches}", f"comm.codec={c.codec}",
-            f"comm.bucket_kb={c.bucket_kb}", f"comm.ring={c.ring}",
-            f"comm.p2p_codec={c.p2p_codec}"]  # fmt: skip
+    return [
+        f"grid.pp={g.pp}",
+        f"grid.dp={g.dp}",
+        f"grid.order={g.order}",
+        f"train.schedule={t.schedule}",
+        f"train.virtual_stages={t.virtual_stages}",
+        f"train.microbatches={t.microbatches}",
+        f"comm.codec={c.codec}",
+        f"comm.bucket_kb={c.bucket_kb}",
+        f"comm.ring={c.ring}",
+        f"comm.p2p_codec={c.p2p_codec}",
+    ]
 
 
 def _parts(r: dict) -> dict[str, float]:
@@ -132,10 +140,14 @@ def _reason(entry: dict, best: dict | None, memory_bytes: float) -> str:
 
 def _entry(r: dict, candidate: Job) -> dict:
     return {
-        "throughput": r["throughput"], "step_time_s": r["step_time_s"], "bubble": r["bubble"],
-        "exposed_comm_s": r["exposed_comm_s"], "peak_memory_bytes": r["peak_memory_bytes"],
-        "set": set_strings(candidate), "prediction": r,
-    }  # fmt: skip
+        "throughput": r["throughput"],
+        "step_time_s": r["step_time_s"],
+        "bubble": r["bubble"],
+        "exposed_comm_s": r["exposed_comm_s"],
+        "peak_memory_bytes": r["peak_memory_bytes"],
+        "set": set_strings(candidate),
+        "prediction": r,
+    }
 
 
 def search(job: Job, cluster: Cluster, world: int) -> tuple[list[dict], int]:
@@ -165,8 +177,10 @@ def search(job: Job, cluster: Cluster, world: int) -> tuple[list[dict], int]:
                 if all(m["fits"] for m in r["memory"]):
                     fitting.append(_entry(r, candidate))
     if not made:
-        raise SearchError(f"no layout of this job on {world} ranks: every pp x dp, schedule "
-                          "and M was refused (see `mpihybrid train` for the rule)")  # fmt: skip
+        raise SearchError(
+            f"no layout of this job on {world} ranks: every pp x dp, schedule "
+            "and M was refused (see `mpihybrid train` for the rule)"
+        )
     fitting.sort(key=lambda e: -e["throughput"])
     for i, entry in enumerate(fitting):
         entry["reason"] = _reason(entry, fitting[0] if i else None, cluster.node.memory_bytes)

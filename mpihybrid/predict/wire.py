@@ -189,8 +189,12 @@ def two_level_seconds(
         hop = msgs * node.alpha_s if shared else node.seconds(codec.nbytes(math.ceil(chunk)), 1)
         wire += (local - 1) * hop
         copies += 0.0 if shared else (local - 1) * hop
-        work += (local - 1) * chunk * FLOAT * ((1 / rate.encode if codec.lossy else 0)
-                                               + 1 / rate.decode)  # fmt: skip
+        work += (
+            (local - 1)
+            * chunk
+            * FLOAT
+            * ((1 / rate.encode if codec.lossy else 0) + 1 / rate.decode)
+        )
         ghop = node.seconds(gather.nbytes(math.ceil(chunk)), 1)  # all-gather, messages
         wire += (local - 1) * ghop
         copies += (local - 1) * ghop

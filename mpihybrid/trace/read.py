@@ -28,9 +28,15 @@ FORMAT = "mpihybrid-trace"
 
 # root attributes the writer owns; callers cannot set them through `attrs`
 WRITER_ATTRS = (
-    "format", "schema_version", "created", "updated", "complete", "finished", "json_attrs",
+    "format",
+    "schema_version",
+    "created",
+    "updated",
+    "complete",
+    "finished",
+    "json_attrs",
     "file_id",
-)  # fmt: skip
+)
 
 
 class TraceError(Exception):
@@ -272,10 +278,16 @@ def _check_values(path: Path, trace: Trace) -> None:
         dp = _ranged(path, attrs, "dp", 1, world) if "dp" in attrs else world // pp
         if "pp" in attrs and "dp" in attrs and pp * dp != world:
             raise TraceError(f"{path}: pp({pp}) * dp({dp}) != world_size({world})")
-        m = _ranged(path, attrs, "microbatches", 1, MAX_MICROBATCHES) if (
-            "microbatches" in attrs) else 1  # fmt: skip
-        v = _ranged(path, attrs, "virtual_stages", 1, MAX_VIRTUAL) if (
-            "virtual_stages" in attrs) else 1  # fmt: skip
+        m = (
+            _ranged(path, attrs, "microbatches", 1, MAX_MICROBATCHES)
+            if ("microbatches" in attrs)
+            else 1
+        )
+        v = (
+            _ranged(path, attrs, "virtual_stages", 1, MAX_VIRTUAL)
+            if ("virtual_stages" in attrs)
+            else 1
+        )
         if pp * m * v > MAX_SCHEDULE_ACTIONS:
             raise TraceError(
                 f"{path}: pp({pp}) * microbatches({m}) * virtual_stages({v}) = {pp * m * v} "
@@ -285,18 +297,21 @@ def _check_values(path: Path, trace: Trace) -> None:
         if placement is not None and "pp" in attrs:
             placement = np.asarray(placement)
             if (
-                placement.dtype.kind not in "iu" or placement.shape != (pp * v,)
-                or placement.min(initial=0) < 0 or placement.max(initial=0) >= pp
-            ):  # fmt: skip
+                placement.dtype.kind not in "iu"
+                or placement.shape != (pp * v,)
+                or placement.min(initial=0) < 0
+                or placement.max(initial=0) >= pp
+            ):
                 raise TraceError(
                     f"{path}: attribute stage_ranks is not {pp * v} pp ranks below pp({pp})"
                 )
         for name, want in (("hostnames", str), ("peak_rss_bytes", int)):
             value = attrs.get(name)
             if value is not None and not (
-                isinstance(value, list) and len(value) == world
+                isinstance(value, list)
+                and len(value) == world
                 and all(isinstance(x, want) and not isinstance(x, bool) for x in value)
-            ):  # fmt: skip
+            ):
                 raise TraceError(f"{path}: attribute {name} is not a list of {world} values")
     ev = trace.events
     bad = ~(np.isfinite(ev["start"]) & np.isfinite(ev["end"]))

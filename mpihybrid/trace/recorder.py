@@ -26,8 +26,16 @@ log = logging.getLogger(__name__)
 # grad_wait: the main thread waiting, after the pipeline, for the gradient buckets still being
 # reduced (the exposed part of the all-reduce); allreduce and optimizer rows are per bucket
 KINDS = (
-    "forward", "backward", "weight", "send", "recv", "allreduce", "optimizer", "step", "grad_wait",
-)  # fmt: skip
+    "forward",
+    "backward",
+    "weight",
+    "send",
+    "recv",
+    "allreduce",
+    "optimizer",
+    "step",
+    "grad_wait",
+)
 KIND = {name: code for code, name in enumerate(KINDS)}
 EVENT_DTYPE = np.dtype(
     [
@@ -108,8 +116,17 @@ class Recorder:
         if self._n == len(self._rows):
             self._grow()
         self._rows[self._n] = (
-            self.rank, stage, self.replica, kind, step, microbatch, start, end, nbytes, peer
-        )  # fmt: skip
+            self.rank,
+            stage,
+            self.replica,
+            kind,
+            step,
+            microbatch,
+            start,
+            end,
+            nbytes,
+            peer,
+        )
         self._n += 1
 
     def _grow(self) -> None:

@@ -79,8 +79,9 @@ class TraceStream:
             log.warning(
                 "trace %s stopped: %s; training goes on, the trace keeps the steps up to its "
                 "last flush",
-                self.writer.path, self.stopped,
-            )  # fmt: skip
+                self.writer.path,
+                self.stopped,
+            )
 
     def add_step(self, step: int, loss: float, accuracy: float, **more: float) -> None:
         """Rank 0: the step's metrics, with its own duration (the recorder's last step row);
