@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
 from mpihybrid.analysis.bandwidth import allreduce_bandwidth
 from mpihybrid.analysis.costs import stage_costs
 from mpihybrid.analysis.messages import Messages, match_messages, message_latency
+from mpihybrid.analysis.oversubscription import oversubscription
 from mpihybrid.analysis.rows import durations, group_max, group_min, group_sum, groups
 from mpihybrid.nn.kinds import KINDS as KINDS_OF_MODEL
 from mpihybrid.pipeline.csv_schedule import from_trace
@@ -258,32 +259,6 @@ def _search_info(attrs: dict) -> dict | None:
         return None
     keys = ("placement", "found_by", "status", "makespan", "bubble", "step_bound")
     return {k: doc.get(k) for k in keys}
-
-
-def oversubscription(attrs: dict) -> dict | None:
-    """The host with the most ranks per core when it has more ranks than cores, from the trace's
-    hostnames and host_cores; None when no host is oversubscribed or the trace does not say."""
-    hosts, cores = attrs.get("hostnames"), attrs.get("host_cores")
-    if not hosts or not cores or len(hosts) != len(cores):
-        return None
-    ranks: dict[str, int] = {}
-    for host in hosts:
-        ranks[str(host)] = ranks.get(str(host), 0) + 1
-    n_cores = {str(h): int(c) for h, c in zip(hosts, cores, strict=True)}
-    worst = max(ranks, key=lambda h: ranks[h] / max(n_cores[h], 1))
-    if ranks[worst] <= n_cores[worst]:
-        return None
-    return {"host": worst, "ranks": ranks[worst], "cores": n_cores[worst]}
-
-
-def oversubscription_text(over: dict | None) -> str | None:
-    """The one-line caveat under every figure of an oversubscribed run."""
-    if over is None:
-        return None
-    return (
-        f"oversubscribed: {over['ranks']} ranks on {over['cores']} cores of {over['host']}: "
-        "ranks waited for a core, so times and bubbles measure the machine, not the schedule"
-    )
 
 
 STEPS_ONLY = "steps only"  # analyze()["events"] of a trace.events = false run

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from mpihybrid.analysis.metrics import SPLIT, STEPS_ONLY, oversubscription_text
+from mpihybrid.analysis.metrics import SPLIT, STEPS_ONLY
+from mpihybrid.analysis.oversubscription import oversubscription_text
 from mpihybrid.analysis.plain import plain_lines
 from mpihybrid.units import human_bytes, human_rate, table
 

@@ -175,7 +175,7 @@ def render_png(traces: Trace | list[Trace], steps: range | list[range], labels=N
 
 def _panel(ax, trace: Trace, rows, steps: range, ranks, t0, length, scale, label) -> None:
     """One trace's rows on `ax`: bars, step lines, rank labels, the title (and its caveats)."""
-    from mpihybrid.analysis.metrics import oversubscription
+    from mpihybrid.analysis.oversubscription import oversubscription
 
     ev = trace.events
     labels = _rank_labels(ev, Placement.from_attrs(trace.attrs))

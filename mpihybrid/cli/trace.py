@@ -171,7 +171,8 @@ def compare(runs, as_json) -> None:
     """Compare runs side by side: the settings that differ, then step time, bubble, bytes,
     throughput and accuracy, each with its ratio to the first run. Every figure comes from
     each run's measured window (its traced steps after the first), as analyze shows it."""
-    from mpihybrid.analysis.metrics import flat_config, oversubscription_text
+    from mpihybrid.analysis.metrics import flat_config
+    from mpihybrid.analysis.oversubscription import oversubscription_text
     from mpihybrid.analysis.report import window_text
     from mpihybrid.units import human_bytes, table
 
