@@ -1,5 +1,7 @@
 """The package's imports follow the flow: no cycles, and a module imports only from its own layer
-or a lower one. Every import counts, at module level or inside a function.
+or a lower one. Every import counts, at module level or inside a function. And its rooms stay a
+size a reader can hold: no module over MAX_MODULE_LINES lines, no function (or method) over
+MAX_FUNCTION_LINES, counted from its `def` to its last line (decorators apart).
 
 The layer order (lowest first) is the map of the code the README draws.
 """
@@ -10,6 +12,9 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mpihybrid"
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
 
 # lowest first; a module belongs to the longest prefix that names it
 LAYERS = (
@@ -123,3 +128,52 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
     edges = {"mpihybrid.comm.a": {"mpihybrid.cli.b"}, "mpihybrid.cli.b": {"mpihybrid.comm.a"}}
     assert find_cycle(edges) == ["mpihybrid.cli.b", "mpihybrid.comm.a", "mpihybrid.cli.b"]
     assert upward_imports(edges) == ["mpihybrid.comm.a (layer 1) imports mpihybrid.cli.b (layer 9)"]
+
+
+def long_modules(root: Path = PACKAGE, limit: int = MAX_MODULE_LINES) -> list[str]:
+    """'path: N lines' of every module of the package over `limit` lines."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > limit:
+            found.append(f"{path.relative_to(root.parent)}: {lines} lines")
+    return found
+
+
+def long_functions(root: Path = PACKAGE, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """'path:line name: N lines' of every function or method over `limit` lines."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    where = f"{path.relative_to(root.parent)}:{node.lineno}"
+                    found.append(f"{where} {node.name}: {lines} lines")
+    return found
+
+
+def test_no_module_over_the_limit():
+    wrong = long_modules()
+    assert not wrong, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(wrong)
+
+
+def test_no_function_over_the_limit():
+    wrong = long_functions()
+    assert not wrong, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(wrong)
+
+
+def test_the_length_checks_catch_a_long_module_and_function(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(4))
+    (package / "short.py").write_text(f"def f():\n{body}\n")
+    (package / "long.py").write_text(
+        "\n".join(["x = 1"] * 7) + f"\n\n\n@staticmethod\ndef g():\n{body}\n"
+    )
+    assert long_modules(package, limit=6) == ["pkg/long.py: 15 lines"]
+    assert long_functions(package, limit=4) == [
+        "pkg/long.py:11 g: 5 lines",
+        "pkg/short.py:1 f: 5 lines",
+    ]
+    assert long_functions(package, limit=5) == []
