@@ -6,7 +6,7 @@ cuts     an int8 weight gather of a vector of three tensors, a LayerNorm-like ga
          bias of 1e-3's and a weight of 0.02's, in blocks larger than each: the error of each
          tensor relative to half a step of its own absmax scale (<= 1 with the tensor
          boundaries as cuts; without them the small tensors share the gain's scale)
-buffers  (--buffers, under MPIR_CVAR_NOLOCAL=1: rings of messages) the bytes a GPT stage's rings
+buffers  (--buffers: rings of messages, as across nodes) the bytes a GPT stage's rings
          allocate (wire buffers, residual, master) against the memory model's "ring buffers",
          sharded and not, lossy or not; and what a one-half ring refuses to run
 """
@@ -62,6 +62,7 @@ def gather_errors(cuts: tuple[int, ...], transport: str) -> list[float]:
 
 def ring_buffers(sets: list[str]) -> dict:
     """A GPT stage's rings as the trainer builds them: allocated bytes against the model's."""
+    from mpihybrid.comm import allreduce
     from mpihybrid.comm.device import select_backend
     from mpihybrid.config import load_job
     from mpihybrid.nn.cost import stage_work
@@ -74,10 +75,12 @@ def ring_buffers(sets: list[str]) -> dict:
             f"grid.dp={comm.size}", "train.global_batch=6", "train.microbatches=1",
             "train.steps=0", "train.optimizer=adamw", "comm.block=64", "trace.path="]  # fmt: skip
     job = load_job(None, [*base, *sets], comm.size)
+    # every rank as if on a node of its own (MPICH's MPIR_CVAR_NOLOCAL=1; Open MPI has none)
+    allreduce.node_local = lambda _comm: False
     run = build_run(job, comm, select_backend("cpu", False, comm))
     red, opt = run.states[0].reducer, run.states[0].optimizer
     rings = red.rings + (red.param_rings or [])
-    assert all(ring.shared is None for ring in rings), "run with MPIR_CVAR_NOLOCAL=1"
+    assert all(ring.shared is None for ring in rings), "rings of messages, no shared window"
     master = getattr(opt, "master", None)
     allocated = sum(ring.buffer_bytes for ring in rings)
     allocated += sum(a.nbytes for a in (red.residual, master) if a is not None)

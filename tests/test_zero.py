@@ -112,8 +112,7 @@ def test_rings_allocate_what_the_memory_model_counts():
     the memory model's "ring buffers" (to alignment and per-chunk scales); a sharded run's
     gradient ring, a reduce-scatter alone, holds no all-gather wire; one-half rings refuse the
     other half."""
-    proc = run_mpi(3, "tests/_mpi_gather.py", "--buffers", env={"MPIR_CVAR_NOLOCAL": "1"},
-                   timeout=60)  # fmt: skip
+    proc = run_mpi(3, "tests/_mpi_gather.py", "--buffers", timeout=60)
     rows = results(proc)
     assert len(rows) == 5, proc.stdout
     for r in rows:
