@@ -228,7 +228,7 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
         row = _rank_end(job, work, sim, actions[r], cluster)
         ranks.append({"rank": r, **row, "end_s": row["end_s"] + overhead})
     step = max(r["end_s"] for r in ranks)
-    units = job.data.seq_len if job.data.kind != "teacher" else 1
+    units = job.tokens_per_sample
     flops_step = sum(w.flops(k) for w in work for k in ("F", "B", "W")) * t.microbatches * g.dp
     stages = []
     for s, w in enumerate(work):
