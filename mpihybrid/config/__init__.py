@@ -66,6 +66,7 @@ class ModelConfig:
     ffn: int = 0  # gpt: feed-forward width; 0 = 4 * hidden
     partition: str | list = "cost"  # cost | uniform | timed | [layers per chunk]
     init: str = ""  # gpt: start from this .safetensors file (weights export) instead of the seed
+    tie_embeddings: bool = False  # gpt: the head's weight is the token table (nanoGPT's wte)
 
 
 @dataclass(frozen=True)

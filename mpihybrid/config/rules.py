@@ -83,6 +83,8 @@ def validate(job: Job) -> None:
             f"train.global_batch({t.global_batch}) is not divisible by "
             f"dp({g.dp}) * microbatches({t.microbatches}) = {per_step}"
         )
+    if m.tie_embeddings and (m.kind != "gpt" or t.shard_optimizer):
+        raise ConfigError("model.tie_embeddings: a gpt's, without train.shard_optimizer")
     if wrong := KINDS[m.kind].check(m) or (m.init and init_problem(m, d.seq_len, d.vocab)):
         raise ConfigError(wrong)
     _check_data(job)

@@ -28,6 +28,7 @@ from mpihybrid.pipeline.schedules import build_schedule, lower, placement_of
 from mpihybrid.pipeline.wire import P2PWire, encoded_peers
 from mpihybrid.trace.recorder import Recorder
 from mpihybrid.trace.stream import TraceStream
+from mpihybrid.train import tie
 from mpihybrid.train.flight import FlightRecorder
 from mpihybrid.train.state import StageState, build_states
 from mpihybrid.train.tracing import build_trace
@@ -92,6 +93,8 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
         for s in placement.stages_of(grid.pp_rank)
     }
     for st in stages.values():
+        if job.model.tie_embeddings:  # the head's copy starts from the embedding's draw
+            tie.tie_init(st, job.model, t.seed)
         if job.model.init:  # the file was checked against the model (config.validate)
             load_into(st, job.model.init, job.model.depth + 2)  # gpt: embedding, layers, head
         if not on_host:

@@ -22,7 +22,7 @@ from mpihybrid.config import Job
 from mpihybrid.nn.data import replica_microbatches
 from mpihybrid.nn.optim import learning_rate
 from mpihybrid.trace.recorder import KIND, Recorder, clock_offset
-from mpihybrid.train import build, checkpoint, clip, evaluate, report, tracing
+from mpihybrid.train import build, checkpoint, clip, evaluate, report, tie, tracing
 from mpihybrid.train.build import Run
 from mpihybrid.train.flight import FlightRecorder, record_dir, run_id
 from mpihybrid.train.memory import peak_rss_bytes
@@ -206,8 +206,9 @@ def _train_step(job: Job, world: MPI.Comm, run: Run, record: Record, step: int, 
     t0 = Recorder.clock()
     events = run.gradcomm.finish()
     run.recorder.record(KIND["grad_wait"], step, -1, -1, t0, Recorder.clock())
-    if t.grad_clip:
-        events = _clip_and_update(world, run, record, events, t.grad_clip)
+    if t.grad_clip or job.model.tie_embeddings:
+        tied = job.model.depth + 2 if job.model.tie_embeddings else None
+        events = _clip_and_update(world, run, record, events, t.grad_clip, tied)
     tracing.record_buckets(run.recorder, step, events, run.states, run.ring_peer)
     run.flight.end(i)
     run.recorder.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
@@ -216,16 +217,21 @@ def _train_step(job: Job, world: MPI.Comm, run: Run, record: Record, step: int, 
     _step_boundary(job, world, run, record, step, result=result, quiet=quiet)
 
 
-def _clip_and_update(world: MPI.Comm, run: Run, record: Record, events: list, grad_clip: float):
-    """train.grad_clip: the global norm (collective), the reduced gradients clipped by it, then
+def _clip_and_update(world, run: Run, record: Record, events: list, grad_clip: float, tied):
+    """model.tie_embeddings (tied: the model's blocks): the tied gradients summed (train/tie.py);
+    train.grad_clip: the global norm (collective), the reduced gradients clipped by it; then
     every held bucket's update (and sharded, its weight gather), in stage and bucket order on
     every replica; the events carry the updates' own times."""
     reducers = {s: st.reducer for s, st in run.states.items()}
-    record.grad_norm = clip.global_norm(world, run.stages, reducers, run.grid.dp_rank)
-    record.grad_norms.append(record.grad_norm)
-    coef = clip.clip_coefficient(record.grad_norm, grad_clip)
-    if coef < 1.0:
-        clip.scale(run.stages, reducers, coef)
+    if tied is not None:
+        tie.sum_tied_grads(run.grid.pp_comm, run.stages, run.runtime.placement, tied)
+    if grad_clip:
+        skip = {s: tie.head_range(st, tied) for s, st in run.stages.items()} if tied else {}
+        record.grad_norm = clip.global_norm(world, run.stages, reducers, run.grid.dp_rank, skip)
+        record.grad_norms.append(record.grad_norm)
+        coef = clip.clip_coefficient(record.grad_norm, grad_clip)
+        if coef < 1.0:
+            clip.scale(run.stages, reducers, coef)
     by_bucket = {(ev.stage, ev.bucket): ev for ev in events}
     for s in sorted(reducers):
         for i in range(len(reducers[s].buckets)):
