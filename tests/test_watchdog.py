@@ -351,6 +351,13 @@ def test_sigint_to_mpiexec_stops_every_rank_at_a_step_boundary(tmp_path):
     proc, marker = _start(2, "--trace", str(trace))
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
+    if flavour() != "MPICH":
+        # Open MPI's mpiexec turns Ctrl-C into SIGTERM to every rank, then kills them after its
+        # own short grace: the job still ends on every rank (the bug this holds), exit non-zero,
+        # but the agreed step boundary and exit 130 are MPICH's (docs/robustness.md).
+        assert proc.returncode != 0, err
+        assert _procs_left(marker) == []
+        return
     assert proc.returncode == 130, err
     (line,) = [x for x in err.splitlines() if x.startswith("mpihybrid:")]
     assert line.startswith("mpihybrid: interrupted at step") and "no checkpoint" in line, line
