@@ -99,14 +99,19 @@ elif MODE == "usr1-build" and RANK == 1:
 elif MODE == "kill" and RANK == 1:
     on_third_forward(lambda: os.kill(os.getpid(), signal.SIGKILL))
 elif MODE == "nan-grad" and RANK == 0:
-    calls = {"n": 0}
+    # counted per stage object (the memory check's kernel warm-up runs a stage of its own);
+    # `alive` keeps every counted stage so that no later one reuses its id
+    calls: dict[int, int] = {}
+    alive: list = []
     for name in ("backward", "backward_weight"):
         original = getattr(model.Stage, name)
 
         def poisoned(self, *args, _original=original, **kwargs):
             out = _original(self, *args, **kwargs)
-            calls["n"] += 1
-            if calls["n"] > 8:  # 4 micro-batches a step: from step 3 on
+            if id(self) not in calls:
+                alive.append(self)
+            calls[id(self)] = calls.get(id(self), 0) + 1
+            if calls[id(self)] > 8:  # 4 micro-batches a step: from step 3 on
                 self.flat_grads[0] = np.nan
             return out
 
