@@ -27,7 +27,7 @@ def test_auto_equals_serial(pp, dp, m, model):
         settings += ["model.hidden=16"]
     argv = [arg for s in settings for arg in ("--set", s)]
     proc = run_mpi(pp * dp, "tests/_mpi_train.py", "--serial", "--schedules", "auto", *argv,
-                   timeout=180)  # fmt: skip
+                   timeout=300)  # fmt: skip
     (r,) = results(proc)
     assert r["allclose"] and r["max_abs_diff"] < 1e-5, r
     np.testing.assert_allclose(r["losses"], r["serial_losses"], rtol=1e-5)
