@@ -97,9 +97,11 @@ def test_every_written_attribute_and_dataset_is_documented(fresh):
     documented = documented_attrs()
     assert set(fresh.attrs) | {"json_attrs"} <= set(documented)
     steps = {c[0].strip("`"): c[1] for c in rows("`/steps`")}
-    assert set(fresh.steps) == set(steps)
+    # grad_norm is written with train.grad_clip > 0 only (tests/test_clip.py)
+    assert set(fresh.steps) == set(steps) - {"grad_norm"}
     for name, kind in steps.items():
-        assert fresh.steps[name].dtype == np.dtype(kind), name
+        if name in fresh.steps:
+            assert fresh.steps[name].dtype == np.dtype(kind), name
 
 
 @pytest.mark.mpi
