@@ -9,18 +9,22 @@ codec), at several dp, with several seeds; held-out loss against step (mean and 
     python benchmarks/codec_convergence.py --codecs fp32,gather-bf16,gather-int8 --dp 2 \\
         --out runs/gather_convergence [--job-settings --steps 1200 --eval-every 100]
 
-Every run is `mpiexec -n DP mpihybrid train JOB` with only comm.codec / comm.error_feedback
+    python benchmarks/codec_convergence.py --codecs fp32,wire-bf16,wire-int8 --pp 2 --dp 1 \\
+        --job-settings --steps 1200 --eval-every 100 --out runs/wire_convergence
+
+Every run is `mpiexec -n PP*DP mpihybrid train JOB` with only comm.codec / comm.error_feedback
 changing between gradient codecs; a `gather-*` codec is the distributed optimizer
 (train.shard_optimizer) whose weight all-gather sends comm.param_codec, over an fp32 gradient
-ring (gather-fp32 has fp32's bits: the reference of both kinds is fp32). The runs train the
-benchmark's small model (SMALL), or with --job-settings the job's own model and training on one
-stage. data.seed and train.seed are the seed (the same windows, the same initial weights for
-every codec), so the codec is the only difference. Each run's held-out losses (the trace's
-/eval) go to OUT/<codec>-dp<D>-seed<S>.json; runs already there are not run again, so
---max-minutes cuts the work into sittings (a lock held by the caller, or per run with --lock).
-The table and the plot are made from whatever runs exist. Losses do not depend on the machine's
-load (same job + seed = same losses, bit for bit); only the wall time of a run suffers from
-company.
+ring (gather-fp32 has fp32's bits: the reference of both kinds is fp32); a `wire-*` codec is
+comm.p2p_codec on every pipeline link (--pp 2 or more; wire-fp32 has fp32's bits). The runs
+train the benchmark's small model (SMALL), or with --job-settings the job's own model and
+training, on --pp stages (1 by default). data.seed and train.seed are the seed (the same
+windows, the same initial weights for every codec), so the codec is the only difference. Each
+run's held-out losses (the trace's /eval) go to OUT/<codec>[-pp<P>]-dp<D>-seed<S>.json; runs
+already there are not run again, so --max-minutes cuts the work into sittings (a lock held by
+the caller, or per run with --lock). The table and the plot are made from whatever runs exist.
+Losses do not depend on the machine's load (same job + seed = same losses, bit for bit); only
+the wall time of a run suffers from company.
 """
 
 from __future__ import annotations
@@ -51,27 +55,38 @@ GATHER_CODECS = {
     f"gather-{name}": ["comm.codec=fp32", "train.shard_optimizer=true", f"comm.param_codec={name}"]
     for name in ("fp32", "bf16", "int8")
 }
-CODECS = {**GRADIENT_CODECS, **GATHER_CODECS}
+# the pipeline wire (comm.p2p_codec) on every link, so it applies on one node: the activations
+# and activation gradients a stage sends; run at --pp 2 or more (wire-fp32 has fp32's bits)
+WIRE_CODECS = {
+    f"wire-{name}": ["comm.codec=fp32", f"comm.p2p_codec={name}", "comm.p2p_codec_scope=all"]
+    for name in ("fp32", "bf16", "int8")
+}
+CODECS = {**GRADIENT_CODECS, **GATHER_CODECS, **WIRE_CODECS}
 # the benchmark's model: small enough that 30 runs fit a sitting or two on 2 cores
-SMALL = ["model.hidden=64", "model.depth=2", "model.heads=4", "grid.pp=1", "train.lr=0.0015",
+SMALL = ["model.hidden=64", "model.depth=2", "model.heads=4", "train.lr=0.0015",
          "train.global_batch=32", "train.microbatches=2", "data.test_samples=64",
          'checkpoint.dir=""', "checkpoint.every=0"]  # fmt: skip
-# --job-settings: the job's own model and training, on one pipeline stage, writing no checkpoint
-JOB_SETTINGS = ["grid.pp=1", 'checkpoint.dir=""', "checkpoint.every=0"]
+# --job-settings: the job's own model and training (on --pp stages), writing no checkpoint
+JOB_SETTINGS = ['checkpoint.dir=""', "checkpoint.every=0"]
+
+
+def run_name(codec: str, pp: int, dp: int, seed: int) -> str:
+    """A run's file stem; pp = 1 keeps the names runs made before --pp had."""
+    return f"{codec}-{f'pp{pp}-' if pp > 1 else ''}dp{dp}-seed{seed}"
 
 
 def run_one(job: str, data: Path, codec: str, dp: int, seed: int, steps: int, every: int,
-            out: Path, lock: str = "", extra: tuple = (), base: tuple = tuple(SMALL)
-            ) -> dict:  # fmt: skip
+            out: Path, lock: str = "", extra: tuple = (), base: tuple = tuple(SMALL),
+            pp: int = 1) -> dict:  # fmt: skip
     from mpihybrid.launch import mpiexec_command
     from mpihybrid.trace.read import load
 
-    trace = out / f"{codec}-dp{dp}-seed{seed}.h5"
-    sets = [*base, f"grid.dp={dp}", f"data.seed={seed}", f"train.seed={seed}",
+    trace = out / f"{run_name(codec, pp, dp, seed)}.h5"
+    sets = [*base, f"grid.pp={pp}", f"grid.dp={dp}", f"data.seed={seed}", f"train.seed={seed}",
             f"train.steps={steps}", f"train.eval_every={every}",
             f'data.train="{data}/train.bin"', f'data.val="{data}/val.bin"',
             *CODECS[codec], *extra]  # fmt: skip
-    cmd = [*mpiexec_command(dp, sys.executable), "-m", "mpihybrid", "train", job,
+    cmd = [*mpiexec_command(pp * dp, sys.executable), "-m", "mpihybrid", "train", job,
            "--quiet", "--overwrite", "--trace", str(trace)]  # fmt: skip
     if lock:  # held for this run only: others' runs get their turn between two of ours
         cmd = ["flock", "-s" if lock.startswith("shared:") else "-x", lock.split(":")[-1], *cmd]
@@ -84,7 +99,7 @@ def run_one(job: str, data: Path, codec: str, dp: int, seed: int, steps: int, ev
     evals = load(trace).evals
     trace.unlink()
     return {
-        "codec": codec, "dp": dp, "seed": seed, "steps": steps,
+        "codec": codec, "pp": pp, "dp": dp, "seed": seed, "steps": steps,
         "eval_step": (evals["step"] + 1).tolist(), "val_loss": evals["loss"].tolist(),
         "seconds": time.monotonic() - t0,
     }  # fmt: skip
@@ -193,6 +208,7 @@ def main() -> None:
     parser.add_argument("--codecs", default=",".join(GRADIENT_CODECS),
                         help=f"comma-separated, of {', '.join(CODECS)}")  # fmt: skip
     parser.add_argument("--dp", default="2,4")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages of every run")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=25)
@@ -220,18 +236,19 @@ def main() -> None:
     # seed-major: a sitting cut short still leaves whole comparisons (every codec, one seed)
     todo = [(s, dp, c) for s in range(args.seeds) for dp in dps for c in codecs]
     for seed, dp, codec in todo:
-        path = out / f"{codec}-dp{dp}-seed{seed}.json"
+        path = out / f"{run_name(codec, args.pp, dp, seed)}.json"
         if path.exists():
             continue
         if args.max_minutes and time.monotonic() - t0 > 60 * args.max_minutes:
             print(f"stopped after {args.max_minutes} minutes; run again to go on")
             break
         r = run_one(args.job, data, codec, dp, seed, args.steps, args.eval_every, out, args.lock,
-                    tuple(args.extra), base)  # fmt: skip
+                    tuple(args.extra), base, args.pp)  # fmt: skip
         path.write_text(json.dumps(r))
-        print(f"{codec:9s} dp={dp} seed={seed}: final val loss {r['val_loss'][-1]:.4f} "
-              f"({r['seconds']:.0f} s)", flush=True)  # fmt: skip
-    runs = [r for r in load_runs(out) if r["codec"] in codecs and r["dp"] in dps]
+        print(f"{codec:9s} pp={args.pp} dp={dp} seed={seed}: final val loss "
+              f"{r['val_loss'][-1]:.4f} ({r['seconds']:.0f} s)", flush=True)  # fmt: skip
+    runs = [r for r in load_runs(out)
+            if r["codec"] in codecs and r["dp"] in dps and r.get("pp", 1) == args.pp]  # fmt: skip
     print(table(runs, codecs, dps))
     if args.plot and runs:
         plot(runs, codecs, dps, args.plot, unigram_entropy(data))
