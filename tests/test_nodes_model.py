@@ -92,3 +92,49 @@ def test_auto_order_is_the_faster_one_and_says_why():
         "pipeline-inner")  # fmt: skip
     auto = predict(_job("grid.pp=2", "grid.dp=2", "grid.order=auto"), _nodes(2))
     assert auto["job"]["order"] == order
+
+
+@pytest.mark.parametrize(
+    "ring, nodes, ways",
+    [
+        ("auto", [0, 0, 1, 1], [2, 2, 2, 2]),  # two-level: a node's ranks share its chunks
+        ("auto", [0, 0, 0, 1], [3, 3, 3, 1]),  # the node of one rank owns the whole vector
+        ("auto", [0, 1, 0, 1], [2, 2, 2, 2]),
+        ("flat", [0, 0, 1, 1], [4, 4, 4, 4]),
+        ("auto", [0, 1, 2, 3], [4, 4, 4, 4]),  # one rank a node: the flat ring
+        ("auto", [0, 0, 0, 0], [4, 4, 4, 4]),
+        ("auto", None, [4, 4, 4, 4]),
+    ],
+)
+def test_the_sharded_optimizer_holds_what_its_ring_gives_it(ring, nodes, ways):
+    """train.shard_optimizer under the two-level ring: a rank updates its node's chunk, 1 / (the
+    group's ranks on its node) of the vector (comm.hier_ring), not 1 / dp; the memory check and
+    predict count that."""
+    from mpihybrid.train.memory import rank_estimate, shard_ways
+
+    job = _job("grid.pp=1", "grid.dp=4", "train.global_batch=16", "train.shard_optimizer=true",
+               f"comm.ring={ring}")  # fmt: skip
+    assert [shard_ways(job, 0, r, nodes) for r in range(4)] == ways
+    params = predict(job, LOCAL)["memory"][0]["params"]
+    for w in set(ways):
+        state = rank_estimate(job, 0, ways=w)["optimizer state"]
+        assert state == 4 * 2 * -(-params // w)  # AdamW: two moments of the owned chunk
+    if nodes == [0, 0, 0, 1]:  # predict: the rank that updates most, on the node of one
+        got = predict(job, _nodes(3))["memory"][0]["parts"]["optimizer state"]
+        assert got == rank_estimate(job, 0, ways=1)["optimizer state"]
+
+
+def test_the_two_level_ring_is_where_the_memory_check_looks():
+    """pp=2 x dp=2 data-inner on nodes of 2: each stage's group inside one node (the flat ring,
+    1/dp); pipeline-inner: one rank a node (the flat ring too); pp=1 x dp=4 on nodes of 2: 1/2."""
+    from mpihybrid.train.memory import shard_ways
+
+    pipe = _job("grid.pp=2", "grid.dp=2", "grid.order=data-inner", "train.shard_optimizer=true")
+    assert [shard_ways(pipe, p, r, [0, 0, 1, 1]) for p, r in ((0, 0), (1, 3))] == [2, 2]
+    inner = _job("grid.pp=2", "grid.dp=2", "grid.order=pipeline-inner",
+                 "train.shard_optimizer=true")  # fmt: skip
+    assert shard_ways(inner, 0, 0, [0, 0, 1, 1]) == 2
+    wide = _job("grid.pp=1", "grid.dp=4", "train.global_batch=16", "train.shard_optimizer=true")
+    assert predict(wide, _nodes(2))["memory"][0]["parts"]["optimizer state"] == (
+        8 * -(-predict(wide, LOCAL)["memory"][0]["params"] // 2)
+    )

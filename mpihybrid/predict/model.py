@@ -173,7 +173,10 @@ def rank_memory(job: Job, work: list[ChunkWork], actions: list[Action], cluster:
     d = cluster.device
     shared = shared_wire(True, _ring_crosses(job, rank, cluster), d)
     base = d.base_memory_bytes + (d.kernel_memory_bytes if runs_compiled_kernels(job) else 0.0)
-    return memory.rank_memory(job, work, actions, shared, base, cluster.node.memory_bytes)
+    ways = shard_ways(job, rank, cluster)
+    return memory.rank_memory(
+        job, work, actions, shared, base, cluster.node.memory_bytes, ways=ways
+    )
 
 
 def runs_compiled_kernels(job: Job) -> bool:

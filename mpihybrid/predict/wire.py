@@ -148,16 +148,22 @@ def ring_half(
     return wire + work, work + (wire if copies else 0.0)
 
 
+def _group_nodes(job: Job, pp_rank: int, cluster: Cluster) -> dict[int, int]:
+    """How many of pp position `pp_rank`'s replicas each node holds."""
+    per_node: dict[int, int] = {}
+    for rank in job.grid.layout.replica_ranks(pp_rank):
+        node = _node(rank, cluster)
+        per_node[node] = per_node.get(node, 0) + 1
+    return per_node
+
+
 def two_level(job: Job, pp_rank: int, cluster: Cluster) -> tuple[int, int, int] | None:
     """(ranks of the dp group on its fullest node, nodes it spans, pp positions whose groups
     span nodes) when pp position `pp_rank`'s ring is the two-level one (comm.ring = auto or
     hierarchical, its replicas on more than one node, two on one of them), else None."""
     if job.comm.ring == "flat" or job.grid.dp == 1:
         return None
-    per_node: dict[int, int] = {}
-    for rank in job.grid.layout.replica_ranks(pp_rank):
-        node = _node(rank, cluster)
-        per_node[node] = per_node.get(node, 0) + 1
+    per_node = _group_nodes(job, pp_rank, cluster)
     if len(per_node) == 1 or max(per_node.values()) == 1:
         return None  # one node, or one rank a node: the flat ring is the two-level one
     spanning = sum(_ring_crosses(job, r, cluster) for r in range(job.grid.pp))
@@ -216,10 +222,12 @@ def two_level_seconds(
 
 
 def shard_ways(job: Job, pp_rank: int, cluster: Cluster) -> int:
-    """Over how many ranks train.shard_optimizer splits a bucket's update: the dp group, or
-    under the two-level ring the ranks of a node (comm.hier_ring)."""
-    levels = two_level(job, pp_rank, cluster)
-    return job.grid.dp if levels is None else levels[0]
+    """Over how many ranks train.shard_optimizer splits a bucket's update on the rank that
+    updates most: the dp group, or under the two-level ring the group's ranks on its emptiest
+    node (comm.hier_ring: a node's ranks share its chunks; train.memory.shard_ways)."""
+    if two_level(job, pp_rank, cluster) is None:
+        return job.grid.dp
+    return min(_group_nodes(job, pp_rank, cluster).values())
 
 
 def shared_wire(lossy: bool, crosses: bool, device: Device) -> bool:

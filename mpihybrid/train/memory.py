@@ -27,7 +27,9 @@ from pathlib import Path
 from mpi4py import MPI
 
 from mpihybrid.comm.agree import first_error
+from mpihybrid.comm.buckets import ring_kind
 from mpihybrid.comm.codecs import get_codec
+from mpihybrid.comm.nodes import NodeMapError, node_map
 from mpihybrid.config import ConfigError, Job
 from mpihybrid.nn.cost import ChunkWork, stage_work
 from mpihybrid.pipeline.actions import split_backwards
@@ -67,17 +69,22 @@ def rank_memory(
     ring_shared: bool,
     base_bytes: float = 0.0,
     memory_bytes: float = 0.0,
+    *,
+    ways: int = 0,
 ) -> dict:
     """Bytes one rank (its pp position's actions) holds at its peak, by part. ring_shared: a
     lossy ring whose encoded segments the neighbours read from a shared window (comm.shm: one
     node, host memory) needs no receive slots. base_bytes: the runtime itself; memory_bytes: the
-    device's, for `fits` (0: not compared)."""
+    device's, for `fits` (0: not compared). ways: over how many ranks the gradient ring's
+    reduce-scatter cuts the vector and train.shard_optimizer its state (shard_ways; 0: grid.dp,
+    the flat ring)."""
     t, c, g = job.train, job.comm, job.grid
+    ways = ways or g.dp
     mine = sorted({a.stage for a in actions})
     placement = placement_of(t.schedule, g.pp, t.virtual_stages)
     rank = placement.rank_of(mine[0])
     params = sum(work[s].params for s in mine)
-    ring = _ring_bytes(job, params, ring_shared)
+    ring = _ring_bytes(job, params, ring_shared, ways)
     live = _live_activations(job, work, actions, mine)
     # every receive of a step is posted when it starts: one buffer per (direction, mb)
     last, recv = len(work) - 1, 0
@@ -87,10 +94,10 @@ def rank_memory(
         if s < last and placement.rank_of(s + 1) != rank:
             recv += t.microbatches * work[s + 1].input_bytes  # their gradients from the next
     per_param = {"adamw": 2, "sgd": 1 if t.momentum else 0}[t.optimizer]  # moments, velocity
-    # train.shard_optimizer: state for the owned 1/dp; a lossy weight gather adds the owner's
+    # train.shard_optimizer: state for the owned 1/ways; a lossy weight gather adds the owner's
     # fp32 master of it and the gather's encoded vector once (the owner's chunk, encoded where
     # nothing lands, and the others', received or read from their shared slots)
-    owned = math.ceil(params / g.dp) if t.shard_optimizer else params
+    owned = math.ceil(params / ways) if t.shard_optimizer else params
     gather = get_codec(c.param_codec or "fp32", c.block)
     if t.shard_optimizer and gather.lossy and g.dp > 1:
         ring += FLOAT * owned + gather.nbytes(params)
@@ -124,24 +131,38 @@ def rank_memory(
     }
 
 
-def _ring_bytes(job: Job, params: int, ring_shared: bool) -> int:
+def _ring_bytes(job: Job, params: int, ring_shared: bool, ways: int) -> int:
     """The gradient ring's buffers for `params` parameters: the error-feedback residual, the
-    encoded vectors and the reduce-scatter's receive slots."""
+    encoded vectors and the reduce-scatter's receive slots (its chunks 1/ways of the vector;
+    under the two-level ring those inside the node, the larger ones)."""
     t, c, g = job.train, job.comm, job.grid
     codec = get_codec(c.codec, c.block)
     lossy = codec.lossy and g.dp > 1
     ring = FLOAT * params if lossy and c.error_feedback else 0  # the residual
     # the reduce-scatter receives step s into slot s % 2 of two chunk-sized ones (comm.allreduce)
-    slots = min(2, g.dp - 1)
+    slots = min(2, ways - 1)
     if lossy:  # per bucket: its encoded vector twice (the wire and the all-gather's, or on one
         # node the neighbours' shared slots it decodes from), and apart from those the slots;
         # sharded, off one node, the reduce-scatter alone: its wire once
         ring += (1 if t.shard_optimizer and not ring_shared else 2) * codec.nbytes(params)
         if not ring_shared:
-            ring += slots * codec.nbytes(math.ceil(params / g.dp))
+            ring += slots * codec.nbytes(math.ceil(params / ways))
     elif g.dp > 1:
-        ring += slots * FLOAT * math.ceil(params / g.dp)
+        ring += slots * FLOAT * math.ceil(params / ways)
     return ring
+
+
+def shard_ways(job: Job, pp_rank: int, rank: int, nodes: list[int] | None) -> int:
+    """Over how many ranks world rank `rank`'s gradient ring cuts the vector (its reduce-scatter
+    chunks; train.shard_optimizer: its optimizer state): the dp group under the flat ring; under
+    the two-level ring (comm.hier_ring, a group spanning nodes: comm.buckets.ring_kind) the
+    group's ranks on this rank's node, so a node holding fewer of them holds more each."""
+    group = job.grid.layout.replica_ranks(pp_rank)
+    if nodes is None or job.grid.dp == 1:
+        return job.grid.dp
+    if ring_kind(job.comm.ring, [nodes[r] for r in group])[0] != "hierarchical":
+        return job.grid.dp
+    return sum(nodes[r] == nodes[rank] for r in group)
 
 
 def _live_activations(
@@ -167,13 +188,15 @@ def _live_activations(
     return live
 
 
-def rank_estimate(job: Job, pp_rank: int, ring_shared: bool = False) -> dict[str, int]:
+def rank_estimate(
+    job: Job, pp_rank: int, ring_shared: bool = False, ways: int = 0
+) -> dict[str, int]:
     """Bytes a rank at pipeline position `pp_rank` needs, by part (rank_memory's, without the
-    runtime): from the job alone, nothing allocated."""
+    runtime): from the job alone, nothing allocated. ways: shard_ways (0: grid.dp)."""
     t = job.train
     actions = build_schedule(t.schedule, job.grid.pp, t.microbatches, t.virtual_stages,
                              t.early_grad_send)[pp_rank]  # fmt: skip
-    parts = rank_memory(job, stage_work(job), actions, ring_shared)["parts"]
+    parts = rank_memory(job, stage_work(job), actions, ring_shared, ways=ways)["parts"]
     return {k: v for k, v in parts.items() if k != "runtime"}
 
 
@@ -356,11 +379,17 @@ def check_fits(
         load_kernels(job, say=rank == 0)  # in use from now on: counted in what is in use
     except Exception:  # a model the tiny copy cannot mirror: its kernels load in step 1
         pass
+    try:
+        nodes = node_map(world)  # collective
+    except NodeMapError:  # the run's build says so, in one line
+        nodes = None
+    ways = shard_ways(job, pp_rank, rank, nodes)
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         ranks = node.Get_size()
         # every rank on one node: a lossy ring's wire is a shared window (comm.shm)
-        need = rank_estimate(job, pp_rank, ranks == world.Get_size()) if g.device == "cpu" else {}
+        shared = ranks == world.Get_size()
+        need = rank_estimate(job, pp_rank, shared, ways) if g.device == "cpu" else {}
         node_need = node.allreduce(sum(need.values()))
     finally:
         node.Free()
