@@ -3,6 +3,7 @@
 #
 #   sudo benchmarks/two_nodes_sitting.sh            # every row (about 10 minutes)
 #   sudo benchmarks/two_nodes_sitting.sh wire hier  # some: wire wire_slow hier hier100 auto ring
+#                                                   #   hier500 bound wire100 (not in "every row")
 #
 # Every comparison is one `bench train --against` invocation, paired repeat by repeat in ABBA
 # order (REPEATS, 3), each run WARMUP (2) + STEPS (6) steps; a bench line is one two_nodes.sh
@@ -12,10 +13,15 @@
 #         (what the activations cost at 200mbit); jobs/gpt_bench.toml the same at 500mbit;
 #         wire_slow: gpt_wire at 100mbit and 50mbit (2 short repeats)
 #   hier  jobs/gpt_bench.toml pp=1 x dp=4, 2 ranks a node: the two-level ring against the flat
-#         one, fp32 and int8, at 500mbit and 2gbit; hier100: fp32 at 100mbit (2 short repeats)
-#   auto  jobs/gpt_bench.toml pp=2 x dp=2: grid.order = auto against the best hand choice
+#         one, fp32 and int8, at 500mbit and 2gbit; hier100: fp32 at 100mbit (2 short repeats);
+#         hier500: the fp32 pair at 500mbit alone
+#   bound hier's ceiling at 500mbit: the same pair at 20gbit, where the link costs next to
+#         nothing (hier at 20gbit / flat at 500mbit is the most any ring could gain there)
+#   auto  jobs/gpt_bench.toml pp=2 x dp=2: grid.order = auto against the best hand choice, and
+#         an A/A pair (data-inner against itself: the sitting's noise floor)
 #   ring  jobs/gpt_bench.toml pp=1 x dp=2, one rank a node: int8 over 2gbit, fp32 and int8 on
 #         one node (shared memory)
+#   wire100 gpt_wire at 100mbit, bf16 against fp32 only, SHORT_REPEATS (2) short repeats
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NODES=benchmarks/two_nodes.sh
@@ -32,7 +38,7 @@ bench() {  # bench RATE SPEC ARGS...: one paired bench train on the harness
 
 short() {  # short RATE SPEC ARGS...: bench with fewer, shorter repeats (a slow link's steps)
   local saved=("${STEPS[@]}")
-  STEPS=(--warmup 1 --steps "${SHORT_STEPS:-2}" --repeats 2)
+  STEPS=(--warmup 1 --steps "${SHORT_STEPS:-2}" --repeats "${SHORT_REPEATS:-2}")
   bench "$@"
   STEPS=("${saved[@]}")
 }
@@ -50,12 +56,15 @@ wire() {
     --set comm.p2p_codec=int8 --against comm.p2p_codec=fp32
 }
 
+hier500() {
+  bench 500mbit A:2,B:2 "${GPT[@]}" --set grid.pp=1 --set grid.dp=4 \
+    --set comm.ring=hierarchical --against comm.ring=flat
+}
+
 hier() {
-  local rate
-  for rate in 500mbit 2gbit; do
-    bench "$rate" A:2,B:2 "${GPT[@]}" --set grid.pp=1 --set grid.dp=4 \
-      --set comm.ring=hierarchical --against comm.ring=flat
-  done
+  hier500
+  bench 2gbit A:2,B:2 "${GPT[@]}" --set grid.pp=1 --set grid.dp=4 \
+    --set comm.ring=hierarchical --against comm.ring=flat
   bench 500mbit A:2,B:2 "${GPT[@]}" --set grid.pp=1 --set grid.dp=4 --set comm.codec=int8 \
     --set comm.ring=hierarchical --against comm.ring=flat
 }
@@ -75,8 +84,19 @@ hier100() {  # where the link binds: 100mbit, short repeats
     --set comm.ring=hierarchical --against comm.ring=flat
 }
 
+bound() {  # the hier pair where the link costs next to nothing: the compute's share
+  bench 20gbit A:2,B:2 "${GPT[@]}" --set grid.pp=1 --set grid.dp=4 \
+    --set comm.ring=hierarchical --against comm.ring=flat
+}
+
+wire100() {  # more pairs of bf16 against fp32 where activations bind
+  short 100mbit A:2,B:2 jobs/gpt_wire.toml --set comm.p2p_codec=bf16 --against comm.p2p_codec=fp32
+}
+
 auto() {
   bench 500mbit A:2,B:2 "${GPT[@]}" --set grid.pp=2 --set grid.dp=2 --set grid.order=auto \
+    --against grid.order=data-inner
+  bench 500mbit A:2,B:2 "${GPT[@]}" --set grid.pp=2 --set grid.dp=2 --set grid.order=data-inner \
     --against grid.order=data-inner
   bench 500mbit A:2,B:2 "${GPT[@]}" --set grid.pp=2 --set grid.dp=2 \
     --set grid.order=pipeline-inner --against grid.order=data-inner
@@ -93,7 +113,9 @@ groups=("$@")
 [ ${#groups[@]} -gt 0 ] || groups=(wire wire_slow hier hier100 auto ring)
 for group in "${groups[@]}"; do
   case $group in
-    wire | wire_slow | hier | hier100 | auto | ring) "$group" ;;
-    *) echo "usage: $0 [wire] [wire_slow] [hier] [hier100] [auto] [ring]" >&2; exit 2 ;;
+    wire | wire_slow | hier | hier500 | hier100 | bound | wire100 | auto | ring) "$group" ;;
+    *) echo "usage: $0 [wire] [wire_slow] [hier] [hier500] [hier100] [bound] [wire100] [auto]" \
+      "[ring]" >&2
+      exit 2 ;;
   esac
 done
