@@ -210,6 +210,8 @@ def main() -> None:
     parser.add_argument("--dp", default="2,4")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages of every run")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seed", type=int, action="append", default=[],
+                        help="run only this seed (repeatable; sittings side by side)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--out", default="runs/codec_convergence")
@@ -234,7 +236,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     # seed-major: a sitting cut short still leaves whole comparisons (every codec, one seed)
-    todo = [(s, dp, c) for s in range(args.seeds) for dp in dps for c in codecs]
+    seeds = args.seed or range(args.seeds)
+    todo = [(s, dp, c) for s in seeds for dp in dps for c in codecs]
     for seed, dp, codec in todo:
         path = out / f"{run_name(codec, args.pp, dp, seed)}.json"
         if path.exists():
