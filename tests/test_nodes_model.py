@@ -138,3 +138,57 @@ def test_the_two_level_ring_is_where_the_memory_check_looks():
     assert predict(wide, _nodes(2))["memory"][0]["parts"]["optimizer state"] == (
         8 * -(-predict(wide, LOCAL)["memory"][0]["params"] // 2)
     )
+
+
+# Last session's sitting on benchmarks/two_nodes.sh (docs/communication.md, "Across nodes"):
+# (job, its --set, ranks a node, link, this, that, measured this / that)
+GPT = ("jobs/gpt_bench.toml", "train.global_batch=16")
+PP2 = (*GPT, "grid.pp=2", "grid.dp=2")
+DP4 = (*GPT, "grid.pp=1", "grid.dp=4")
+WIRE = ("jobs/gpt_wire.toml",)
+MEASURED = [
+    (WIRE, 2, 2e9, "comm.p2p_codec=bf16", "comm.p2p_codec=fp32", 0.995),
+    (WIRE, 2, 2e9, "comm.p2p_codec=int8", "comm.p2p_codec=fp32", 1.002),
+    (WIRE, 2, 5e8, "comm.p2p_codec=bf16", "comm.p2p_codec=fp32", 1.049),
+    (WIRE, 2, 5e8, "comm.p2p_codec=int8", "comm.p2p_codec=fp32", 1.086),
+    (WIRE, 2, 2e8, "comm.p2p_codec=bf16", "comm.p2p_codec=fp32", 1.079),
+    (WIRE, 2, 2e8, "comm.p2p_codec=int8", "comm.p2p_codec=fp32", 1.072),
+    (WIRE, 2, 1e8, "comm.p2p_codec=bf16", "comm.p2p_codec=fp32", 1.242),
+    (WIRE, 2, 1e8, "comm.p2p_codec=int8", "comm.p2p_codec=fp32", 1.162),
+    (WIRE, 2, 5e7, "comm.p2p_codec=bf16", "comm.p2p_codec=fp32", 1.490),
+    (WIRE, 2, 5e7, "comm.p2p_codec=int8", "comm.p2p_codec=fp32", 1.540),
+    ((*PP2, "grid.order=data-inner"), 2, 5e8, "comm.p2p_codec=int8", "comm.p2p_codec=fp32", 0.975),
+    (DP4, 2, 5e8, "comm.ring=hierarchical", "comm.ring=flat", 1.150),
+    (DP4, 2, 2e9, "comm.ring=hierarchical", "comm.ring=flat", 1.056),
+    ((*DP4, "comm.codec=int8"), 2, 5e8, "comm.ring=hierarchical", "comm.ring=flat", 1.040),
+    (DP4, 2, 1e8, "comm.ring=hierarchical", "comm.ring=flat", 1.419),
+    (PP2, 2, 5e8, "grid.order=pipeline-inner", "grid.order=data-inner", 0.650),
+    ((*GPT[:1], "grid.pp=1", "grid.dp=2"), 1, 2e9, "comm.codec=int8", "comm.codec=fp32", 1.379),
+]
+# what that sitting's ranks got of the machine, a node's two ranks together (a node of one
+# rank: half of it, a rank's share): the throughput measured with the link out of the way
+# (gpt_wire at 20 Gbit/s, 9,311 tokens/s; gpt_bench pp=2 x dp=2 data-inner at 500 Mbit/s,
+# 1,303, where its link is 2 % of the step) over what predict says with a core a node
+SITTING_CORES = {"jobs/gpt_wire.toml": 0.65, "jobs/gpt_bench.toml": 0.51}
+TIE = 0.05  # a pair measured within this of 1 ranks neither first (that sitting's noise: wider)
+
+
+@pytest.mark.parametrize("job, per_node, rate, this, that, measured", MEASURED)
+def test_predict_ranks_the_sittings_pairs_as_measured(job, per_node, rate, this, that, measured):
+    """benchmarks/two_nodes_predict.py's harness (the sitting's cores, the link's token bucket
+    of tbf's 256 KiB burst): every pair measured beyond TIE of 1 predicted on that side, and
+    every pair within 1.35x of its measured ratio (the model used to say 1.41 where 1.07 was
+    measured, 0.35 where 0.65 was: it ran the harness's compute at the cluster file's full
+    speed and every message at the link's rate, where a token bucket passes its burst at once)."""
+    from mpihybrid.predict.cluster import two_nodes
+
+    cores = SITTING_CORES[job[0]] / (2 if per_node == 1 else 1)
+    on = two_nodes(LOCAL, rate, per_node, cores, burst_bytes=256 * 1024)
+    a, b = (
+        predict(load_job(job[0], [*job[1:], s], 2 * per_node), on)["throughput"]
+        for s in (this, that)
+    )
+    predicted = a / b
+    if abs(measured - 1) > TIE:
+        assert (predicted > 1) == (measured > 1), predicted
+    assert 1 / 1.35 <= predicted / measured <= 1.35, predicted

@@ -19,12 +19,14 @@ A cluster file is TOML (every rate in bytes or FLOPs per second, every time in s
                 host_copy_bandwidth (0 = arrays on the host; else the gradient ring runs on host
                 copies made across this link)
     [links.node]     alpha_s, bandwidth             (two ranks on one node)
-    [links.network]  alpha_s, bandwidth, node_bandwidth  (one flow; everything leaving a node)
+    [links.network]  alpha_s, bandwidth, node_bandwidth  (one flow; everything leaving a node),
+                     burst_bytes (optional, 0: a shaped link's token bucket, passed at once by a
+                     pipeline message after an idle link)
     [codecs.NAME]    encode, decode                 (float32 input bytes per second)
 
 A missing, ill-typed or non-finite field, a rate <= 0, a time < 0 is a ClusterError naming it
 (the CLI prints it and exits 2). Fields that may be 0: gemm_bandwidth, host_copy_bandwidth,
-node_bandwidth (0 = not counted), and every time and base_memory_bytes.
+node_bandwidth (0 = not counted), burst_bytes, and every time and base_memory_bytes.
 
 Cluster files install with the package (mpihybrid/clusters, the repository's clusters/): a
 name finds them from any directory, after the user's own (calibrate writes there):
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 try:
@@ -80,6 +82,9 @@ class Link:
     alpha_s: float
     bandwidth: float
     node_bandwidth: float = 0.0  # network only: the node's total off-node rate (0 = no cap)
+    # a shaped link's token bucket (tc tbf's burst, benchmarks/two_nodes.sh): bytes that leave
+    # at once after the link has been idle long enough to refill it; 0 for a NIC
+    burst_bytes: float = 0.0
 
     def seconds(self, nbytes: float, flows: int = 1) -> float:
         """One message of `nbytes` while `flows` messages share the node's way out."""
@@ -87,6 +92,11 @@ class Link:
         if self.node_bandwidth and flows > 0:
             rate = min(rate, self.node_bandwidth / flows)
         return self.alpha_s + nbytes / rate
+
+    def after_idle(self, nbytes: float, flows: int = 1) -> float:
+        """seconds() of a message sent after the link idled (a pipeline message after a compute
+        action; not a ring's hops, which follow each other): the flows share the burst."""
+        return self.seconds(max(nbytes - self.burst_bytes / max(flows, 1), 0.0), flows)
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,7 @@ MAY_BE_ZERO = {
     "base_memory_bytes",
     "cores",
     "kernel_memory_bytes",
+    "burst_bytes",
 }
 
 
@@ -163,7 +174,7 @@ def parse_cluster(data: dict) -> Cluster:
             _table(links_table, name, f"links.{name}"),
             f"links.{name}",
             Link,
-            optional=("node_bandwidth",),
+            optional=("node_bandwidth", "burst_bytes"),
         )
         for name in ("node", "network")
     }
@@ -208,6 +219,18 @@ def shared_cores(cluster: Cluster, world: int) -> Cluster:
     codecs = {name: CodecRate(r.encode / k, r.decode / k) for name, r in cluster.codecs.items()}
     # cores 0: the sharing is in the rates now (applying this twice changes nothing)
     return Cluster(cluster.name, Node(n.ranks_per_node, n.memory_bytes, 0), device, links, codecs)
+
+
+def two_nodes(
+    cluster: Cluster, rate_bits: float, per_node: int, cores: float, burst_bytes: float
+) -> Cluster:
+    """The cluster as benchmarks/two_nodes.sh makes it on one machine: nodes of `per_node`
+    ranks that share `cores` of the machine's (what a node's ranks got in the sitting; the
+    rates of `cluster` are a core's), the link between them a token bucket of `burst_bytes`
+    at `rate_bits` per second each way (alpha 100 us, every flow out of a node sharing it)."""
+    node = replace(cluster.node, ranks_per_node=per_node, cores=cores)
+    network = Link(1e-4, rate_bits / 8, rate_bits / 8, burst_bytes)
+    return replace(cluster, node=node, links={**cluster.links, "network": network})
 
 
 def user_dir() -> Path:
@@ -265,6 +288,8 @@ def cluster_toml(cluster: Cluster, notes: dict[str, str] | None = None) -> str:
     def lines(where: str, obj) -> list[str]:
         out = [f"[{where}]"]
         for key, value in asdict(obj).items():
+            if key == "burst_bytes" and not value:
+                continue  # a NIC's: written only for a shaped link
             note = notes.get(f"{where}.{key}")
             text = f"{key} = {value:.6g}" if isinstance(value, float) else f"{key} = {value}"
             out.append(f"{text}  # {note}" if note else text)

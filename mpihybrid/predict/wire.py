@@ -47,7 +47,7 @@ def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
         crosses, flows = _crossing(edges, cluster)
         link = cluster.links["network" if crosses else "node"]
         nbytes, codec_s = p2p_bytes(job, work[c].input_bytes, crosses, cluster)
-        worst = max(worst, link.seconds(nbytes, flows) + codec_s)
+        worst = max(worst, link.after_idle(nbytes, flows) + codec_s)
     return worst
 
 
