@@ -3,6 +3,8 @@
     mpiexec -n 4 python tests/_mpi_train.py --schedules gpipe,1f1b --set grid.pp=2 ...
 
 With --serial, rank 0 also trains the serial reference and reports the largest difference.
+With --also SECTION.KEY=VALUE (repeatable), every schedule runs again with that setting added
+(its results carry "also": the setting), in the same launch.
 With --fake-gpu, arrays live on tests/fakegpu's strict stand-in for a GPU, and MPI reaches them
 through host staging (grid.device = "cuda", comm.cuda_aware = false, without a GPU).
 """
@@ -33,6 +35,7 @@ parser.add_argument("--schedules", default="1f1b")
 parser.add_argument("--set", dest="overrides", action="append", default=[])
 parser.add_argument("--serial", action="store_true")
 parser.add_argument("--fake-gpu", action="store_true")
+parser.add_argument("--also", action="append", default=[])
 args = parser.parse_args()
 
 world = MPI.COMM_WORLD
@@ -42,8 +45,9 @@ if args.fake_gpu:
     from tests import fakegpu
 
     backend = select_backend("cuda", False, world, _import_cupy=lambda: fakegpu)
-for name in args.schedules.split(","):
-    overrides = [*args.overrides, f"train.schedule={name}"]
+runs = [(name, also) for also in ["", *args.also] for name in args.schedules.split(",")]
+for name, also in runs:
+    overrides = [*args.overrides, f"train.schedule={name}", *([also] if also else [])]
     if name == "interleaved-1f1b":
         overrides.append("train.virtual_stages=2")
     job = resolve_auto(load_job(args.job, overrides, world.Get_size()), world)  # "auto": search
@@ -52,6 +56,7 @@ for name in args.schedules.split(","):
         continue
     out = {
         "schedule": name,
+        "also": also,
         "losses": summary.losses,
         "test_accuracy": summary.test_accuracy,
         "replica_max_diff": max(summary.replica_max_diff.values()),

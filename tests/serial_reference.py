@@ -12,7 +12,7 @@ from mpihybrid.nn.data import build_task
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
 from mpihybrid.nn.optim import build_optimizer, clip_coefficient, learning_rate
-from mpihybrid.train.tie import head_range, tie_init
+from mpihybrid.train.tie import bind_local
 
 
 def train_serial(job, norms: list | None = None) -> tuple[np.ndarray, list[float]]:
@@ -20,11 +20,7 @@ def train_serial(job, norms: list | None = None) -> tuple[np.ndarray, list[float
     step's gradient norm (before train.grad_clip clips it)."""
     task = build_task(job.data)
     model = build_stage(job.model, task.in_features, task.num_classes, 0, 1, job.train.seed)
-    tied = getattr(job.model, "tie_embeddings", False)
-    if tied:  # the head's weight starts as the token table, and stays it (summed gradients)
-        tie_init(model, job.model, job.train.seed)
-        table, head = model.blocks[0][0].grads["tokens"], model.blocks[-1][1].grads["weight"]
-        lo, hi = head_range(model, len(model.blocks))
+    bind_local([model])  # model.tie_embeddings: the head's weight is the token table's view
     optimizer = build_optimizer(job.train, model.flat_params)
     loss_fn = SoftmaxCrossEntropy()
     losses = []
@@ -35,11 +31,7 @@ def train_serial(job, norms: list | None = None) -> tuple[np.ndarray, list[float
         loss, loss_cache = loss_fn.forward(logits, y)
         model.backward(loss_fn.backward(loss_cache), cache)
         g = model.flat_grads
-        if tied:
-            total = table + head.T
-            table[...], head[...] = total, total.T
-        counted = np.concatenate([g[:lo], g[hi:]]) if tied else g  # the tied weight once
-        norm = float(np.sqrt(np.dot(counted, counted)))
+        norm = float(np.sqrt(np.dot(g, g)))
         if norms is not None:
             norms.append(norm)
         coef = clip_coefficient(norm, job.train.grad_clip)

@@ -1,6 +1,7 @@
 """train.grad_clip: the global norm over every stage equals the serial run's, the clipped run
 equals the serial clipped run under every schedule (V placements included), and the replicas
-stay bit-identical under a lossy codec and the sharded optimizer."""
+stay bit-identical under a lossy codec and the sharded optimizer. Every launch runs each case
+untied and with model.tie_embeddings (tests/test_tie.py: the tie's own tests)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,13 @@ def _argv(settings):
     return [arg for s in settings for arg in ("--set", s)]
 
 
+TIED = "model.tie_embeddings=true"
+
+
 def _check(runs, names, clipped=True):
-    assert [r["schedule"] for r in runs] == list(names)
+    assert [(r["schedule"], r["also"]) for r in runs] == [(n, a) for a in ("", TIED) for n in names]
     for r in runs:
-        print(f"{r['schedule']}: norms {r['norms']} serial {r['serial_norms']}, "
+        print(f"{r['schedule']} {r['also']}: norms {r['norms']} serial {r['serial_norms']}, "
               f"max |hybrid - serial| = {r['max_abs_diff']:.2e}")  # fmt: skip
         assert r["norms"] == pytest.approx(r["serial_norms"], rel=1e-5)
         assert r["max_abs_diff"] < 1e-5, r
@@ -57,7 +61,7 @@ def test_clipped_run_equals_serial_under_every_schedule(pp):
                 f"train.global_batch={2 * m}"]  # fmt: skip
     names = [n for n in SCHEDULES if n != "naive"]
     proc = run_mpi(pp, "tests/_mpi_train.py", "--serial", "--schedules", ",".join(names),
-                   *_argv(settings), timeout=180)  # fmt: skip
+                   "--also", TIED, *_argv(settings), timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     _check(results(proc), names)
 
@@ -68,18 +72,25 @@ def test_replicas_identical_when_clipping_with_int8_and_sharded_optimizer():
                 "train.grad_clip=0.05", "train.microbatches=4", "train.global_batch=16",
                 "train.shard_optimizer=true", "comm.param_codec=bf16",
                 "comm.codec=int8", "comm.bucket_kb=1"]  # fmt: skip
-    proc = run_mpi(4, "tests/_mpi_train.py", "--schedules", "1f1b,zb-v", *_argv(settings),
-                   timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    for r in results(proc):
-        assert r["replica_max_diff"] == 0.0, r
-    fp32 = [s for s in settings if not s.startswith(("comm.codec", "comm.param_codec"))]
-    proc = run_mpi(4, "tests/_mpi_train.py", "--serial", "--schedules", "1f1b",
-                   *_argv(fp32), timeout=120)  # fmt: skip
+    proc = run_mpi(4, "tests/_mpi_train.py", "--schedules", "1f1b,zb-v", "--also", TIED,
+                   *_argv(settings), timeout=180)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     runs = results(proc)
-    assert runs[0]["norms"] == pytest.approx(runs[0]["serial_norms"], rel=1e-5)
-    assert runs[0]["replica_max_diff"] == 0.0
+    assert len(runs) == 4
+    for r in runs:
+        assert r["replica_max_diff"] == 0.0, r
+    fp32 = [s for s in settings if not s.startswith(("comm.codec", "comm.param_codec"))]
+    proc = run_mpi(4, "tests/_mpi_train.py", "--serial", "--schedules", "1f1b,zb-v",
+                   "--also", TIED, *_argv(fp32), timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    runs = results(proc)
+    assert len(runs) == 4
+    for r in runs:  # the sharded optimizer (tied too: the table's owned chunks) == serial
+        print(f"sharded {r['schedule']} {r['also']}: max |hybrid - serial| = "
+              f"{r['max_abs_diff']:.2e}")  # fmt: skip
+        assert r["norms"] == pytest.approx(r["serial_norms"], rel=1e-5)
+        assert r["max_abs_diff"] < 1e-5, r
+        assert r["replica_max_diff"] == 0.0
 
 
 def test_analyze_reports_the_norms():

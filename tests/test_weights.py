@@ -82,6 +82,31 @@ def test_a_nanogpt_file_without_head_bias_or_head_loads(tmp_path):
     assert not head.params["bias"].any()
 
 
+def test_a_tied_model_goes_out_with_both_names_and_comes_back(tmp_path):
+    """A tied model writes lm_head.weight = wte (nanoGPT's state_dict has both names); it loads
+    into a tied job on any split (the head reads the table); an untied file is refused in one
+    line by a tied job."""
+    from mpihybrid.train.tie import bind_local
+
+    j = job("model.tie_embeddings=true")
+    source = stages(j, 3, 0)
+    bind_local(source)
+    t = nw.export_tensors(source, 5)
+    np.testing.assert_array_equal(t["lm_head.weight"], t["transformer.wte.weight"])
+    path = tmp_path / "tied.safetensors"
+    save_file(t, str(path))
+    target = stages(job("model.tie_embeddings=true", f"model.init={path}"), 2, 7)
+    for s in target:
+        nw.load_into(s, path, 5)
+    bind_local(target)
+    np.testing.assert_array_equal(whole(target), whole(source))
+    np.testing.assert_array_equal(target[-1].layers[-1].params["weight"], t["lm_head.weight"].T)
+    untied = _file(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        job("model.tie_embeddings=true", f"model.init={untied}")
+    assert "lm_head.weight is not transformer.wte.weight (an untied model)" in str(err.value)
+
+
 def _file(tmp_path, change=None, heads=None):
     j = job()
     t = nw.export_tensors(stages(j, 1, 0), 5)

@@ -125,7 +125,8 @@ def format_prediction(r: dict) -> str:
     ]
     header = ["stage", "params", "F ms", "B ms", "W ms", "ring ms", "opt ms"]
     lines += table(header, stages, labels=0)
-    lines.append("memory per rank (state = parameters, gradients, optimizer, residual):")
+    tied = ", tied embedding" if j.get("tie_embeddings") else ""
+    lines.append(f"memory per rank (state = parameters, gradients, optimizer, residual{tied}):")
     for m in r["memory"]:
         lines.append(
             f"  rank {m['rank']}: {human_bytes(m['total_bytes'])} = state "

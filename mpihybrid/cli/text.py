@@ -442,7 +442,7 @@ def checkpoint_stages(path: Path, job, manifest: dict) -> list:
     from mpihybrid.inputs import InputFileError, check_regular
     from mpihybrid.nn.model import build_stage
     from mpihybrid.nn.tokens import DataError
-    from mpihybrid.train import checkpoint
+    from mpihybrid.train import checkpoint, tie
 
     d, num_stages = job.data, job.grid.pp * job.train.virtual_stages
     model = []
@@ -466,4 +466,5 @@ def checkpoint_stages(path: Path, job, manifest: dict) -> list:
             raise DataError(f"{path}: {name} does not fit the checkpoint's own model")
         stage.flat_params[...] = params
         model.append(stage)
+    tie.bind_local(model)  # a tied head reads the token table (no-op untied)
     return model

@@ -161,6 +161,10 @@ class Reducer:
         # hold: a reduced bucket waits for release() instead of updating at once (train.grad_clip:
         # the update needs the norm over every bucket of every stage)
         self.hold = False
+        # gated: the last bucket (the stage's first layers) waits for open_gate() every step
+        # before its ring (model.tie_embeddings: the head's gradient is added to the table's)
+        self.gated = False
+        self.gate_open = True
 
     @property
     def bytes_sent(self) -> dict[str, int]:
@@ -188,6 +192,13 @@ class Reducer:
     def begin_step(self) -> None:
         """A new step: no bucket handed to the ring yet (the optimizer began its step)."""
         self.submitted = 0
+        self.gate_open = not self.gated
+
+    def open_gate(self) -> None:
+        """After the step's backwards: the gated bucket's gradient is complete, and it goes to
+        the ring (with any other bucket not yet there)."""
+        self.gate_open = True
+        self.ready_from(0)
 
     def update(self, lo: int, hi: int) -> None:
         """The optimizer on the reduced gradient's [lo, hi), where the parameters live (on a GPU
@@ -253,7 +264,8 @@ class Reducer:
         """Every gradient at offsets >= lo is final for this step: start the buckets it covers."""
         if self.owner.progress == "off":
             return
-        while self.submitted < len(self.buckets) and self.buckets[self.submitted][0] >= lo:
+        limit = len(self.buckets) - (not self.gate_open)
+        while self.submitted < limit and self.buckets[self.submitted][0] >= lo:
             self.owner.submit(self, self.submitted)
             self.submitted += 1
 

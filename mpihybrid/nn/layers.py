@@ -155,32 +155,56 @@ class Linear(Layer):
     """y = x @ W + b with W of shape (in, out); x may have leading dimensions, (..., in).
 
     init_std: None draws He-initialised weights (ReLU stacks); a number draws N(0, init_std^2).
+    tied: W is not this layer's parameter (not in its stage's flat buffer): tie() hands it a
+    view of another's, and of that one's gradient (a GPT's head tied to its token table).
     """
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, init_std: float | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        init_std: float | None = None,
+        *,
+        tied: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.bias = bias
         self.init_std = init_std
+        self.tied = tied
         # a GELU right after adds this bias in its own pass (GELU.bias_from): set by Residual
         self.bias_to_next = False
 
     def __repr__(self) -> str:
-        return f"Linear({self.in_features}, {self.out_features}, bias={self.bias})"
+        tied = ", tied" if self.tied else ""
+        return f"Linear({self.in_features}, {self.out_features}, bias={self.bias}{tied})"
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {"weight": (self.in_features, self.out_features)}
+        shapes = {} if self.tied else {"weight": (self.in_features, self.out_features)}
         if self.bias:
             shapes["bias"] = (self.out_features,)
         return shapes
 
+    def bind(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+        super().bind(params, grads)
+        if self.tied:  # a W of its own (zeros) until tie() hands it the shared one: a stage
+            like = next(iter(params.values()), np.empty(0, np.float32))  # alone (profiles)
+            shape = (self.in_features, self.out_features)
+            xp = array_module(like)
+            self.tie(xp.zeros(shape, like.dtype), xp.zeros(shape, like.dtype))
+
+    def tie(self, weight: np.ndarray, grad: np.ndarray) -> None:
+        """A tied layer's W (in, out) and its gradient: views of the arrays it shares (after
+        every bind: the stage's buffers moved)."""
+        self.params["weight"], self.grads["weight"] = weight, grad
+
     def init_params(self, params: dict[str, np.ndarray], rng: np.random.Generator) -> None:
         # He init keeps the activation scale roughly constant through ReLU stacks
         std = math.sqrt(2.0 / self.in_features) if self.init_std is None else self.init_std
-        params["weight"][...] = rng.standard_normal(params["weight"].shape) * std
+        if not self.tied:
+            params["weight"][...] = rng.standard_normal(params["weight"].shape) * std
         if self.bias:
             params["bias"][...] = 0.0
 

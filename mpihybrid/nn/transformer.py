@@ -301,5 +301,7 @@ def gpt_blocks(cfg, seq_len: int, vocab: int) -> list[list[Layer]]:
             ]
         )
         blocks.append([attention, mlp])
-    blocks.append([LayerNorm(width), Linear(width, vocab, init_std=GPT_INIT_STD)])
+    # tied (model.tie_embeddings): the head's weight is the token table's, transposed
+    head = Linear(width, vocab, init_std=GPT_INIT_STD, tied=getattr(cfg, "tie_embeddings", False))
+    blocks.append([LayerNorm(width), head])
     return blocks

@@ -59,32 +59,43 @@ def block_names(g: int, num_blocks: int) -> list[tuple[str, tuple, str, bool]]:
     return out
 
 
+def _layer(block: list, path: tuple):
+    return block[path[0]] if len(path) == 1 else block[path[0]].branch[path[1]]
+
+
 def _param(block: list, path: tuple, name: str) -> np.ndarray:
-    layer = block[path[0]]
-    if len(path) > 1:
-        layer = layer.branch[path[1]]
-    return layer.params[name]
+    return _layer(block, path).params[name]
+
+
+def own_names(g: int, block: list, num_blocks: int) -> list[tuple[str, tuple, str, bool]]:
+    """block_names of the tensors block g holds itself (a tied head's weight is wte's)."""
+    return [
+        entry for entry in block_names(g, num_blocks)
+        if entry[2] in _layer(block, entry[1]).param_shapes()
+    ]  # fmt: skip
 
 
 def expected_shapes(blocks: list) -> dict[str, tuple[int, ...]]:
     """nanoGPT name -> its shape in the file, for the model's blocks (no weights needed)."""
     shapes = {}
     for g, block in enumerate(blocks):
-        for name, path, key, transposed in block_names(g, len(blocks)):
-            layer = block[path[0]] if len(path) == 1 else block[path[0]].branch[path[1]]
-            shape = layer.param_shapes()[key]
+        for name, path, key, transposed in own_names(g, block, len(blocks)):
+            shape = _layer(block, path).param_shapes()[key]
             shapes[name] = shape[::-1] if transposed else shape
     return shapes
 
 
 def export_tensors(stages: list, num_blocks: int) -> dict[str, np.ndarray]:
-    """Every stage's tensors (the whole model, in order) under nanoGPT's names and layouts."""
+    """Every stage's tensors (the whole model, in order) under nanoGPT's names and layouts; a
+    tied model's lm_head.weight is wte (nanoGPT's state_dict holds both names)."""
     out = {}
     for stage in stages:
         for g, block in zip(stage.block_range, stage.blocks, strict=True):
-            for name, path, key, transposed in block_names(g, num_blocks):
+            for name, path, key, transposed in own_names(g, block, num_blocks):
                 value = np.asarray(_param(block, path, key), np.float32)
                 out[name] = np.ascontiguousarray(value.T if transposed else value)
+    if HEAD not in out and WTE in out:
+        out[HEAD] = out[WTE].copy()
     return out
 
 
@@ -145,6 +156,10 @@ def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) ->
                 f"data.vocab {vocab}, data.seq_len {seq_len})"
             )
     extra = sorted(k for k in set(have) - set(want) if not k.endswith(".attn.bias"))
+    if HEAD in extra and WTE in want:  # a tied job: the file's head must be its wte
+        extra.remove(HEAD)
+        if wrong := _untied(p, have):
+            return wrong
     if extra:
         return f"model.init = {str(p)!r}: {len(extra)} tensors the model has not ({extra[0]}, ...)"
     beside = config_path(p)
@@ -161,6 +176,20 @@ def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) ->
                 f"model.init: {beside} says n_head = {heads}, the job's model.heads = {cfg.heads}"
             )
     return ""
+
+
+def _untied(p: Path, have: dict) -> str:
+    """A tied job's file with an lm_head.weight: "" when it is the file's wte (a tied model)."""
+    from safetensors import safe_open
+
+    if have[HEAD] == have[WTE]:
+        with safe_open(str(p), framework="numpy") as f:
+            if np.array_equal(f.get_tensor(HEAD), f.get_tensor(WTE)):
+                return ""
+    return (
+        f"model.init = {str(p)!r}: lm_head.weight is not transformer.wte.weight (an untied "
+        "model) and this job ties them (model.tie_embeddings = true)"
+    )
 
 
 def init_problem(cfg, seq_len: int, vocab: int) -> str:
@@ -181,7 +210,7 @@ def load_into(stage, path: str | Path, num_blocks: int) -> None:
     with safe_open(str(path), framework="numpy") as f:
         keys = set(f.keys())
         for g, block in zip(stage.block_range, stage.blocks, strict=True):
-            for name, path_, key, transposed in block_names(g, num_blocks):
+            for name, path_, key, transposed in own_names(g, block, num_blocks):
                 target = _param(block, path_, key)
                 if name in keys:
                     value = f.get_tensor(name)

@@ -46,6 +46,7 @@ from mpihybrid.predict.wire import (
     ring_seconds,
     shard_ways,
     shared_wire,
+    tie_seconds,
     two_level,
 )
 from mpihybrid.train import memory
@@ -226,8 +227,11 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
     work, actions, costs, sim = piped or pipeline(job, cluster)
     memory = [rank_memory(job, work, actions[r], cluster) for r in range(g.pp)]
     ranks = []
+    tied = job_placement(job)
+    tied = {tied.rank_of(0), tied.rank_of(tied.num_stages - 1)}  # the tie's messages' ranks
     for r in range(g.pp):
         overhead = step_work_seconds(job, memory[r]["params"], cluster)
+        overhead += tie_seconds(job, cluster) if r in tied else 0.0
         row = _rank_end(job, work, sim, actions[r], cluster)
         ranks.append({"rank": r, **row, "end_s": row["end_s"] + overhead})
     step = max(r["end_s"] for r in ranks)
@@ -264,6 +268,7 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
             else "flat",
             "overlap": job.comm.overlap,
             "global_batch": t.global_batch,
+            "tie_embeddings": job.model.tie_embeddings,
         },
         "cluster": cluster.name,
         "unit": "tokens" if units > 1 else "samples",

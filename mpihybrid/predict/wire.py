@@ -10,6 +10,7 @@ import math
 from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import Job
 from mpihybrid.nn.cost import FLOAT, ChunkWork
+from mpihybrid.nn.data import task_dims
 from mpihybrid.pipeline.schedules import placement_of
 from mpihybrid.predict.cluster import Cluster, Device, Link
 
@@ -49,6 +50,21 @@ def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
         nbytes, codec_s = p2p_bytes(job, work[c].input_bytes, crosses, cluster)
         worst = max(worst, link.after_idle(nbytes, flows) + codec_s)
     return worst
+
+
+def tie_seconds(job: Job, cluster: Cluster) -> float:
+    """model.tie_embeddings with the table and the head on two ranks (train/tie.py): at the
+    step's end the head's gradient one way and the table back, V x C floats each; else 0."""
+    if not job.model.tie_embeddings:
+        return 0.0
+    layout, placement = job.grid.layout, job_placement(job)
+    first, last = placement.rank_of(0), placement.rank_of(placement.num_stages - 1)
+    if first == last:
+        return 0.0
+    edges = list(zip(layout.replica_ranks(first), layout.replica_ranks(last), strict=True))
+    crosses, flows = _crossing(edges, cluster)
+    link = cluster.links["network" if crosses else "node"]
+    return 2 * link.seconds(FLOAT * task_dims(job.data)[1] * job.model.hidden, flows)
 
 
 def p2p_encoded(job: Job, cluster: Cluster) -> bool:

@@ -55,6 +55,7 @@ class Run:
     signals: StopSignals | None = None  # None: not the main thread (no signal handlers)
     watchdog: Watchdog | None = None
     peak_flops: float | None = None  # one rank's GEMM rate, for the step line's roofline %
+    tie: tie.EmbeddingGroup | None = None  # model.tie_embeddings: this rank's part, if any
 
     @property
     def stages(self) -> dict[int, Stage]:
@@ -93,8 +94,6 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
         for s in placement.stages_of(grid.pp_rank)
     }
     for st in stages.values():
-        if job.model.tie_embeddings:  # the head's copy starts from the embedding's draw
-            tie.tie_init(st, job.model, t.seed)
         if job.model.init:  # the file was checked against the model (config.validate)
             load_into(st, job.model.init, job.model.depth + 2)  # gpt: embedding, layers, head
         if not on_host:
@@ -120,6 +119,9 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
         groups=_node_groups(job, world, grid, nodes),
     )  # fmt: skip
     states = build_states(job, stages, gradcomm)
+    tied = None
+    if job.model.tie_embeddings:  # the head bound to the table, or to its mirror
+        tied = tie.embedding_group(grid.pp_comm, states, placement, backend)
     runtime = PipelineRuntime(
         grid.pp_comm, stages, actions, placement, M, shapes, recorder, c.sync_sends, backend,
         peer_ranks, grads_final=gradcomm.ready_from,
@@ -135,6 +137,7 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
         recorder=recorder,
         trace=trace,
         ring_peer=grid.replica_neighbour(+1),
+        tie=tied,
     )
 
 

@@ -30,17 +30,14 @@ from mpihybrid.nn.optim import clip_coefficient
 __all__ = ["clip_coefficient", "global_norm", "owned_sum_of_squares", "scale"]
 
 
-def owned_sum_of_squares(stages: dict, rings: dict, dp_rank: int, skip=None) -> float:
-    """This rank's share of the squared norm: the reduced gradient it owns, every stage;
-    skip: stage -> (lo, hi) left out (a tied weight's second copy, counted once)."""
+def owned_sum_of_squares(stages: dict, rings: dict, dp_rank: int) -> float:
+    """This rank's share of the squared norm: the reduced gradient it owns, every stage (a tied
+    table once: the head's copy is no stage's parameter, train/tie.py)."""
     total = 0.0
     for s in sorted(stages):
         grads, ring = stages[s].flat_grads, rings[s]
         if ring.sharded:
             parts = [grads[lo:hi] for lo, hi in ring.owned if hi > lo]
-        elif (skip or {}).get(s) is not None:
-            lo, hi = skip[s]
-            parts = [grads[:lo], grads[hi:]] if dp_rank == 0 else []
         else:
             parts = [grads] if dp_rank == 0 else []
         for g in parts:
@@ -49,9 +46,9 @@ def owned_sum_of_squares(stages: dict, rings: dict, dp_rank: int, skip=None) -> 
     return total
 
 
-def global_norm(world: MPI.Comm, stages: dict, rings: dict, dp_rank: int, skip=None) -> float:
+def global_norm(world: MPI.Comm, stages: dict, rings: dict, dp_rank: int) -> float:
     """Collective over `world`: the l2 norm of the whole model's reduced gradient."""
-    mine = np.array([owned_sum_of_squares(stages, rings, dp_rank, skip)], np.float64)
+    mine = np.array([owned_sum_of_squares(stages, rings, dp_rank)], np.float64)
     every = np.empty(world.Get_size(), np.float64)
     world.Allgather(mine, every)
     return math.sqrt(math.fsum(every.tolist()))

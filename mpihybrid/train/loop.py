@@ -22,7 +22,7 @@ from mpihybrid.config import Job
 from mpihybrid.nn.data import replica_microbatches
 from mpihybrid.nn.optim import learning_rate
 from mpihybrid.trace.recorder import KIND, Recorder, clock_offset
-from mpihybrid.train import build, checkpoint, clip, evaluate, report, tie, tracing
+from mpihybrid.train import build, checkpoint, clip, evaluate, report, tracing
 from mpihybrid.train.build import Run
 from mpihybrid.train.flight import FlightRecorder, record_dir, run_id
 from mpihybrid.train.memory import peak_rss_bytes
@@ -161,6 +161,8 @@ def _steps(
         run_started=run.flight.run_started,
     )  # fmt: skip
     run.watchdog.at_boundary()
+    if run.tie is not None:  # the head's mirror starts as the table (drawn, loaded or resumed)
+        run.tie.refresh()
     # overflow and nan are checked once per step (the loss, each gradient): no numpy warnings
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for step in range(record.start, job.train.steps):
@@ -199,6 +201,8 @@ def _train_step(job: Job, world: MPI.Comm, run: Run, record: Record, step: int, 
     if backend.xp is not np:
         batches = [(backend.asarray(bx), backend.asarray(by)) for bx, by in batches]
     result = run.runtime.run_step(step, batches)
+    if run.tie is not None:  # the head's gradient into the table's, before the table's ring
+        run.tie.sum_grads()
     # the rest of the buckets: most were reduced and applied behind the pipeline's compute; the
     # ring waits on its predecessor most directly (with dp = 1 there is no ring)
     source = grid.replica_neighbour(-1) if grid.dp_size > 1 else -1
@@ -206,9 +210,10 @@ def _train_step(job: Job, world: MPI.Comm, run: Run, record: Record, step: int, 
     t0 = Recorder.clock()
     events = run.gradcomm.finish()
     run.recorder.record(KIND["grad_wait"], step, -1, -1, t0, Recorder.clock())
-    if t.grad_clip or job.model.tie_embeddings:
-        tied = job.model.depth + 2 if job.model.tie_embeddings else None
-        events = _clip_and_update(world, run, record, events, t.grad_clip, tied)
+    if t.grad_clip:
+        events = _clip_and_update(world, run, record, events, t.grad_clip)
+    if run.tie is not None:  # the head's mirror is the updated table
+        run.tie.refresh()
     tracing.record_buckets(run.recorder, step, events, run.states, run.ring_peer)
     run.flight.end(i)
     run.recorder.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
@@ -217,21 +222,16 @@ def _train_step(job: Job, world: MPI.Comm, run: Run, record: Record, step: int, 
     _step_boundary(job, world, run, record, step, result=result, quiet=quiet)
 
 
-def _clip_and_update(world, run: Run, record: Record, events: list, grad_clip: float, tied):
-    """model.tie_embeddings (tied: the model's blocks): the tied gradients summed (train/tie.py);
-    train.grad_clip: the global norm (collective), the reduced gradients clipped by it; then
+def _clip_and_update(world, run: Run, record: Record, events: list, grad_clip: float):
+    """train.grad_clip: the global norm (collective), the reduced gradients clipped by it; then
     every held bucket's update (and sharded, its weight gather), in stage and bucket order on
     every replica; the events carry the updates' own times."""
     reducers = {s: st.reducer for s, st in run.states.items()}
-    if tied is not None:
-        tie.sum_tied_grads(run.grid.pp_comm, run.stages, run.runtime.placement, tied)
-    if grad_clip:
-        skip = {s: tie.head_range(st, tied) for s, st in run.stages.items()} if tied else {}
-        record.grad_norm = clip.global_norm(world, run.stages, reducers, run.grid.dp_rank, skip)
-        record.grad_norms.append(record.grad_norm)
-        coef = clip.clip_coefficient(record.grad_norm, grad_clip)
-        if coef < 1.0:
-            clip.scale(run.stages, reducers, coef)
+    record.grad_norm = clip.global_norm(world, run.stages, reducers, run.grid.dp_rank)
+    record.grad_norms.append(record.grad_norm)
+    coef = clip.clip_coefficient(record.grad_norm, grad_clip)
+    if coef < 1.0:
+        clip.scale(run.stages, reducers, coef)
     by_bucket = {(ev.stage, ev.bucket): ev for ev in events}
     for s in sorted(reducers):
         for i in range(len(reducers[s].buckets)):

@@ -32,9 +32,11 @@ from mpihybrid.comm.codecs import get_codec
 from mpihybrid.comm.nodes import NodeMapError, node_map
 from mpihybrid.config import ConfigError, Job
 from mpihybrid.nn.cost import ChunkWork, stage_work
+from mpihybrid.nn.data import task_dims
 from mpihybrid.pipeline.actions import split_backwards
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.schedules import Action, build_schedule, placement_of
+from mpihybrid.train.tie import held_nbytes
 from mpihybrid.units import human_bytes
 
 FLOAT = 4  # bytes of a float32
@@ -105,6 +107,7 @@ def rank_memory(
         "parameters": FLOAT * params,
         "gradients": FLOAT * params,
         "optimizer state": FLOAT * owned * per_param,
+        "tied embedding": _tie_bytes(job, placement, mine, len(work)),
         "ring buffers": int(ring),
         "activations": int(live.peak_total_bytes),
         "receive buffers": int(recv),
@@ -113,7 +116,8 @@ def rank_memory(
         "runtime": int(base_bytes),
     }
     total = sum(parts.values())
-    state = sum(parts[k] for k in ("parameters", "gradients", "optimizer state", "ring buffers"))
+    held = ("parameters", "gradients", "optimizer state", "tied embedding", "ring buffers")
+    state = sum(parts[k] for k in held)
     return {
         "rank": rank,
         "stages": mine,
@@ -129,6 +133,16 @@ def rank_memory(
         "total_bytes": total,
         "fits": bool(not memory_bytes or total <= memory_bytes),
     }
+
+
+def _tie_bytes(job: Job, placement, mine: list[int], num_stages: int) -> int:
+    """model.tie_embeddings: what a rank holds for the tie beyond its chunks' parameters (which
+    count the table once and the head's weight nowhere): train/tie.py's mirror and gradients."""
+    if not job.model.tie_embeddings:
+        return 0
+    ranks = {placement.rank_of(s) for s in mine}
+    first, last = placement.rank_of(0) in ranks, placement.rank_of(num_stages - 1) in ranks
+    return held_nbytes(first, last, task_dims(job.data)[1], job.model.hidden)
 
 
 def _ring_bytes(job: Job, params: int, ring_shared: bool, ways: int) -> int:

@@ -69,7 +69,6 @@ def build_states(job: Job, stages: dict[int, Stage], gradcomm: GradientComm) -> 
             optimizer = ShardedOptimizer(t, st.flat_params, reducer.owned, reducer.lossy_gather)
         else:
             optimizer = build_optimizer(t, st.flat_params)
-        # the updates wait for the global norm (train/clip.py) and the tied sum (train/tie.py)
-        reducer.hold = t.grad_clip > 0 or job.model.tie_embeddings
+        reducer.hold = t.grad_clip > 0  # the updates wait for the global norm (train/clip.py)
         states[s] = StageState(s, st, optimizer, reducer)
     return states

@@ -1,91 +1,136 @@
 """model.tie_embeddings: nanoGPT's wte = lm_head, across the pipeline (Megatron's embedding group).
 
-    tie_init(stage, cfg, seed)                    # the head's weight = the embedding's draw, .T
-    sum_tied_grads(pp_comm, stages, placement)    # both copies get tokens + head.T, every step
+    group = embedding_group(pp_comm, states, placement, backend)   # None: this rank has neither
+    group.refresh()      # collective (the two ranks): the head's rank sees the table
+    group.sum_grads()    # collective, after the backwards: the head's gradient joins the table's
+    bind_local(stages)   # one process holding both (generate, export, the serial reference)
 
-The token table (V, C) lives in stage 0's embedding and the head's weight (C, V) in the last
-stage. Where they sit on two ranks, each keeps a copy: both start from the embedding's draw
-(block 0's generator), and every step, after the gradient rings, the two ranks of the pipeline
-swap the two gradients and both write tokens + head.T into their own (float addition commutes:
-the same bits on both), so the two copies take the same optimizer step and stay identical.
-Where one rank holds both (pp = 1, or a V placement: rank 0 holds the first and the last
-chunk) the sum is local, no message. The buckets are held until the sum is in (the machinery
-of train.grad_clip), and a gradient norm counts the tied weight once (the head's copy is left
-out). The sharded optimizer is not supported with tying (its owned chunks of the two layouts do
-not line up): config validation refuses the pair.
+The token table (V, C) is a parameter of the first stage (its Embedding); the tied head
+(nn.layers.Linear(tied=True)) has no weight in its stage's flat buffer. A checkpoint, the
+optimizer (sharded or not), the gradient ring and the global norm therefore hold the table once,
+and a checkpoint of a tied model resumes on any grid and under any schedule.
+- One rank holds both (pp = 1, a V placement): the head's weight and its gradient are the table's
+  and the table gradient's transposed views: one parameter, both layers' gradients accumulate
+  into it.
+- Two ranks (the embedding group): the head's rank keeps a mirror of the table and a gradient of
+  its shape (the head's weight = mirror.T). Every step, after the backwards, it sends that
+  gradient to the first stage's rank, which adds it to the table's before the table's bucket goes
+  to its ring (Reducer.gated); after the update, the first stage's rank sends the table back into
+  the mirror (before the next step and any evaluation). V x C floats each way a step, as
+  Megatron's all-reduce of its two copies' gradients, but the optimizer state is held once.
+Either way the bucket holding the table waits for the step's last backward (the gate), so a
+zero-bubble W of the head late in the step still lands in it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.comm.device import host_array
-from mpihybrid.nn.transformer import GPT_INIT_STD
+from mpihybrid.comm.device import copy_from_host, host_array
 
-TAG = 7_900  # the tied gradients' messages on pp_comm
-
-
-def _table(stage):
-    """The stage's token table (V, C) if it holds the embedding, else None."""
-    return stage.blocks[0][0].params["tokens"] if stage.block_range.start == 0 else None
+TAG = 7_900  # the head's gradient on pp_comm; TAG + 1: the table back
 
 
-def _head(stage, num_blocks: int):
-    """The stage's head weight (C, V) if it holds the head, else None."""
-    return stage.blocks[-1][1].params["weight"] if stage.block_range.stop == num_blocks else None
+def _embedding(stage):
+    """The stage's Embedding layer if it holds the model's first block, else None."""
+    return stage.layers[0] if stage.block_range.start == 0 else None
 
 
-def tie_init(stage, cfg, seed: int) -> None:
-    """A stage holding the head starts its weight from the embedding's token table (the draw of
-    block 0's generator, as Embedding.init_params makes it), transposed."""
-    head = _head(stage, cfg.depth + 2)
-    if head is None:
-        return
-    rng = np.random.default_rng([seed, 0])
-    vocab, width = head.shape[1], head.shape[0]
-    head[...] = (rng.standard_normal((vocab, width)) * GPT_INIT_STD).T
+def _head(stage):
+    """The stage's tied head Linear, or None."""
+    layer = stage.layers[-1]
+    return layer if getattr(layer, "tied", False) else None
 
 
-def head_range(stage, num_blocks: int) -> tuple[int, int] | None:
-    """The head weight's [lo, hi) in the stage's flat buffer (the tied copy a norm leaves out)."""
-    head = _head(stage, num_blocks)
-    if head is None:
-        return None
-    lo = stage.param_ranges[-1][0]  # the head Linear is the stage's last layer: weight first
-    return lo, lo + head.size
+def bind_local(stages) -> bool:
+    """Where these stages (a dict or a list) hold both the embedding and the tied head: the
+    head's weight and gradient become the table's transposed views. Returns whether it did."""
+    stages = list(stages.values() if isinstance(stages, dict) else stages)
+    emb = next((e for st in stages if (e := _embedding(st)) is not None), None)
+    head = next((h for st in stages if (h := _head(st)) is not None), None)
+    if emb is None or head is None:
+        return False
+    head.tie(emb.params["tokens"].T, emb.grads["tokens"].T)
+    return True
 
 
-def sum_tied_grads(pp_comm: MPI.Comm, stages: dict, placement, num_blocks: int) -> None:
-    """Collective between the ranks of the first and the last stage (a no-op elsewhere): both
-    copies' gradients become tokens + head.T."""
+@dataclass
+class EmbeddingGroup:
+    """This rank's part in the tie: the embedding, the head, or both (peer = -1)."""
+
+    comm: MPI.Comm  # pp_comm
+    peer: int  # the other rank of the pair in pp_comm; -1: this rank holds both
+    embedding: object | None  # the first stage's Embedding layer, on its rank
+    head: object | None  # the tied head (nn.layers.Linear), on its rank
+    gate: object | None  # the first stage's Reducer: its table bucket waits for sum_grads()
+    backend: object
+    mirror: object = None  # the head's rank: the table (V, C), and its gradient
+    mirror_grad: object = None
+
+    def sum_grads(self) -> None:
+        """After the step's backwards: the table's gradient gets the head's; the table's bucket
+        goes to its ring. The head's rank sends and zeroes its gradient for the next step."""
+        if self.peer >= 0 and self.embedding is not None:
+            grad = self.embedding.grads["tokens"]
+            theirs = np.empty(grad.shape, np.float32)
+            self.comm.Recv(theirs, self.peer, TAG)
+            grad += self.backend.asarray(theirs)
+        elif self.peer >= 0:
+            self.comm.Send(np.ascontiguousarray(host_array(self.mirror_grad)), self.peer, TAG)
+            self.mirror_grad.fill(0)
+        if self.gate is not None:
+            self.gate.open_gate()
+
+    def refresh(self) -> None:
+        """After the table changed (the start, a resume, every update): the head's mirror is the
+        table again. A no-op where one rank holds both."""
+        if self.peer < 0:
+            return
+        if self.embedding is not None:
+            table = np.ascontiguousarray(host_array(self.embedding.params["tokens"]))
+            self.comm.Send(table, self.peer, TAG + 1)
+            return
+        if isinstance(self.mirror, np.ndarray):
+            self.comm.Recv(self.mirror, self.peer, TAG + 1)
+        else:
+            host = np.empty(self.mirror.shape, np.float32)
+            self.comm.Recv(host, self.peer, TAG + 1)
+            copy_from_host(self.mirror, host)
+
+
+def embedding_group(pp_comm: MPI.Comm, states: dict, placement, backend) -> EmbeddingGroup | None:
+    """This rank's part in a tied model (states: stage index -> train.state.StageState), after
+    the stages are where they compute (to_device): the head bound to the table (one rank) or to
+    a mirror (two ranks), the table's bucket gated. None: neither is on this rank."""
     first, last = 0, placement.num_stages - 1
-    mine = {s for s in (first, last) if s in stages}
-    if not mine:
-        return
-    if first == last or len(mine) == 2:  # one rank (or one stage) holds both: a local sum
-        table, head = _grad_table(stages[first]), _grad_head(stages[last], num_blocks)
-        total = table + head.T
-        table[...] = total
-        head[...] = total.T
-        return
-    (s,) = mine
-    other = placement.rank_of(last if s == first else first)
-    if s == first:
-        table = _grad_table(stages[s])
-        theirs = np.empty(table.shape[::-1], table.dtype)  # (C, V)
-        pp_comm.Sendrecv(np.ascontiguousarray(host_array(table)), other, TAG, theirs, other, TAG)
-        table += theirs.T
-    else:
-        head = _grad_head(stages[s], num_blocks)
-        theirs = np.empty(head.shape[::-1], head.dtype)  # (V, C)
-        pp_comm.Sendrecv(np.ascontiguousarray(host_array(head)), other, TAG, theirs, other, TAG)
-        head[...] = (theirs + head.T).T  # tokens + head.T, the same order as the first's
+    stages = {s: st.stage for s, st in states.items()}
+    if first not in stages and last not in stages:
+        return None
+    gate = states[first].reducer if first in stages else None
+    if gate is not None:
+        gate.gated = True
+    if bind_local(stages):
+        return EmbeddingGroup(pp_comm, -1, _embedding(stages[first]), _head(stages[last]),
+                              gate, backend)  # fmt: skip
+    if first in stages:
+        peer = placement.rank_of(last)
+        return EmbeddingGroup(pp_comm, peer, _embedding(stages[first]), None, gate, backend)
+    head = _head(stages[last])
+    width, vocab = head.in_features, head.out_features
+    mirror = backend.zeros((vocab, width), np.float32)
+    mirror_grad = backend.zeros((vocab, width), np.float32)
+    head.tie(mirror.T, mirror_grad.T)
+    return EmbeddingGroup(pp_comm, placement.rank_of(first), None, head, None, backend,
+                          mirror, mirror_grad)  # fmt: skip
 
 
-def _grad_table(stage):
-    return stage.blocks[0][0].grads["tokens"]
-
-
-def _grad_head(stage, num_blocks: int):
-    return stage.blocks[-1][1].grads["weight"]
+def held_nbytes(first_on_rank: bool, last_on_rank: bool, vocab: int, width: int) -> int:
+    """Bytes a rank holds for the tie beyond its stages' flat buffers (the memory model): the
+    head's rank apart from the embedding's, the mirror and its gradient; the embedding's rank,
+    the head's gradient as it arrives. One rank holding both: nothing."""
+    if first_on_rank == last_on_rank:
+        return 0
+    return (2 if last_on_rank else 1) * 4 * vocab * width
