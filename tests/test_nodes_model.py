@@ -192,3 +192,43 @@ def test_predict_ranks_the_sittings_pairs_as_measured(job, per_node, rate, this,
     if abs(measured - 1) > TIE:
         assert (predicted > 1) == (measured > 1), predicted
     assert 1 / 1.35 <= predicted / measured <= 1.35, predicted
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("comm.p2p_codec=int4", "comm.p2p_codec = 'int4': unknown"),
+        ("comm.p2p_codec_scope=rack", "comm.p2p_codec_scope = 'rack': unknown"),
+        ("comm.ring=tree", "comm.ring = 'tree': unknown"),
+        ("grid.order=diagonal", "grid.order = 'diagonal'"),
+    ],
+)
+def test_a_bad_wire_or_ring_setting_is_one_config_error(setting, message):
+    """Before any rank sends anything (config validation: the same line on every rank, exit 2
+    in the CLI as for comm.codec, tests/test_bad_input.py)."""
+    from mpihybrid.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as info:
+        _job("grid.pp=2", "grid.dp=2", setting)
+    assert "\n" not in str(info.value)
+
+
+def test_auto_order_is_resolved_once_and_an_explicit_order_wins(monkeypatch):
+    """predict.auto.resolve_order as training calls it (rank 0 chooses, everyone gets it): the
+    order predict ranks first on the nodes MPI reports, and the line rank 0 prints and the
+    trace keeps; an explicit order stays, with no line; no node map: pipeline-inner, saying
+    why."""
+    from mpi4py import MPI
+
+    from mpihybrid.predict import auto
+
+    monkeypatch.setattr(auto, "node_map", lambda world: [0, 0, 1, 1])
+    job, line = auto.resolve_order(_job("grid.pp=2", "grid.dp=2", "grid.order=auto"), MPI.COMM_SELF)
+    best, _ = choose_order(_job("grid.pp=2", "grid.dp=2"), [0, 0, 1, 1], LOCAL)
+    assert job.grid.order == best and line.startswith(f"grid.order = auto: {best}")
+    assert "on 2 nodes of 2/2 ranks" in line
+    explicit = _job("grid.pp=2", "grid.dp=2", "grid.order=pipeline-inner")
+    assert auto.resolve_order(explicit, MPI.COMM_SELF) == (explicit, "")
+    monkeypatch.setattr(auto, "node_map", lambda world: None)
+    job, line = auto.resolve_order(_job("grid.pp=2", "grid.dp=2", "grid.order=auto"), MPI.COMM_SELF)
+    assert job.grid.order == "pipeline-inner" and "MPI cannot say" in line
