@@ -3,7 +3,8 @@
 #
 #   sudo benchmarks/two_nodes_sitting.sh            # every row (about 10 minutes)
 #   sudo benchmarks/two_nodes_sitting.sh wire hier  # some: wire wire_slow hier hier100 auto ring
-#                                                   #   hier500 bound wire100 (not in "every row")
+#                                                   #   hier500 bound flat500 wire100 (not in
+#                                                   #   "every row")
 #
 # Every comparison is one `bench train --against` invocation, paired repeat by repeat in ABBA
 # order (REPEATS, 3), each run WARMUP (2) + STEPS (6) steps; a bench line is one two_nodes.sh
@@ -16,7 +17,9 @@
 #         one, fp32 and int8, at 500mbit and 2gbit; hier100: fp32 at 100mbit (2 short repeats);
 #         hier500: the fp32 pair at 500mbit alone
 #   bound hier's ceiling at 500mbit: the same pair at 20gbit, where the link costs next to
-#         nothing (hier at 20gbit / flat at 500mbit is the most any ring could gain there)
+#         nothing (hier at 20gbit / flat at 500mbit is the most any ring could gain there);
+#         flat500: the 500mbit pair the other way round, so bench prints the flat ring's time
+#         split (its exposed gradient wait w: no ring can gain more than 1 / (1 - w))
 #   auto  jobs/gpt_bench.toml pp=2 x dp=2: grid.order = auto against the best hand choice, and
 #         an A/A pair (data-inner against itself: the sitting's noise floor)
 #   ring  jobs/gpt_bench.toml pp=1 x dp=2, one rank a node: int8 over 2gbit, fp32 and int8 on
@@ -89,6 +92,11 @@ bound() {  # the hier pair where the link costs next to nothing: the compute's s
     --set comm.ring=hierarchical --against comm.ring=flat
 }
 
+flat500() {  # the flat ring's own time split at 500mbit
+  bench 500mbit A:2,B:2 "${GPT[@]}" --set grid.pp=1 --set grid.dp=4 \
+    --set comm.ring=flat --against comm.ring=hierarchical
+}
+
 wire100() {  # more pairs of bf16 against fp32 where activations bind
   short 100mbit A:2,B:2 jobs/gpt_wire.toml --set comm.p2p_codec=bf16 --against comm.p2p_codec=fp32
 }
@@ -113,9 +121,10 @@ groups=("$@")
 [ ${#groups[@]} -gt 0 ] || groups=(wire wire_slow hier hier100 auto ring)
 for group in "${groups[@]}"; do
   case $group in
-    wire | wire_slow | hier | hier500 | hier100 | bound | wire100 | auto | ring) "$group" ;;
-    *) echo "usage: $0 [wire] [wire_slow] [hier] [hier500] [hier100] [bound] [wire100] [auto]" \
-      "[ring]" >&2
+    wire | wire_slow | hier | hier500 | hier100 | bound | flat500 | wire100 | auto | ring)
+      "$group" ;;
+    *) echo "usage: $0 [wire] [wire_slow] [hier] [hier500] [hier100] [bound] [flat500]" \
+      "[wire100] [auto] [ring]" >&2
       exit 2 ;;
   esac
 done
