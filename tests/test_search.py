@@ -4,6 +4,7 @@ schedules are valid and dry-run, bad costs and limits are one line."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 
@@ -13,9 +14,9 @@ from mpihybrid.pipeline import search_exact
 from mpihybrid.pipeline.csv_schedule import parse_csv
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.schedules import ScheduleError, dry_run, lower, validate
-from mpihybrid.pipeline.search import csv_of, search
+from mpihybrid.pipeline.search import csv_of, default_limit, search
 from mpihybrid.pipeline.search_costs import CostsError, SearchCosts, check_values, unit_costs
-from mpihybrid.pipeline.search_greedy import list_schedule
+from mpihybrid.pipeline.search_greedy import best_greedy, list_schedule
 from mpihybrid.pipeline.simulate import Costs, simulate
 from mpihybrid.pipeline.v_schedules import v_half, zb_h2
 
@@ -89,7 +90,12 @@ def test_imbalanced_costs_searched_split_and_order_beat_every_builtin():
     costs = SearchCosts(tuple(work), tuple(work), tuple(work), send=0.05, source="test")
     result = search(costs, 2, 4, time_limit=20)
     assert result.best.sim.makespan <= _best_builtin(result) + 1e-9
-    assert max(result.best.sim.peak_per_rank) <= 2
+    # the default limit: what the fastest built-in holds, so the searched one holds no more
+    fastest = min((r for r in result.table if "makespan" in r),
+                  key=lambda r: (r["makespan"], r["peak"]))  # fmt: skip
+    assert result.max_inflight == max(2, fastest["peak"])
+    assert result.best.sim.makespan <= fastest["makespan"] + 1e-9
+    assert max(result.best.sim.peak_per_rank) <= fastest["peak"]
     assert result.step_bound <= result.best.sim.makespan
     lists, placement = result.best.lists, result.best.placement
     validate(lists, placement, 4)
@@ -144,3 +150,84 @@ def test_timeout_gives_the_best_found_and_its_gap():
     assert res.status in ("feasible", "optimal", "unknown")
     if res.lists is not None:
         assert res.gap >= 0 and res.bound <= res.makespan + 1e-9
+
+
+def test_default_limit_is_the_fastest_builtins_peak_and_at_least_p():
+    rows = [{"schedule": "a", "makespan": 10.0, "peak": 3.0},
+            {"schedule": "b", "makespan": 10.0, "peak": 2.5},
+            {"schedule": "c", "makespan": 11.0, "peak": 1.0},
+            {"schedule": "d", "note": "not legal"}]  # fmt: skip
+    assert default_limit(rows, 2) == 2.5  # a tie: the lower peak
+    assert default_limit(rows, 4) == 4.0  # never below 1F1B's p
+    assert default_limit([{"schedule": "d", "note": "x"}], 3) == 3.0
+
+
+def test_a_search_ticks_the_watchdog(monkeypatch):
+    # a long search at a run's start is work, not a stall: it ticks mpihybrid.progress, the
+    # exact solve too while it runs (in a thread of its own)
+    from mpihybrid import progress
+
+    class Flight:
+        ticks: list[str] = []
+
+        def tick(self, what: str = "") -> None:
+            self.ticks.append(what)
+
+    flight = Flight()
+    monkeypatch.setattr(progress, "_watched", flight)
+    search(unit_costs(2), 2, 4, time_limit=10)
+    assert "searching a schedule" in flight.ticks
+    assert "searching a schedule (greedy)" in flight.ticks
+    if importlib.util.find_spec("ortools"):
+        assert "searching a schedule (exact)" in flight.ticks
+
+
+def test_sweep_takes_auto_beside_the_builtins():
+    from mpihybrid.cli.sweep_plan import parse_schedules
+    from mpihybrid.pipeline.schedules import SCHEDULES
+
+    assert parse_schedules("zb-h1,auto") == ["zb-h1", "auto"]
+    assert parse_schedules("all,auto") == [*SCHEDULES, "auto"]
+
+
+def test_predict_runs_auto_as_searched_on_the_cost_model():
+    # predict's auto: the search on the cost model's per-block times; the job it then predicts
+    # runs the searched lists and split, so its pipeline is the search's simulated step, and no
+    # built-in within the limit is predicted faster on the same costs
+    from mpihybrid.cli.predict import _load_job
+    from mpihybrid.predict.cluster import find_cluster, load_cluster
+    from mpihybrid.predict.model import predict
+    from mpihybrid.predict.searched import block_costs, predicted_auto
+
+    job = _load_job("jobs/gpt_bench.toml", ["train.schedule=auto"])
+    cluster = load_cluster(find_cluster("local"))
+    searched, line = predicted_auto(job, cluster)
+    assert searched.train.schedule.startswith("csv:auto@") and "blocks per stage" in line
+    result = search(block_costs(job, cluster), 2, 4, time_limit=4, deterministic=True)
+    assert math.isclose(predict(searched, cluster)["pipeline_s"], result.best.sim.makespan)
+    assert result.best.sim.makespan <= _best_builtin(result) + 1e-12
+
+
+def test_fill_bounds_hold_and_are_reached_on_a_head_heavy_model():
+    # five light blocks and a head as heavy as all of them: at M=4 the head's rank waits for
+    # the first micro-batch's forward through the five, and no placement avoids it
+    from mpihybrid.pipeline.search_bounds import any_placement_bound, busiest_work, fill_bound
+
+    f = (0.1, 1.0, 1.0, 1.0, 1.0, 4.0)
+    costs = SearchCosts(f, f, f, source="test")
+    result = search(costs, 2, 4, max_inflight=4, time_limit=20)
+    best = result.best
+    work = busiest_work(costs, best.placement, best.ranges, 4)
+    fill = fill_bound(costs, best.placement, best.ranges, 4)
+    anywhere = any_placement_bound(costs, 2, 4)
+    assert work < anywhere <= fill <= best.sim.makespan + 1e-9
+    assert anywhere == pytest.approx(4.1 + 4 * 12.0)  # the five forwards, then the head's work
+    assert best.sim.makespan == pytest.approx(anywhere)  # reached: the search is optimal
+    # no order of any split of either placement beats its own fill bound
+    for placement in (Placement.loop(2), Placement.v(2)):
+        from mpihybrid.pipeline.search import splits
+
+        for ranges in splits(costs, placement, 20):
+            lists, sim = best_greedy(placement, 4, costs.split(ranges), max_inflight=4)
+            assert sim.makespan >= fill_bound(costs, placement, ranges, 4) - 1e-9
+            assert fill_bound(costs, placement, ranges, 4) >= anywhere - 1e-9

@@ -45,7 +45,7 @@ def decide(job, tick=None) -> dict:
         counts = stored_counts(job) or (m.partition if isinstance(m.partition, list) else None)
         if counts is not None:
             ranges = block_ranges(job.model, counts)
-    limit = t.schedule_inflight or job.grid.pp
+    limit = t.schedule_inflight or None
     result = search(
         costs,
         job.grid.pp,
@@ -69,7 +69,7 @@ def decide(job, tick=None) -> dict:
         "bound": result.bound,
         "step_bound": result.step_bound,
         "peak_per_rank": sim.peak_per_rank,
-        "max_inflight": limit,
+        "max_inflight": result.max_inflight,
         "costs": costs.as_dict(),
         "builtins": [{k: v for k, v in r.items()} for r in result.table],
     }

@@ -215,7 +215,7 @@ def predict(
 
     Exit 4 (after the prediction) when a rank does not fit the device's memory; with --search,
     when no layout fits."""
-    from mpihybrid.config import ConfigError
+    from mpihybrid.config import AUTO, ConfigError
     from mpihybrid.pipeline.schedules import ScheduleError
     from mpihybrid.predict.cluster import ClusterError, find_cluster, load_cluster
     from mpihybrid.predict.model import predict as run_prediction
@@ -253,7 +253,14 @@ def predict(
             return
         if world is not None:
             raise ValueError("--world is the world size --search ranks layouts for")
+        searched = None
+        if job.train.schedule == AUTO:
+            from mpihybrid.predict.searched import predicted_auto
+
+            job, searched = predicted_auto(job, cluster)
         result = run_prediction(job, cluster)
+        if searched:
+            result["notes"].append(searched)
     except (
         ConfigError,
         ClusterError,

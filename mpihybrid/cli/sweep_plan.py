@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mpihybrid.config import ConfigError, Job, resolve
+from mpihybrid.config import AUTO, ConfigError, Job, resolve
 from mpihybrid.pipeline.schedules import SCHEDULES, ScheduleError, chunks_for, get_spec
 
 
@@ -18,11 +18,14 @@ class Cell:
 
 
 def parse_schedules(text: str) -> list[str]:
-    """'all' or a comma list of schedule names, in the order given."""
-    if text.strip() == "all":
-        return list(SCHEDULES)
-    names = [n.strip() for n in text.split(",")]
+    """A comma list of schedule names in the order given: 'all' stands for the nine built-ins,
+    'auto' for the schedule searched for the job at each M (cli/auto.py)."""
+    names = []
+    for name in (n.strip() for n in text.split(",")):
+        names += list(SCHEDULES) if name == "all" else [name]
     for name in names:
+        if name == AUTO:
+            continue
         try:
             get_spec(name)
         except ScheduleError as exc:
@@ -110,7 +113,7 @@ def plan(
     cells, notes = [], []
     for m in microbatches:
         for name in schedules:
-            cell = Cell(name, m, chunks_for(name, virtual))
+            cell = Cell(name, m, 1 if name == AUTO else chunks_for(name, virtual))
             try:
                 cells.append((cell, cell_job(job, cell, world_size, fixed_batch)))
             except ConfigError as exc:

@@ -72,7 +72,8 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
     from mpihybrid.pipeline.simulate import bubble_formula, peak_inflight, peak_per_rank
 
     g, t = job.grid, job.train
-    name, m, v = cell.schedule, cell.microbatches, cell.virtual_stages
+    # what ran: an auto cell runs the schedule searched for it (csv:auto@HASH, its chunks)
+    name, m, v = t.schedule, cell.microbatches, t.virtual_stages
     measured = [t for s, t in step_times(summary.events).items() if s >= warmup_steps]
     step_s = statistics.median(measured)
     early = t.early_grad_send
@@ -83,7 +84,7 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
     predicted_peaks = peak_inflight(actions, placement)
     measured_peaks = [summary.peak_inflight[s] for s in sorted(summary.peak_inflight)]
     return {
-        "schedule": name,
+        "schedule": cell.schedule,
         "virtual_stages": v,
         "microbatches": m,
         "repeat": repeat,

@@ -87,18 +87,32 @@ def stage_work(job) -> list[ChunkWork]:
     in_features, num_classes = task_dims(job.data)
     blocks = build_blocks(m, in_features, num_classes)
     num_chunks = job.grid.pp * job.train.virtual_stages
-    samples, rows = microbatch_rows(job)
+    samples = microbatch_rows(job)[0]
     shapes = boundary_shapes(m, in_features, num_classes, num_chunks, samples)
+    return _works(job, chunk_ranges(m, blocks, num_chunks), shapes)
+
+
+def block_work(job) -> list[ChunkWork]:
+    """Every block's work per micro-batch, as if each were a chunk of its own (the loss rides
+    with the last; no input bytes): what a schedule search splits into chunks."""
+    in_features, num_classes = task_dims(job.data)
+    blocks = build_blocks(job.model, in_features, num_classes)
+    return _works(job, [range(g, g + 1) for g in range(len(blocks))], None)
+
+
+def _works(job, ranges: list[range], shapes) -> list[ChunkWork]:
+    num_classes = task_dims(job.data)[1]
+    num_chunks, rows = len(ranges), microbatch_rows(job)[1]
     costs = model_costs(job, rows)
     out = []
-    for c, chunk in enumerate(chunk_ranges(m, blocks, num_chunks)):
+    for c, chunk in enumerate(ranges):
         layers = [cost for g in chunk for cost in costs[g]]
         temporary = max(layer.temporary_bytes for layer in layers)
         if c == num_chunks - 1:  # the loss: softmax over the logits, forward and backward
             layers[-1].elem_bytes["F"] += 3 * FLOAT * rows * num_classes
             layers[-1].elem_bytes["B"] += 2 * FLOAT * rows * num_classes
             temporary = max(temporary, FLOAT * rows * num_classes)
-        input_bytes = FLOAT * math.prod(shapes[c]) if c else 0
+        input_bytes = FLOAT * math.prod(shapes[c]) if c and shapes else 0
         params = sum(layer.params for layer in layers)
         kept = sum(layer.kept_bytes for layer in layers)
         out.append(ChunkWork(layers, params, kept, input_bytes, temporary))

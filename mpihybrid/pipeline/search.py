@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from mpihybrid.pipeline.actions import Action, ScheduleError
 from mpihybrid.pipeline.placement import Placement
+from mpihybrid.pipeline.search_bounds import any_placement_bound, busiest_work, fill_bound
 from mpihybrid.pipeline.search_costs import CostsError, SearchCosts
 from mpihybrid.pipeline.search_greedy import best_greedy
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
@@ -71,17 +72,28 @@ class SearchResult:
         return busiest_work(self.costs, self.best.placement, self.best.ranges, self.m)
 
     @property
+    def fill_bound(self) -> float:
+        """step_bound plus the wait for each rank's first input: no order at this split and
+        placement beats it (search_bounds)."""
+        return fill_bound(self.costs, self.best.placement, self.best.ranges, self.m)
+
+    @property
+    def any_bound(self) -> float | None:
+        """The fill bound over every map of the blocks to the ranks: no schedule of these whole
+        blocks on pp ranks beats it (None: too many maps, or a trace's fixed stages)."""
+        return any_placement_bound(self.costs, self.pp, self.m)
+
+    @property
     def gap(self) -> float:
         if not self.bound:
             return float("nan")
         return max(0.0, 1.0 - self.bound / self.best.sim.makespan)
 
 
-def busiest_work(costs: SearchCosts, placement: Placement, ranges: list[range], m: int) -> float:
-    load = [0.0] * placement.pp
-    for s, r in enumerate(ranges):
-        load[placement.rank_of(s)] += m * sum(costs.total(i) for i in r)
-    return max(load)
+def _progress() -> None:
+    from mpihybrid.progress import progress
+
+    progress("searching a schedule")
 
 
 def make_placement(style: str, pp: int) -> Placement:
@@ -150,9 +162,12 @@ def search(
     tick=None,
 ) -> SearchResult:
     """The best schedule found (module text). max_inflight: micro-batches of a rank's share
-    (default p, 1F1B's); ranges: a split of the blocks to keep (only placements of that many
-    stages are tried); tick(): called between candidates (a watchdog's progress)."""
-    limit = float(pp if max_inflight is None else max_inflight)
+    (default_limit: what the fastest built-in holds, at least p); ranges: a split of the blocks
+    to keep (only placements of that many stages are tried); tick(): called between candidates
+    (a watchdog's progress)."""
+    tick = tick or _progress
+    rows = builtin_rows(costs, pp, m)
+    limit = float(default_limit(rows, pp) if max_inflight is None else max_inflight)
     if not limit >= 1:
         raise ScheduleError(
             f"a memory limit of {limit:g} micro-batches of a rank's share: no schedule holds "
@@ -160,9 +175,8 @@ def search(
         )
     split = split and costs.can_split
     notes = [] if costs.can_split else [f"{costs.source}: backwards ran whole, so B/W not split"]
-    tick = tick or (lambda: None)
     found: list[Candidate] = []
-    per_placement: dict[str, Candidate] = {}
+    per_split: dict[tuple, Candidate] = {}  # (style, split): its best order so far
     for style in placements:
         placement = make_placement(style, pp)
         try:
@@ -186,39 +200,39 @@ def search(
                 if max(sim.peak_per_rank) <= limit + 1e-9:
                     found.append(Candidate(placement, split_ranges, lists, sim, name, sim_costs))
             tick()
-        mine = [c for c in found if c.placement == placement]
-        if mine:
-            per_placement[style] = min(mine, key=lambda c: c.key)
+        for c in found:
+            key = (style, tuple(c.ranges))
+            if c.placement == placement and (key not in per_split or c.key < per_split[key].key):
+                per_split[key] = c
     if not found:
         why = "; ".join(notes) or f"none holds at most {limit:g} micro-batches of a rank's share"
         raise ScheduleError(f"schedule search found no schedule: {why}")
     status, bound, solves = "heuristic", 0.0, []
     if exact:
-        proved = _exact(per_placement, found, m, limit, split, time_limit, deterministic, notes,
+        proved = _exact(per_split, found, m, limit, split, time_limit, deterministic, notes,
                         solves)  # fmt: skip
         tick()
     best = min(found, key=lambda c: c.key)
-    if exact and best.placement.style in proved:
-        seed, status, bound = proved[best.placement.style]
-        if best.ranges != seed.ranges:  # the bound is of another split
-            status, bound = "heuristic", 0.0
+    if exact and (best.placement.style, tuple(best.ranges)) in proved:
+        status, bound = proved[(best.placement.style, tuple(best.ranges))]
     result = SearchResult(best, pp, m, limit, costs, status, bound, solves, notes)
-    result.table = builtin_table(costs, pp, m, limit, result)
+    result.table = builtin_table(rows, limit, result)
     return result
 
 
-def _exact(per_placement, found, m, limit, split, time_limit, deterministic, notes, solves):
-    """Solve each placement's best split exactly where small: {style: (seed, status, bound)};
-    the orders found join `found`, each solve's (style, status, seconds, found, bound) `solves`."""
+def _exact(per_split, found, m, limit, split, time_limit, deterministic, notes, solves):
+    """Solve every split tried exactly where small (the time shared among them), seeded with its
+    best order: {(style, split): (status, bound)}; the orders found join `found`, each solve's
+    (style, status, seconds, found, bound) `solves`."""
     from mpihybrid.pipeline.search_exact import SolverMissing, solve
     from mpihybrid.pipeline.search_greedy import budgets
 
-    small = {s: c for s, c in per_placement.items()
+    small = {k: c for k, c in per_split.items()
              if (3 if split else 2) * m * c.placement.num_stages <= EXACT_ACTIONS}  # fmt: skip
-    if len(small) < len(per_placement):
+    if len(small) < len(per_split):
         notes.append(f"exact search skipped where a step has more than {EXACT_ACTIONS} actions")
     proved = {}
-    for style, seed in small.items():
+    for key, seed in sorted(small.items(), key=lambda kv: kv[1].key):
         try:
             res = solve(seed.placement, m, seed.sim_costs, limit=budgets(seed.placement, limit),
                         split=split, time_limit=time_limit / len(small), hint=seed.lists,
@@ -226,18 +240,19 @@ def _exact(per_placement, found, m, limit, split, time_limit, deterministic, not
         except SolverMissing as exc:
             notes.append(f"{exc}; the greedy's schedule instead")
             return {}
-        solves.append((style, res.status, res.seconds, res.makespan, res.bound))
+        sizes = [len(r) for r in seed.ranges]
+        solves.append((f"{key[0]} {sizes}", res.status, res.seconds, res.makespan, res.bound))
         if res.lists is not None:
             sim = simulate(res.lists, seed.placement, seed.sim_costs)
             found.append(Candidate(seed.placement, seed.ranges, res.lists, sim, "exact",
                                    seed.sim_costs))  # fmt: skip
-            proved[style] = (seed, res.status, res.bound)
+            proved[key] = (res.status, res.bound)
     return proved
 
 
-def builtin_table(costs: SearchCosts, pp: int, m: int, limit: float, result) -> list[dict]:
+def builtin_rows(costs: SearchCosts, pp: int, m: int) -> list[dict]:
     """Every built-in schedule simulated on the same costs, at the split nn.model balances for
-    its placement (model.partition = "timed"'s rule), with its distance from the best found."""
+    its placement (model.partition = "timed"'s rule): its step, bubble and rank peak."""
     from mpihybrid.pipeline.schedules import (
         SCHEDULES,
         build_schedule,
@@ -247,7 +262,6 @@ def builtin_table(costs: SearchCosts, pp: int, m: int, limit: float, result) -> 
     )
 
     rows = []
-    best = result.best.sim.makespan
     for name in SCHEDULES:
         v = chunks_for(name, 2)
         row = {"schedule": name, "v": v}
@@ -264,14 +278,36 @@ def builtin_table(costs: SearchCosts, pp: int, m: int, limit: float, result) -> 
             continue
         lists = build_schedule(name, pp, m, v, early_grad_send=True)
         sim = simulate(lists, placement, costs.split(ranges))
-        peak = max(sim.peak_per_rank)
-        rows.append(row | {
-            "makespan": sim.makespan, "bubble": sim.bubble_fraction, "peak": peak,
-            "vs_best": sim.makespan / best - 1,
-            "vs_bound": sim.makespan / result.bound - 1 if result.bound else None,
-            "note": "over the memory limit" if peak > limit + 1e-9 else "",
-        })  # fmt: skip
+        rows.append(row | {"makespan": sim.makespan, "bubble": sim.bubble_fraction,
+                           "peak": max(sim.peak_per_rank), "note": ""})  # fmt: skip
     return rows
+
+
+def default_limit(rows: list[dict], pp: int) -> float:
+    """The memory limit when none is given: the rank peak of the built-in schedule that is
+    fastest on these costs (the lower peak on a tie), and at least p (1F1B's). So the search
+    never holds more than the schedule it is to beat, and may hold what that one holds."""
+    timed = [r for r in rows if "makespan" in r]
+    if not timed:
+        return float(pp)
+    fastest = min(timed, key=lambda r: (round(r["makespan"], 12), r["peak"]))
+    return max(float(pp), fastest["peak"])
+
+
+def builtin_table(rows: list[dict], limit: float, result) -> list[dict]:
+    """builtin_rows with each one's distance from the best found (and from the proven bound)
+    and whether it holds more than the limit."""
+    best, out = result.best.sim.makespan, []
+    for row in rows:
+        if "makespan" not in row:
+            out.append(dict(row))
+            continue
+        out.append(row | {
+            "vs_best": row["makespan"] / best - 1,
+            "vs_bound": row["makespan"] / result.bound - 1 if result.bound else None,
+            "note": "over the memory limit" if row["peak"] > limit + 1e-9 else "",
+        })  # fmt: skip
+    return out
 
 
 def _time(seconds: float, unit: bool) -> str:
@@ -317,7 +353,15 @@ def format_result(result: SearchResult, grid: bool = True) -> str:
         f"per rank {', '.join(f'{p:g}' for p in sim.peak_per_rank)} micro-batches of its share",
         f"step-time bound (the busiest rank's own work at this split): "
         f"{_time(result.step_bound, unit)} ({sim.makespan / result.step_bound - 1:+.1%} from it)",
+        f"with the pipe's fill (no rank's work starts before its first input can arrive), no "
+        f"order at this split beats {_time(result.fill_bound, unit)} "
+        f"({sim.makespan / result.fill_bound - 1:+.1%} from it)",
     ]
+    anywhere = result.any_bound
+    if anywhere is not None:
+        lines.append(f"no schedule of these whole blocks on {result.pp} ranks beats "
+                     f"{_time(anywhere, unit)} ({sim.makespan / anywhere - 1:+.1%} from it), "
+                     "whatever its placement, split, order or memory")  # fmt: skip
     for style, status, seconds, found, bound in result.solver_seconds:
         lines.append(f"solver, {style}: {status} in {seconds:.2f} s (model step "
                      f"{_time(found, unit)}, proven bound {_time(bound, unit)})")  # fmt: skip

@@ -21,6 +21,7 @@ deterministic: one worker and a deterministic time limit, so the same costs give
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -156,7 +157,7 @@ def _run(cp_model, model, *, time_limit: float, deterministic: bool, workers: in
         solver.parameters.num_workers = workers
         solver.parameters.max_time_in_seconds = time_limit
     t0 = time.perf_counter()
-    code = solver.Solve(model)
+    code = _solve_ticking(solver, model)
     seconds = time.perf_counter() - t0
     names = {
         cp_model.OPTIMAL: "optimal",
@@ -164,6 +165,23 @@ def _run(cp_model, model, *, time_limit: float, deterministic: bool, workers: in
         cp_model.INFEASIBLE: "infeasible",
     }
     return solver, names.get(code, "unknown"), seconds
+
+
+def _solve_ticking(solver, model) -> int:
+    """solver.Solve(model) in a thread of its own (CP-SAT lets go of the GIL while it solves),
+    this one telling the watchdog every TICK_S that the search goes on (mpihybrid.progress):
+    a minute's solve at the start of a run is work, not a stall."""
+    from mpihybrid.progress import TICK_S, progress
+
+    codes: list = []
+    worker = threading.Thread(target=lambda: codes.append(solver.Solve(model)), daemon=True)
+    worker.start()
+    while worker.is_alive():
+        progress("searching a schedule (exact)")
+        worker.join(TICK_S / 2)
+    if not codes:
+        raise RuntimeError("the CP-SAT solve ended without a status")
+    return codes[0]
 
 
 def _add_hint(model, start, hint, placement, costs, tick) -> None:

@@ -25,6 +25,7 @@ import math
 from mpihybrid.pipeline.actions import Action, ScheduleError
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
+from mpihybrid.progress import progress
 
 INF = math.inf
 
@@ -192,6 +193,7 @@ def best_greedy(
     for cap, fill, deep, reserve in itertools.product(
         range(top, 0, -1), ("idle", "fit"), (True, False), reserves
     ):
+        progress("searching a schedule (greedy)")
         try:
             lists = list_schedule(
                 placement,
