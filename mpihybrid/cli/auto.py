@@ -15,11 +15,9 @@ predicted). A resumed run keeps the split of its newest checkpoint and searches 
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 
-AUTO_TIME = 4.0  # the exact search's deterministic time limit, over both placements (~ s)
+from mpihybrid.config.searched import AUTO_TIME, apply
 
 
 def decide(job, tick=None) -> dict:
@@ -101,21 +99,6 @@ def block_ranges(model, counts: list[int]) -> list[range]:
         out.append(range(at, at + n))
         at += n
     return out
-
-
-def apply(job, payload: dict, world_size: int):
-    """The job running the searched schedule: csv:auto@HASH registered here, its split."""
-    from mpihybrid.config import resolve
-    from mpihybrid.pipeline.csv_schedule import register
-    from mpihybrid.pipeline.search import SEARCHES
-
-    text = payload["csv"]
-    name = f"csv:auto@{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-    register(name, text)
-    SEARCHES[name] = payload["info"]
-    train = dataclasses.replace(job.train, schedule=name, virtual_stages=payload["chunks"])
-    model = dataclasses.replace(job.model, partition=payload["partition"])
-    return resolve(dataclasses.replace(job, train=train, model=model), world_size)
 
 
 def resolve_auto(job, world=None, tick=None):

@@ -7,7 +7,7 @@ The cost model gives each block's F, B and W on the cluster's device (nn.cost.bl
 predict.model.action_seconds) and the pipeline hop (predict.wire.message_seconds); the search
 (pipeline/search.py, as `train` runs it: deterministic, train.schedule_inflight or its default
 limit) splits the blocks and orders the actions; the job is then predicted as it would run,
-with the searched CSV registered in this process (cli/auto.apply).
+with the searched CSV registered in this process (config/searched.apply).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def block_costs(job: Job, cluster: Cluster):
 def predicted_auto(job: Job, cluster: Cluster) -> tuple[Job, str]:
     """The job with "auto" replaced by the schedule searched on the predicted costs, and a line
     saying what was found (ScheduleError, one line, when the costs or the limit are bad)."""
-    from mpihybrid.cli.auto import AUTO_TIME, apply
+    from mpihybrid.config.searched import AUTO_TIME, apply
     from mpihybrid.nn.model import layer_counts
     from mpihybrid.pipeline.search import csv_of, search
 
