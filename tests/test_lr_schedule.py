@@ -18,7 +18,7 @@ from tests.helpers import run_mpi
 
 def cfg(schedule="cosine", lr=1e-3, min_lr=1e-4, warmup=10, steps=100):
     return SimpleNamespace(lr_schedule=schedule, lr=lr, min_lr=min_lr, warmup_steps=warmup,
-                           steps=steps)  # fmt: skip
+                           steps=steps, lr_decay_steps=0)  # fmt: skip
 
 
 def nanogpt_get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters):
@@ -76,12 +76,47 @@ def test_adamw_takes_the_rate_of_each_step():
         (["train.warmup_steps=-1"], "train.warmup_steps = -1"),
         (["train.lr_schedule=step"], "train.lr_schedule = 'step': unknown"),
         (["train.min_lr=nan"], "train.min_lr = nan: must be a finite number"),
+        (["train.lr_decay_steps=-2"], "train.lr_decay_steps = -2"),
+        (
+            ["train.lr_decay_steps=5", "train.warmup_steps=5"],
+            "train.lr_decay_steps = 5: must be 0 (= train.steps) or more than train.warmup_steps",
+        ),
     ],
 )
 def test_bad_schedule_is_one_config_error(setting, says):
     with pytest.raises(ConfigError) as err:
         load_job(None, setting, 2)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+class _OneRank:
+    rank = 0
+
+    def bcast(self, value, root=0):
+        return value
+
+
+def test_a_resume_with_other_steps_keeps_the_horizon(monkeypatch):
+    """A decaying rate resumed with more (or fewer) train.steps keeps the step its decay ends at
+    (the uninterrupted run's rates, min_lr past it), unless train.lr_decay_steps is given."""
+    from mpihybrid.train import resume
+
+    base = ["train.lr_schedule=cosine", "train.warmup_steps=2", "train.lr=1e-3",
+            "train.min_lr=1e-4"]  # fmt: skip
+    ten = load_job(None, [*base, "train.steps=10"], 2)
+    job = load_job(None, [*base, "train.steps=20"], 2)
+    monkeypatch.setattr(resume, "_recorded", lambda job, key, default_key=None: 10)
+    kept = resume.keep_recorded_horizon(job, _OneRank(), given=False)
+    assert kept.train.lr_decay_steps == 10 and kept.train.steps == 20
+    assert [learning_rate(kept.train, s) for s in range(10)] == [
+        learning_rate(ten.train, s) for s in range(10)
+    ]
+    assert learning_rate(kept.train, 15) == 1e-4
+    assert resume.keep_recorded_horizon(job, _OneRank(), given=True) is job
+    constant = load_job(None, ["train.steps=20"], 2)
+    assert resume.keep_recorded_horizon(constant, _OneRank(), given=False) is constant
+    monkeypatch.setattr(resume, "_recorded", lambda job, key, default_key=None: 20)
+    assert resume.keep_recorded_horizon(job, _OneRank(), given=False) is job
 
 
 def test_warmup_as_long_as_the_run_is_allowed():
@@ -110,3 +145,9 @@ def test_resume_continues_the_schedule_exactly(tmp_path):
     rates = [learning_rate(job.train, s) for s in range(10)]
     np.testing.assert_array_equal(a.steps["lr"], rates)
     np.testing.assert_array_equal(b.steps["lr"], rates)
+    # resumed with more steps: the schedule keeps its horizon (step 10), then min_lr
+    longer = tmp_path / "longer.h5"
+    proc = run_mpi(2, *args, "--set", "train.steps=12", "--resume", "--trace", str(longer))
+    assert proc.returncode == 0, proc.stderr
+    assert "decays to train.min_lr at step 10, as in the run this resumes" in proc.stdout
+    np.testing.assert_array_equal(load(longer).steps["lr"], [*rates, 3e-4, 3e-4])

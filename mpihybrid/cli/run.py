@@ -73,7 +73,12 @@ def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, d
     from mpihybrid.trace.read import TraceError
     from mpihybrid.train.checkpoint import CheckpointError
     from mpihybrid.train.memory import check_fits
-    from mpihybrid.train.resume import batch_given, keep_recorded_batch
+    from mpihybrid.train.resume import (
+        batch_given,
+        given,
+        keep_recorded_batch,
+        keep_recorded_horizon,
+    )
 
     world = MPI.COMM_WORLD
     _setup_logging(world.rank, quiet)
@@ -92,6 +97,7 @@ def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, d
     exit_on_any_error(world, error)
     try:  # collective: a resume at another dp keeps the checkpoint's default global batch
         job = keep_recorded_batch(job, world, batch_given(job_file, overrides))
+        job = keep_recorded_horizon(job, world, given(job_file, overrides, "lr_decay_steps"))
     except ConfigError as exc:
         error = str(exc)
     exit_on_any_error(world, error)

@@ -102,6 +102,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # constant | cosine | linear: decay to min_lr at the last step
     warmup_steps: int = 0  # linear warmup over this many first steps (nanoGPT's get_lr)
     min_lr: float = 0.0  # cosine, linear: the rate the decay ends at
+    lr_decay_steps: int = 0  # cosine, linear: the step the decay ends at (0 = train.steps)
     grad_clip: float = 0.0  # clip the global gradient norm (all stages) to this; 0 = off
     momentum: float = 0.9  # sgd
     weight_decay: float = 0.0

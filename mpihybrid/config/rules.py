@@ -114,6 +114,7 @@ def _check_ranges(job: Job) -> None:
         ("train.microbatches", t.microbatches, 1),
         ("train.virtual_stages", t.virtual_stages, 1),
         ("train.eval_every", t.eval_every, 0),
+        ("train.lr_decay_steps", t.lr_decay_steps, 0),
         ("train.log_every", t.log_every, 0),
         ("train.eval_batches", t.eval_batches, 1),
         ("comm.block", c.block, 1),

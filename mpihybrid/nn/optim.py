@@ -252,18 +252,20 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
 def learning_rate(cfg, step: int) -> float:
-    """The rate of step `step` (0-based), nanoGPT's get_lr with lr_decay_iters = train.steps:
-    train.warmup_steps of linear warmup (lr (step + 1) / (warmup + 1)), then train.lr
-    (constant) or a cosine or linear decay from train.lr to train.min_lr at train.steps.
-    A pure function of the step: a resumed run continues the schedule exactly."""
+    """The rate of step `step` (0-based), nanoGPT's get_lr with lr_decay_iters = the horizon
+    (train.lr_decay_steps, 0: train.steps): train.warmup_steps of linear warmup (lr (step + 1)
+    / (warmup + 1)), then train.lr (constant) or a cosine or linear decay from train.lr to
+    train.min_lr at the horizon, min_lr after it. A pure function of the step: a resumed run
+    continues the schedule exactly (train/resume.py keeps the horizon of the run it resumes)."""
     lr, warmup = cfg.lr, cfg.warmup_steps
     if step < warmup:
         return lr * (step + 1) / (warmup + 1)
     if cfg.lr_schedule == "constant":
         return lr
-    if step >= cfg.steps:
+    horizon = cfg.lr_decay_steps or cfg.steps
+    if step >= horizon:
         return cfg.min_lr
-    ratio = (step - warmup) / (cfg.steps - warmup)
+    ratio = (step - warmup) / (horizon - warmup)
     if cfg.lr_schedule == "cosine":
         coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
     else:
@@ -304,6 +306,11 @@ def check_settings(cfg) -> None:
         )
     if not 0.0 <= cfg.min_lr <= cfg.lr:
         raise ValueError(f"train.min_lr = {cfg.min_lr}: must be in [0, train.lr = {cfg.lr}]")
+    if cfg.lr_decay_steps and not cfg.warmup_steps < cfg.lr_decay_steps:
+        raise ValueError(
+            f"train.lr_decay_steps = {cfg.lr_decay_steps}: must be 0 (= train.steps) or more "
+            f"than train.warmup_steps = {cfg.warmup_steps}"
+        )
     if not 0 <= cfg.warmup_steps <= cfg.steps:
         raise ValueError(
             f"train.warmup_steps = {cfg.warmup_steps}: must be in [0, train.steps = "

@@ -1,6 +1,8 @@
-"""A resume at another data-parallel width keeps the run's global batch.
+"""A resume keeps what the run it continues chose by default: its global batch (at another
+data-parallel width) and its learning rate's horizon (with another train.steps).
 
     job = keep_recorded_batch(job, world, batch_given(job_file, overrides))   # collective
+    job = keep_recorded_horizon(job, world, given(job_file, overrides, "lr_decay_steps"))
 
 The embedded job's global batch follows dp (config.SAMPLES_PER_REPLICA a replica) when no job
 file or `--set` gives it; resumed at another dp, that default would be another job's batch. A
@@ -21,26 +23,57 @@ from mpihybrid.train.checkpoint import CheckpointError, complete, read_manifest
 log = logging.getLogger("mpihybrid")
 
 
-def batch_given(path: str | Path | None, overrides: list[str]) -> bool:
-    """Whether the job file or an override sets train.global_batch (else: the default)."""
+def given(path: str | Path | None, overrides: list[str], key: str) -> bool:
+    """Whether the job file or an override sets train.<key> (else: the default)."""
     train = load_table(path).get("train", {})
-    return (isinstance(train, dict) and "global_batch" in train) or any(
-        parse_override(o)[:2] == ("train", "global_batch") for o in overrides
+    return (isinstance(train, dict) and key in train) or any(
+        parse_override(o)[:2] == ("train", key) for o in overrides
     )
 
 
-def recorded_global_batch(job: Job) -> int | None:
-    """train.global_batch of the newest complete checkpoint in checkpoint.dir (its stored job);
-    None when there is none, or it is damaged or does not say (the resume then says why)."""
+def batch_given(path: str | Path | None, overrides: list[str]) -> bool:
+    return given(path, overrides, "global_batch")
+
+
+def _recorded(job: Job, key: str, default_key: str | None = None) -> int | None:
+    """train.<key> (when 0 or absent: train.<default_key>) of the newest complete checkpoint in
+    checkpoint.dir (its stored job); None when there is none, or it is damaged or does not say
+    (the resume then says why)."""
     found = complete(job.checkpoint.dir) if job.checkpoint.dir else []
     if not found:
         return None
     try:
-        stored = tomllib.loads(read_manifest(found[-1])["job"])["train"]["global_batch"]
+        train = tomllib.loads(read_manifest(found[-1])["job"])["train"]
+        stored = train.get(key) or (train[default_key] if default_key else None)
     except (CheckpointError, KeyError, TypeError, AttributeError, tomllib.TOMLDecodeError):
         return None
     ok = isinstance(stored, int) and not isinstance(stored, bool) and stored > 0
     return stored if ok else None
+
+
+def recorded_global_batch(job: Job) -> int | None:
+    return _recorded(job, "global_batch")
+
+
+def keep_recorded_horizon(job: Job, world, given: bool) -> Job:
+    """Collective: a decaying rate (train.lr_schedule cosine or linear) resumed with another
+    train.steps keeps the horizon of the run it continues (the step its decay ends at, min_lr
+    after it: nanoGPT's lr_decay_iters), unless train.lr_decay_steps is given; one line says so.
+    A resumed run's rates are then the uninterrupted run's, whatever train.steps says now."""
+    t = job.train
+    if given or t.lr_schedule == "constant":
+        return job
+    stored = _recorded(job, "lr_decay_steps", "steps") if world.rank == 0 else None
+    stored = world.bcast(stored, root=0)
+    if stored is None or stored == t.steps or stored <= t.warmup_steps:
+        return job
+    if world.rank == 0:
+        log.info(
+            "train.lr_schedule = %s: the rate decays to train.min_lr at step %d, as in the run "
+            "this resumes (train.steps = %d now; train.lr_decay_steps sets another horizon)",
+            t.lr_schedule, stored, t.steps,
+        )  # fmt: skip
+    return dataclasses.replace(job, train=dataclasses.replace(t, lr_decay_steps=stored))
 
 
 def keep_recorded_batch(job: Job, world, given: bool) -> Job:

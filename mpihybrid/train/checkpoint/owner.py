@@ -8,14 +8,15 @@ from pathlib import Path
 
 from mpihybrid.train.checkpoint.disk import CheckpointError
 
-# What a resume may change and still be the same run: how long it runs, where and how it writes
+# What a resume may change and still be the same run: how long it runs (and when its rate's
+# decay ends: train/resume.py keeps the run's horizon unless it is given), where and how it writes
 # its files, the grid's data-parallel width and placement, the ring's wire, the schedule and its
 # micro-batches (hybrid == serial: the same sums), whether the optimizer state is sharded and
 # whether forwards are recomputed (neither changes a bit). Anything else (the model, the data and
 # their seeds, the batch, the optimizer and its settings) makes it another job.
 RESUMABLE = (
-    "train.steps", "train.schedule", "train.microbatches", "train.early_grad_send",
-    "train.shard_optimizer", "train.recompute",
+    "train.steps", "train.lr_decay_steps", "train.schedule", "train.microbatches",
+    "train.early_grad_send", "train.shard_optimizer", "train.recompute",
     "grid.dp", "grid.order", "grid.device", "comm.*", "trace.*", "checkpoint.*",
 )  # fmt: skip
 
