@@ -232,3 +232,21 @@ def test_auto_order_is_resolved_once_and_an_explicit_order_wins(monkeypatch):
     monkeypatch.setattr(auto, "node_map", lambda world: None)
     job, line = auto.resolve_order(_job("grid.pp=2", "grid.dp=2", "grid.order=auto"), MPI.COMM_SELF)
     assert job.grid.order == "pipeline-inner" and "MPI cannot say" in line
+
+
+def test_the_trace_keeps_the_order_choice_and_the_ring():
+    """train(notes=...) -> tracing.note_ring: the line auto printed and which ring ran, as
+    attributes of rank 0's trace (collective over the world: one rank here)."""
+    from types import SimpleNamespace
+
+    from mpi4py import MPI
+
+    from mpihybrid.train.tracing import note_ring
+
+    line = "grid.order = auto: data-inner (predicted 2 against 1 for pipeline-inner, ...)"
+    for groups, ring in ((None, "flat"), (object(), "hierarchical")):
+        writer = SimpleNamespace(attrs={})
+        run = SimpleNamespace(gradcomm=SimpleNamespace(groups=groups),
+                              trace=SimpleNamespace(writer=writer))  # fmt: skip
+        note_ring(MPI.COMM_SELF, run, {"order_choice": line})
+        assert writer.attrs == {"order_choice": line, "ring": ring}
