@@ -19,8 +19,9 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid.cli.bench import parse_size
-from mpihybrid.comm.allreduce import TRANSPORTS, RingAllreduce
+from mpihybrid.comm.allreduce import RingAllreduce
 from mpihybrid.comm.codecs import CODECS, get_codec
+from mpihybrid.comm.settings import TRANSPORTS, RingSettings
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     count = parse_size(args.size) // 4
     x = np.random.default_rng(comm.rank).standard_normal(count).astype(np.float32)
-    ring = RingAllreduce(comm, count, get_codec(args.codec), transport=args.transport)
+    ring = RingAllreduce(comm, count, RingSettings(get_codec(args.codec), transport=args.transport))
     flat = x.copy()
     for _ in range(args.warmup):  # numba compiles (or loads its cache) here
         flat[:] = x

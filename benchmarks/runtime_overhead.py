@@ -65,7 +65,15 @@ def main() -> None:
     actions = lower(build_schedule("1f1b", pp, m, 1), placement)[world.rank]
     shapes = boundary_shapes(job.model, task.in_features, task.num_classes, pp, 1)
     recorder = Recorder(world.rank, 0, capacity=(len(actions) + 8) * (args.steps + 1))
-    runtime = PipelineRuntime(world, stages, actions, placement, m, shapes, recorder)
+    runtime = PipelineRuntime(
+        world,
+        stages,
+        actions,
+        job.runtime_settings(),
+        placement=placement,
+        shapes=shapes,
+        recorder=recorder,
+    )
     x, y = task.global_batch(0, m)
     batches = microbatches(x, y, 0, 1, m)
 

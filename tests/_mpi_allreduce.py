@@ -24,8 +24,9 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.comm.allreduce import DEFAULT_SEGMENT, RingAllreduce
+from mpihybrid.comm.allreduce import RingAllreduce
 from mpihybrid.comm.codecs import CODECS, get_codec
+from mpihybrid.comm.settings import DEFAULT_SEGMENT, RingSettings
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -64,15 +65,19 @@ def emit(kind: str, **fields) -> None:
 
 def run_case(count: int, codec_name: str, op: str, segment: int = DEFAULT_SEGMENT) -> None:
     x = make_input(rank, count)
-    ring = RingAllreduce(comm, count, get_codec(codec_name), segment=segment)
+    ring = RingAllreduce(comm, count, RingSettings(get_codec(codec_name), segment=segment))
     flat = x.copy()
     sent = ring(flat, op=op)
     # one message per chunk: elementwise codecs give the same bits whatever the segments
     whole = x.copy()
-    RingAllreduce(comm, count, get_codec(codec_name), segment=max(count, 1))(whole, op=op)
+    RingAllreduce(comm, count, RingSettings(get_codec(codec_name), segment=max(count, 1)))(
+        whole, op=op
+    )
     # the same ring with every segment sent as a message, not read from shared memory
     messages = x.copy()
-    by_mpi = RingAllreduce(comm, count, get_codec(codec_name), segment=segment, transport="mpi")
+    by_mpi = RingAllreduce(
+        comm, count, RingSettings(get_codec(codec_name), segment=segment, transport="mpi")
+    )
     by_mpi(messages, op=op)
     ring.close()
     same_as_messages = bool(comm.allreduce(np.array_equal(flat, messages), op=MPI.LAND))
@@ -113,7 +118,9 @@ def run_error_feedback(count: int, codec_name: str, steps: int) -> None:
     ref_sum, _ = reference(count, seed=1)
     result = {}
     for feedback in (True, False):
-        ring = RingAllreduce(comm, count, get_codec(codec_name), error_feedback=feedback)
+        ring = RingAllreduce(
+            comm, count, RingSettings(get_codec(codec_name), error_feedback=feedback)
+        )
         total = np.zeros(count)
         flat = np.empty_like(x)
         sent = 0
@@ -130,7 +137,7 @@ def run_error_feedback(count: int, codec_name: str, steps: int) -> None:
 
 
 def run_checks() -> None:
-    ring = RingAllreduce(comm, 10, get_codec("fp32"))
+    ring = RingAllreduce(comm, 10, RingSettings(get_codec("fp32")))
     rejected = []
     for bad in (np.zeros(10, np.float64), np.zeros(11, np.float32), np.zeros(20, np.float32)[::2]):
         try:

@@ -21,6 +21,7 @@ from mpi4py import MPI  # noqa: E402
 from mpihybrid.comm.allreduce import RingAllreduce  # noqa: E402
 from mpihybrid.comm.codecs import CODECS, get_codec  # noqa: E402
 from mpihybrid.comm.device import select_backend  # noqa: E402
+from mpihybrid.comm.settings import RingSettings  # noqa: E402
 from tests import fakegpu  # noqa: E402
 
 world = MPI.COMM_WORLD
@@ -29,12 +30,12 @@ COUNT = 50_001
 for name in CODECS:
     x = np.random.default_rng([world.rank, 3]).standard_normal(COUNT).astype(np.float32)
     host = x.copy()
-    host_ring = RingAllreduce(world, COUNT, get_codec(name), segment=4096)
+    host_ring = RingAllreduce(world, COUNT, RingSettings(get_codec(name), segment=4096))
     for _ in range(2):  # twice: the second call carries the first one's residual
         host[:] = x
         host_ring(host)
     device = fakegpu.asarray(x)
-    ring = RingAllreduce(world, COUNT, get_codec(name), segment=4096, backend=backend)
+    ring = RingAllreduce(world, COUNT, RingSettings(get_codec(name), segment=4096, backend=backend))
     ring(device)
     device[...] = fakegpu.asarray(x)
     before = fakegpu.counts["to_host_bytes"]

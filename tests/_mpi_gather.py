@@ -24,6 +24,7 @@ from mpi4py import MPI  # noqa: E402
 
 from mpihybrid.comm.allreduce import RingAllreduce  # noqa: E402
 from mpihybrid.comm.codecs import get_codec  # noqa: E402
+from mpihybrid.comm.settings import RingSettings  # noqa: E402
 from tests.helpers import abort_on_exception  # noqa: E402
 
 sys.excepthook = abort_on_exception
@@ -44,8 +45,8 @@ def gather_errors(cuts: tuple[int, ...], transport: str) -> list[float]:
         for n, s in zip(sizes[1:], scales[1:], strict=True)
     ]
     truth = np.concatenate(tensors)
-    ring = RingAllreduce(comm, truth.size, get_codec("int8", 256), segment=128,
-                         transport=transport, role="all_gather", cuts=cuts)  # fmt: skip
+    settings = RingSettings(get_codec("int8", 256), segment=128, transport=transport)
+    ring = RingAllreduce(comm, truth.size, settings, role="all_gather", cuts=cuts)
     flat = np.zeros_like(truth)
     lo, hi = ring.own_range
     for request in ring.gather_steps(flat, truth[lo:hi].copy()):

@@ -24,6 +24,7 @@ from mpi4py import MPI  # noqa: E402
 from mpihybrid.comm.allreduce import RingAllreduce  # noqa: E402
 from mpihybrid.comm.codecs import get_codec  # noqa: E402
 from mpihybrid.comm.hier_ring import NodeGroups, TwoLevelRing  # noqa: E402
+from mpihybrid.comm.settings import RingSettings  # noqa: E402
 from tests.helpers import abort_on_exception  # noqa: E402
 
 sys.excepthook = abort_on_exception
@@ -54,20 +55,28 @@ groups = NodeGroups(comm, nodes)
 for codec_name in ("fp32", "fp16", "bf16", "int8"):
     for count in (1000, 37, 2):
         codec = get_codec(codec_name, block=16)
-        flat_ring = RingAllreduce(comm, count, codec, True, SEGMENT)
-        two = TwoLevelRing(groups, count, codec, True, SEGMENT)
+        flat_ring = RingAllreduce(comm, count, RingSettings(codec, segment=SEGMENT))
+        two = TwoLevelRing(groups, count, RingSettings(codec, segment=SEGMENT))
         a, b = run(flat_ring, count), run(two, count)
         exact = np.mean([data(r, count, 2).astype(np.float64) for r in range(size)], axis=0)
         scale = float(np.max(np.abs(exact)))
         # the sharded halves: a reduce-scatter's own chunk, then the weights' gather
-        rs = TwoLevelRing(groups, count, codec, True, SEGMENT, role="reduce_scatter")
+        rs = TwoLevelRing(
+            groups, count, RingSettings(codec, segment=SEGMENT), role="reduce_scatter"
+        )
         grad = data(rank, count, 0)
         for request in rs.reduce_scatter_steps(grad, "mean"):
             request.Wait()
         lo, hi = rs.own_range
         exact0 = np.mean([data(r, count, 0).astype(np.float64) for r in range(size)], axis=0)
         rs_err = float(np.max(np.abs(grad[lo:hi] - exact0[lo:hi]), initial=0.0)) / scale
-        gather = TwoLevelRing(groups, count, codec, False, SEGMENT, role="all_gather", cuts=(5,))
+        gather = TwoLevelRing(
+            groups,
+            count,
+            RingSettings(codec, error_feedback=False, segment=SEGMENT),
+            role="all_gather",
+            cuts=(5,),
+        )
         weights = np.zeros(count, np.float32)
         master = data(99, count, 0)[lo:hi]  # what the owner of [lo, hi) holds
         for request in gather.gather_steps(weights, master):

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from mpihybrid.comm.allreduce import DEFAULT_SEGMENT
 from mpihybrid.comm.codecs import CODECS, get_codec
+from mpihybrid.comm.settings import DEFAULT_SEGMENT
 from tests.helpers import run_mpi
 
 pytestmark = pytest.mark.mpi

@@ -24,8 +24,9 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.comm.allreduce import DEFAULT_SEGMENT, RingAllreduce
+from mpihybrid.comm.allreduce import RingAllreduce
 from mpihybrid.comm.codecs import CODECS, get_codec
+from mpihybrid.comm.settings import DEFAULT_SEGMENT, RingSettings
 from mpihybrid.units import human_bytes
 from mpihybrid.units import table as text_table
 
@@ -110,7 +111,9 @@ def bench_allreduce(
             comm.Allreduce(MPI.IN_PLACE, [flat, MPI.FLOAT], op=MPI.SUM)
 
         rings = [
-            RingAllreduce(comm, count, get_codec(name), segment=segment, transport=transport)
+            RingAllreduce(
+                comm, count, RingSettings(get_codec(name), segment=segment, transport=transport)
+            )
             for name in codecs
         ]
         sent: list[list[int]] = [[] for _ in codecs]

@@ -1,6 +1,6 @@
 """Hand-written ring all-reduce over dp_comm: reduce-scatter then all-gather, pipelined in segments.
 
-    ring = RingAllreduce(grid.dp_comm, flat_grad.size, get_codec("int8"))
+    ring = RingAllreduce(grid.dp_comm, flat_grad.size, RingSettings(get_codec("int8")))
     sent = ring(flat_grad, op="mean")       # in place, blocking; the bytes this rank sent
     steps = ring.steps(flat_grad)           # the same as a generator of MPI requests to wait on
 
@@ -59,16 +59,15 @@ from collections.abc import Iterator
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.comm.codecs import Codec
-from mpihybrid.comm.device import CPU, Backend
+from mpihybrid.comm.device import CPU
 from mpihybrid.comm.ring_layout import aligned, chunk_bounds, segment_layout
+from mpihybrid.comm.settings import RingSettings
 from mpihybrid.comm.shm import SharedWire, node_local
 
 # the ring's message tags on dp_comm (its own communicator: no clash with pipeline tags)
 TAG_REDUCE_SCATTER = 101
 TAG_ALL_GATHER = 102
-DEFAULT_SEGMENT = 1 << 19  # elements per message: 2 MiB of float32 (measured: bench allreduce)
-TRANSPORTS = ("auto", "mpi")  # auto: shared memory where the whole ring is on one node
+DEFAULTS = RingSettings()  # fp32, error feedback, DEFAULT_SEGMENT, transport auto, the CPU
 ROLES = ("allreduce", "reduce_scatter", "all_gather")  # both halves, or one (module docstring)
 _SERIAL = itertools.count()  # names each ring's staging buffers (an id() is reused once freed)
 
@@ -78,7 +77,7 @@ class RingAllreduce:
 
     residual: where the error-feedback residual lives (a float32 vector of `count`, e.g. a view
     of a bigger one); None allocates one when the codec is lossy and error_feedback is on.
-    transport: "auto" reads a lossy ring's segments from the neighbour's shared memory when
+    settings.transport: "auto" reads a lossy ring's segments from the neighbour's shared memory when
     every rank of dp_comm is on one node and the vector is on the CPU; "mpi" always sends them
     as messages. Construction is collective over dp_comm; close() frees what it shares.
     """
@@ -87,29 +86,23 @@ class RingAllreduce:
         self,
         dp_comm: MPI.Comm,
         count: int,
-        codec: Codec,
-        error_feedback: bool = True,
-        segment: int = DEFAULT_SEGMENT,
+        settings: RingSettings = DEFAULTS,
+        *,
         residual: np.ndarray | None = None,
-        backend: Backend = CPU,
-        transport: str = "auto",
         role: str = "allreduce",
         cuts: tuple[int, ...] = (),
-        *,
         origin: int | None = None,
     ) -> None:
-        """role: "reduce_scatter" or "all_gather" allocates what that half needs alone (the
+        """settings: the codec, error feedback, segment, transport and backend (comm.settings).
+        role: "reduce_scatter" or "all_gather" allocates what that half needs alone (the
         distributed optimizer's gradient ring, its weight ring: steps() is refused). cuts:
         where a lossy ring's segments also end (comm.ring_layout: the weight gather's tensors);
         origin: a lossy ring's segments on a grid from there (comm.ring_layout)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
-        if segment < 1:
-            raise ValueError(f"segment must be >= 1 element, got {segment}")
+        codec, backend = settings.codec, settings.backend
         self.dp_comm, self.backend = dp_comm, backend
         self._name = ("ring", next(_SERIAL))
         self.count = count
@@ -122,11 +115,11 @@ class RingAllreduce:
         self.compress = codec.lossy and self.dp_size > 1 and count > 0
         self.role = role
         self.residual: np.ndarray | None = None
-        if codec.lossy and error_feedback and role != "all_gather":
+        if codec.lossy and settings.error_feedback and role != "all_gather":
             self.residual = backend.zeros(count, np.float32) if residual is None else residual
             if self.residual.shape != (count,) or self.residual.dtype != np.float32:
                 raise ValueError(f"residual must be float32 of length {count}")
-        self._layout(segment, transport, cuts, origin)
+        self._layout(settings.segment, settings.transport, cuts, origin)
 
     def _layout(
         self, segment: int, transport: str, cuts: tuple[int, ...], origin: int | None

@@ -1,10 +1,10 @@
 """Gradients reduced in buckets as soon as the backward has finished them, behind the compute.
 
-    comm = GradientComm(dp_comm, progress="thread")          # one per rank, shared by its stages
-    red = comm.reducer(s, stage.flat_grads, stage.param_ranges, codec, bucket_bytes=4 << 20)
+    comm = GradientComm(dp_comm, settings)    # one per rank, shared by its stages (comm.settings)
+    red = comm.reducer(s, stage.flat_grads, stage.param_ranges)
     red.bind(optimizer)       # once: a reduced bucket [lo, hi) is optimizer.update(grads, lo, hi)
     red.begin_step()          # every step, after optimizer.begin_step()
-    comm.ready_from(s, lo)    # the backward finished every gradient of stage s at offsets >= lo
+    red.ready_from(lo)        # the backward finished every gradient of the stage at offsets >= lo
     comm.poll()               # (progress="poll") move the rings on between two actions
     events = comm.finish()    # the rest, blocking: every bucket reduced and updated
 
@@ -22,7 +22,8 @@ alone), then a second ring of the weights' codec (comm.param_codec) all-gathers 
 parameters. Update and gather start as soon as the bucket's reduce-scatter is done, behind the
 compute like the rest.
 
-    red = comm.reducer(s, flat_grads, param_ranges, codec, flat_params=p, param_codec=pc)
+    comm = GradientComm(dp_comm, GradientSettings(ring, weights=RingSettings(param_codec)))
+    red = comm.reducer(s, flat_grads, param_ranges, flat_params=p, tensor_offsets=offsets)
     red.owned                 # [(lo, hi)] per bucket: the flat offsets this rank updates
     red.bind(sharded_optimizer)      # its master_of(lo, hi): the owner's fp32 weights, or None
 
@@ -51,13 +52,12 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.comm.allreduce import DEFAULT_SEGMENT, RingAllreduce
-from mpihybrid.comm.codecs import Codec
-from mpihybrid.comm.device import CPU, Backend
+from mpihybrid.comm.allreduce import RingAllreduce
 from mpihybrid.comm.hier_ring import NodeGroups, TwoLevelRing
+from mpihybrid.comm.settings import GradientSettings, RingSettings
 
-PROGRESS = ("thread", "poll", "off")
 RINGS = ("auto", "flat", "hierarchical")
+DEFAULTS = GradientSettings()  # fp32 rings, 4 MiB buckets, a communication thread
 
 
 def ring_kind(setting: str, nodes: list[int] | None) -> tuple[str, str]:
@@ -120,38 +120,38 @@ class Reducer:
         stage: int,
         flat_grads: np.ndarray,
         param_ranges: list[tuple[int, int]],
-        codec: Codec,
-        error_feedback: bool,
-        bucket_bytes: int,
-        segment: int,
+        *,
         flat_params: np.ndarray | None = None,
-        param_codec: Codec | None = None,
         tensor_offsets: tuple[int, ...] = (),
     ) -> None:
-        """param_codec (with flat_params): shard the optimizer, gather the weights in it, in
-        segments that end where a tensor does (tensor_offsets: where each one starts)."""
+        """Rings of owner.settings; sharded (settings.weights set): the weights (flat_params)
+        gathered in segments that end where a tensor does (tensor_offsets: where each starts)."""
         self.owner, self.stage, self.flat_grads = owner, stage, flat_grads
         self.flat_params = flat_params
+        settings = owner.settings
+        self.backend = settings.ring.backend
         n = flat_grads.size
-        self.buckets = bucket_ranges(param_ranges, bucket_bytes) if n else []
+        self.buckets = bucket_ranges(param_ranges, settings.bucket_bytes) if n else []
         # one residual for the stage (what checkpoints keep); each ring works on its slice
-        lossy = codec.lossy and error_feedback
-        self.residual = owner.backend.zeros(n, np.float32) if lossy else None
+        lossy = settings.ring.codec.lossy and settings.ring.error_feedback
+        self.residual = self.backend.zeros(n, np.float32) if lossy else None
+        role = "reduce_scatter" if settings.sharded else "allreduce"
         self.rings = [
-            owner.ring(
-                hi - lo, codec, error_feedback, None if self.residual is None else
-                self.residual[lo:hi], "allreduce" if param_codec is None else "reduce_scatter",
-            )
+            owner.ring(hi - lo, settings.ring, role, residual=self._residual(lo, hi))
             for lo, hi in self.buckets
-        ]  # fmt: skip
+        ]
         # sharded: the weight rings, and the flat offsets this rank owns in each bucket
-        self.param_rings = None if param_codec is None else [
-            owner.ring(
-                hi - lo, param_codec, False, None, "all_gather",
-                cuts=tuple(x - lo for x in tensor_offsets if lo < x < hi),
-            )
-            for lo, hi in self.buckets
-        ]  # fmt: skip
+        self.param_rings = None
+        if settings.sharded:
+            self.param_rings = [
+                owner.ring(
+                    hi - lo,
+                    settings.weights,
+                    "all_gather",
+                    cuts=tuple(x - lo for x in tensor_offsets if lo < x < hi),
+                )
+                for lo, hi in self.buckets
+            ]
         self.owned = [
             (lo + ring.own_range[0], lo + ring.own_range[1])
             for (lo, _), ring in zip(self.buckets, self.rings, strict=True)
@@ -165,6 +165,9 @@ class Reducer:
         # before its ring (model.tie_embeddings: the head's gradient is added to the table's)
         self.gated = False
         self.gate_open = True
+
+    def _residual(self, lo: int, hi: int) -> np.ndarray | None:
+        return None if self.residual is None else self.residual[lo:hi]
 
     @property
     def bytes_sent(self) -> dict[str, int]:
@@ -204,7 +207,7 @@ class Reducer:
         """The optimizer on the reduced gradient's [lo, hi), where the parameters live (on a GPU
         its kernels finish before the trace's clock reads the end)."""
         self.optimizer.update(self.flat_grads, lo, hi)
-        self.owner.backend.synchronize()  # a no-op on the CPU
+        self.backend.synchronize()  # a no-op on the CPU
 
     def bucket_steps(self, i: int, times: list[float]) -> Iterator[MPI.Request]:
         """Bucket i as a generator of requests: reduce, update (and, sharded, gather the
@@ -289,21 +292,19 @@ class GradientComm:
     def __init__(
         self,
         dp_comm: MPI.Comm,
-        progress: str = "thread",
-        segment: int = DEFAULT_SEGMENT,
-        backend: Backend = CPU,
+        settings: GradientSettings = DEFAULTS,
         *,
         groups: NodeGroups | None = None,
     ) -> None:
-        """backend: where the gradients live; a GPU's rings encode on the device and MPI sees
-        only the encoded bytes (comm.allreduce). groups: the dp group's nodes, for two-level
-        rings (comm.hier_ring); None: flat rings."""
-        if progress not in PROGRESS:
-            raise ValueError(f"comm.overlap = {progress!r}: choose one of {', '.join(PROGRESS)}")
+        """settings: the buckets' rings, their size and progress (comm.settings; its ring's
+        backend: where the gradients live, a GPU's rings encode on the device and MPI sees only
+        the encoded bytes). groups: the dp group's nodes, for two-level rings (comm.hier_ring);
+        None: flat rings."""
+        progress = settings.progress
         if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             progress = "poll"  # this MPI cannot take calls from two threads at once
-        self.dp_comm, self.progress, self.segment = dp_comm, progress, segment
-        self.backend, self.groups = backend, groups
+        self.dp_comm, self.settings, self.progress = dp_comm, settings, progress
+        self.groups = groups
         self.reducers: dict[int, Reducer] = {}  # by stage, in the order they were made
         self.events: list[BucketEvent] = []
         self._todo: list[tuple[Reducer, int]] = []  # poll: queued, not started
@@ -315,45 +316,38 @@ class GradientComm:
         stage: int,
         flat_grads: np.ndarray,
         param_ranges: list[tuple[int, int]],
-        codec: Codec,
-        error_feedback: bool = True,
-        bucket_bytes: int = 4 << 20,
+        *,
         flat_params: np.ndarray | None = None,
-        param_codec: Codec | None = None,
         tensor_offsets: tuple[int, ...] = (),
     ) -> Reducer:
-        """param_codec (with flat_params): the distributed optimizer (module docstring)."""
+        """Stage `stage`'s buckets; sharded (settings.weights): the distributed optimizer
+        (module docstring), whose weight gather writes flat_params."""
         red = Reducer(
-            self, stage, flat_grads, param_ranges, codec, error_feedback, bucket_bytes,
-            self.segment, flat_params, param_codec, tensor_offsets,
-        )  # fmt: skip
+            self,
+            stage,
+            flat_grads,
+            param_ranges,
+            flat_params=flat_params,
+            tensor_offsets=tensor_offsets,
+        )
         self.reducers[stage] = red
         return red
 
     def ring(
         self,
         count: int,
-        codec: Codec,
-        error_feedback: bool,
-        residual: np.ndarray | None,
+        settings: RingSettings,
         role: str,
+        *,
+        residual: np.ndarray | None = None,
         cuts: tuple[int, ...] = (),
     ) -> RingAllreduce | TwoLevelRing:
         """One bucket's ring over dp_comm: flat, or two-level when the group spans nodes."""
         if self.groups is None:
             return RingAllreduce(
-                self.dp_comm, count, codec, error_feedback, self.segment, residual, self.backend,
-                role=role, cuts=cuts,
-            )  # fmt: skip
-        return TwoLevelRing(
-            self.groups, count, codec, error_feedback, self.segment, residual, self.backend,
-            role=role, cuts=cuts,
-        )  # fmt: skip
-
-    def ready_from(self, stage: int, lo: int) -> None:
-        """Stage `stage`'s gradients at flat offsets >= lo are final this step (the runtime says
-        so during the stage's last backward): its buckets there go to the ring."""
-        self.reducers[stage].ready_from(lo)
+                self.dp_comm, count, settings, residual=residual, role=role, cuts=cuts
+            )
+        return TwoLevelRing(self.groups, count, settings, residual=residual, role=role, cuts=cuts)
 
     def submit(self, red: Reducer, i: int) -> None:
         if self.progress == "thread":

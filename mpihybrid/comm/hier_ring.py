@@ -1,7 +1,7 @@
 """The two-level ring: a stage's replicas that span nodes reduce inside each node first.
 
     groups = NodeGroups(dp_comm, nodes)          # nodes: the node of every dp rank (collective)
-    ring = TwoLevelRing(groups, count, codec, residual=r)   # like comm.allreduce.RingAllreduce
+    ring = TwoLevelRing(groups, count, settings, residual=r)  # like comm.allreduce.RingAllreduce
     for request in ring.steps(flat): request.Wait()
 
 A flat ring over ranks on two nodes sends every chunk across the link at each hop that crosses
@@ -41,14 +41,15 @@ rank encodes and decodes its own chunk the same way.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
 
-from mpihybrid.comm.allreduce import DEFAULT_SEGMENT, RingAllreduce
-from mpihybrid.comm.codecs import Codec, get_codec
-from mpihybrid.comm.device import CPU, Backend
+from mpihybrid.comm.allreduce import DEFAULTS, RingAllreduce
+from mpihybrid.comm.codecs import get_codec
 from mpihybrid.comm.ring_layout import chunk_bounds, segment_layout
+from mpihybrid.comm.settings import RingSettings
 
 
 class NodeGroups:
@@ -113,53 +114,38 @@ class TwoLevelRing:
         self,
         groups: NodeGroups,
         count: int,
-        codec: Codec,
-        error_feedback: bool = True,
-        segment: int = DEFAULT_SEGMENT,
+        settings: RingSettings = DEFAULTS,
+        *,
         residual: np.ndarray | None = None,
-        backend: Backend = CPU,
         role: str = "allreduce",
         cuts: tuple[int, ...] = (),
     ) -> None:
+        codec, backend = settings.codec, settings.backend
         self.groups, self.count, self.codec, self.role = groups, count, codec, role
         self.dp_size = groups.dp_comm.Get_size()
         self.compress = codec.lossy and self.dp_size > 1 and count > 0
         self.bytes_sent: dict[str, int] = {"reduce_scatter": 0, "all_gather": 0, "inter_node": 0}
         self.last_sent = 0
         self.residual = None
-        if codec.lossy and error_feedback and role != "all_gather":
+        if codec.lossy and settings.error_feedback and role != "all_gather":
             self.residual = backend.zeros(count, np.float32) if residual is None else residual
         intra = groups.intra
         if role == "all_gather":  # the weight gather: inside the node, one grid for all nodes
             grid = tuple(sorted({*cuts, *groups.cuts(count)}))
             self.gather = RingAllreduce(
-                intra,
-                count,
-                codec,
-                False,
-                segment,
-                None,
-                backend,
-                role="all_gather",
-                cuts=grid,
-                origin=0,
+                intra, count, settings, role="all_gather", cuts=grid, origin=0
             )
             self.own_range = self.gather.own_range
             self._alone = None
             if intra.Get_size() == 1 and self.compress:  # quantised like the other nodes'
-                self._alone, _ = segment_layout(count, 1, segment, grid, codec.nbytes, origin=0)
+                self._alone, _ = segment_layout(
+                    count, 1, settings.segment, grid, codec.nbytes, origin=0
+                )
                 self._scratch = backend.empty(max(s[3] for s in self._alone[0]), np.uint8)
             self.inner, self.rings = None, []
             return
         self.inner = RingAllreduce(
-            intra,
-            count,
-            codec,
-            error_feedback,
-            segment,
-            self.residual,
-            backend,
-            role="reduce_scatter",
+            intra, count, settings, residual=self.residual, role="reduce_scatter"
         )
         self.own_range = self.inner.own_range
         self.rings = []  # (lo, hi, ring) of the pieces this rank owns, in vector order
@@ -167,21 +153,12 @@ class TwoLevelRing:
             comm = groups.inter(owners)
             if comm is not None and hi > lo:
                 part = None if self.residual is None else self.residual[lo:hi]
-                ring = RingAllreduce(comm, hi - lo, codec, error_feedback, segment, part, backend)
-                self.rings.append((lo, hi, ring))
+                self.rings.append((lo, hi, RingAllreduce(comm, hi - lo, settings, residual=part)))
         # inside the node, fp32: the piece rings' bits to every rank (module docstring)
         self.gather = None
         if role == "allreduce":
-            self.gather = RingAllreduce(
-                intra,
-                count,
-                get_codec("fp32"),
-                False,
-                segment,
-                None,
-                backend,
-                role="all_gather",
-            )
+            fp32 = replace(settings, codec=get_codec("fp32"), error_feedback=False)
+            self.gather = RingAllreduce(intra, count, fp32, role="all_gather")
 
     def _sum_across(self, flat: np.ndarray) -> Iterator[MPI.Request]:
         """Steps 1 and 2: afterwards flat[own_range] holds the sum over the whole dp group."""

@@ -16,10 +16,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from mpihybrid.comm.codecs import get_codec
+from mpihybrid.comm.device import CPU, Backend
 from mpihybrid.comm.layout import ORDERS, Layout
+from mpihybrid.comm.settings import GradientSettings, RingSettings
 from mpihybrid.inputs import MAX_TOML_BYTES, InputFileError, read_text
 from mpihybrid.nn.kinds import model_kind
 from mpihybrid.pipeline.schedules import ScheduleError, get_spec
+from mpihybrid.pipeline.wire import P2PWire
 
 AUTO = "auto"  # train.schedule searched for the job at the start (cli/auto.py)
 
@@ -178,6 +184,40 @@ class Job:
     def tokens_per_sample(self) -> int:
         """What a sample counts in rows and throughput: its tokens (a GPT), or itself."""
         return model_kind(self.model.kind).tokens_per_sample(self.data.seq_len)
+
+    def gradient_settings(self, backend: Backend = CPU) -> GradientSettings:
+        """The gradient buckets' and rings' settings ([comm], train.shard_optimizer), made here
+        once for comm.buckets. backend: where the gradients live; a GPU's buckets go after the
+        step (its arrays belong to the main thread's device context)."""
+        c = self.comm
+        ring = RingSettings(
+            codec=get_codec(c.codec, c.block),
+            error_feedback=c.error_feedback,
+            segment=c.segment_kb * 256,
+            backend=backend,
+        )
+        weights = None
+        if self.train.shard_optimizer:  # the weight gather: comm.param_codec, no residual
+            codec = get_codec(c.param_codec or "fp32", c.block)
+            weights = dataclasses.replace(ring, codec=codec, error_feedback=False)
+        return GradientSettings(
+            ring=ring,
+            bucket_bytes=c.bucket_kb * 1024,
+            progress=c.overlap if backend.xp is np else "off",
+            weights=weights,
+        )
+
+    def runtime_settings(self, backend: Backend = CPU, wire: P2PWire | None = None):
+        """The pipeline runtime's settings (train.microbatches, comm.sync_sends; the links
+        comm.p2p_codec encodes: pipeline.wire.P2PWire.build), made here once."""
+        from mpihybrid.pipeline.runtime import RuntimeSettings
+
+        return RuntimeSettings(
+            num_microbatches=self.train.microbatches,
+            sync_sends=self.comm.sync_sends,
+            backend=backend,
+            wire=wire if wire is not None else P2PWire(),
+        )
 
 
 SECTIONS = {f.name: f.type for f in fields(Job)}

@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 from dataclasses import fields
 
-from mpihybrid.comm.buckets import PROGRESS, RINGS
+from mpihybrid.comm.buckets import RINGS
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
+from mpihybrid.comm.settings import PROGRESS
 from mpihybrid.config import (
     AUTO,
     GRID_ORDERS,

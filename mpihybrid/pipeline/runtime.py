@@ -57,31 +57,39 @@ class StepResult:
     peak_activation_bytes: int
 
 
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """How the runtime runs every step (config.Job.runtime_settings makes it once)."""
+
+    num_microbatches: int  # M, per replica per step (train.microbatches)
+    sync_sends: bool = False  # Issend everywhere (comm.sync_sends): no reliance on eager buffers
+    backend: Backend = field(default_factory=lambda: CPU)  # where the tensors live
+    wire: P2PWire = field(default_factory=P2PWire)  # links that carry encoded tensors
+
+
 class PipelineRuntime:
     def __init__(
         self,
         pp_comm: MPI.Comm,
         stages: dict,  # global stage index -> Stage, for the chunks this rank owns
         actions: list[Action],
+        settings: RuntimeSettings,
+        *,
         placement: Placement,
-        num_microbatches: int,
-        boundary_shapes: list[tuple[int, ...]],  # input shape of stage s, for s in 0..num_stages-1
+        shapes: list[tuple[int, ...]],  # input shape of stage s, for s in 0..num_stages-1
         recorder: Recorder,
-        sync_sends: bool = False,
-        backend: Backend = CPU,
         peer_ranks: list[int] | None = None,  # what the trace calls pp rank p; None: p itself
-        grads_final: Callable[[int, int], None] | None = None,
+        grads_final: dict[int, Callable[[int], None]] | None = None,
         poll: Callable[[], None] | None = None,
         flight=None,
-        *,
-        wire: P2PWire | None = None,
     ):
-        """grads_final(stage, lo): called during a stage's last weight-gradient action of the
-        step, after each layer: the stage's gradients at flat offsets >= lo are final (the
-        gradient buckets start on it). poll(): called between actions and while a receive is
-        pending (rings that make progress by polling). flight: the rank's FlightRecorder
-        (train.flight), told where each action begins and ends. wire: which links carry
-        encoded tensors, in which codec (pipeline.wire; None: every link float32)."""
+        """grads_final[stage](lo) (the stage's Reducer.ready_from): called during a stage's last
+        weight-gradient action of the step, after each layer: the stage's gradients at flat
+        offsets >= lo are final (the gradient buckets start on it). poll(): called between
+        actions and while a receive is pending (rings that make progress by polling). flight:
+        the rank's FlightRecorder (train.flight), told where each action begins and ends.
+        settings.wire: which links carry encoded tensors, in which codec (pipeline.wire)."""
+        num_microbatches, backend = settings.num_microbatches, settings.backend
         self.comm = pp_comm
         self.pp_rank, self.pp_size = pp_comm.Get_rank(), pp_comm.Get_size()
         self.stages, self.actions = stages, actions
@@ -89,7 +97,7 @@ class PipelineRuntime:
         self.num_stages = num_stages = placement.num_stages
         self.recorder = recorder
         self.backend = backend
-        self.isend = pp_comm.Issend if sync_sends else pp_comm.Isend
+        self.isend = pp_comm.Issend if settings.sync_sends else pp_comm.Isend
         self.loss_fn = SoftmaxCrossEntropy()
         self.bytes_sent = {"activation": 0, "activation_grad": 0}
         # traces name peers by world rank: the caller knows how its pp_comm sits in the world
@@ -121,8 +129,8 @@ class PipelineRuntime:
             )
             for a in actions
         ]
-        self.wire = wire if wire is not None else P2PWire()
-        self._allocate(actions, boundary_shapes)
+        self.wire = settings.wire
+        self._allocate(actions, shapes)
 
     def _allocate(self, actions: list[Action], boundary_shapes: list[tuple[int, ...]]) -> None:
         """One preallocated receive buffer per RECV action, reused every step; an encoded link
@@ -234,11 +242,11 @@ class PipelineRuntime:
         self._done("backward", a, state, t0)
 
     def _grad_hook(self, kind: str, s: int, mb: int) -> Callable[[int], None] | None:
-        """What the stage calls per layer when this action is its last weight gradient."""
+        """What the stage calls per layer when this action is its last weight gradient: its
+        reducer's ready_from (none on the step's other actions)."""
         if self.grads_final is None or self.last_weight_action.get(s) != (kind, mb):
             return None
-        grads_final = self.grads_final
-        return lambda lo: grads_final(s, lo)
+        return self.grads_final[s]
 
     def _weight(self, a: Action, state: _Step, t0: float) -> None:
         wcache = state.wcaches.pop((a.stage, a.microbatch))

@@ -111,22 +111,27 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
     wire = P2PWire.build(
         c.p2p_codec, encoded_peers(c.p2p_codec_scope, world.Get_rank(), peer_ranks, nodes)
     )
-    # a GPU's arrays belong to the main thread's device context: its buckets go after the step;
-    # its rings encode on the device and MPI sees the encoded bytes (staged through the host)
-    overlap = c.overlap if on_host else "off"
     gradcomm = GradientComm(
-        grid.dp_comm, overlap, c.segment_kb * 256, backend,
+        grid.dp_comm,
+        job.gradient_settings(backend),
         groups=_node_groups(job, world, grid, nodes),
-    )  # fmt: skip
+    )
     states = build_states(job, stages, gradcomm)
     tied = None
     if job.model.tie_embeddings:  # the head bound to the table, or to its mirror
         tied = tie.embedding_group(grid.pp_comm, states, placement, backend)
     runtime = PipelineRuntime(
-        grid.pp_comm, stages, actions, placement, M, shapes, recorder, c.sync_sends, backend,
-        peer_ranks, grads_final=gradcomm.ready_from,
-        poll=gradcomm.poll if gradcomm.progress == "poll" else None, wire=wire,
-    )  # fmt: skip
+        grid.pp_comm,
+        stages,
+        actions,
+        job.runtime_settings(backend, wire),
+        placement=placement,
+        shapes=shapes,
+        recorder=recorder,
+        peer_ranks=peer_ranks,
+        grads_final={s: st.reducer.ready_from for s, st in states.items()},
+        poll=gradcomm.poll if gradcomm.progress == "poll" else None,
+    )
     return Run(
         grid=grid,
         task=task,

@@ -3,7 +3,7 @@ optimizer and its gradient's reducer (comm.buckets.Reducer), bound to each other
 
     states = build_states(job, stages, gradcomm)     # {stage index: StageState}
     st.begin_step(lr)     # every step: gradients zeroed, the optimizer's step begun at rate lr
-    ...                   # the runtime's backward -> gradcomm.ready_from(s, lo) -> the ring
+    ...                   # the runtime's backward -> st.reducer.ready_from(lo) -> the ring
                           #   -> reducer.update(lo, hi) -> optimizer.update(flat_grads, lo, hi)
 
 What checkpoints save and restore, what the runtime runs and the ring reduces: one object per
@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass
 
 from mpihybrid.comm.buckets import GradientComm, Reducer
-from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import Job
 from mpihybrid.nn.model import Stage
 from mpihybrid.nn.optim import ShardedOptimizer, build_optimizer
@@ -52,19 +51,20 @@ def nonfinite_stages(stages: dict[int, Stage]) -> list[int]:
 
 
 def build_states(job: Job, stages: dict[int, Stage], gradcomm: GradientComm) -> dict:
-    """Every chunk's StageState: the reducer over its gradient (comm.*: the codec, the buckets;
-    train.shard_optimizer: reduce-scatter, then the weights gathered in comm.param_codec), the
+    """Every chunk's StageState: the reducer over its gradient (gradcomm.settings: the codec,
+    the buckets; sharded: reduce-scatter, then the weights gathered in comm.param_codec), the
     optimizer over its parameters (sharded: over the chunks of the buckets this replica owns,
     with an fp32 master copy when the weight gather is lossy)."""
-    t, c = job.train, job.comm
-    codec = get_codec(c.codec, c.block)
-    param_codec = get_codec(c.param_codec or "fp32", c.block) if t.shard_optimizer else None
+    t = job.train
     states = {}
     for s, st in stages.items():
         reducer = gradcomm.reducer(
-            s, st.flat_grads, st.param_ranges, codec, c.error_feedback, c.bucket_kb * 1024,
-            st.flat_params, param_codec, tuple(st.tensor_offsets),
-        )  # fmt: skip
+            s,
+            st.flat_grads,
+            st.param_ranges,
+            flat_params=st.flat_params,
+            tensor_offsets=tuple(st.tensor_offsets),
+        )
         if t.shard_optimizer:
             optimizer = ShardedOptimizer(t, st.flat_params, reducer.owned, reducer.lossy_gather)
         else:
