@@ -24,7 +24,7 @@ from mpihybrid.comm.device import keep_freed_host_memory
 from mpihybrid.config import load_job
 from mpihybrid.nn.model import partition
 from mpihybrid.nn.optim import build_optimizer
-from mpihybrid.nn.profile import CATEGORIES, num_chunks, profile_chunk, timed_partition
+from mpihybrid.nn.profile import CATEGORIES, profile_chunk, timed_partition
 
 
 def main() -> None:
@@ -45,13 +45,13 @@ def main() -> None:
     job = load_job(args.job, args.overrides, job_world(args.job, args.overrides))
     if args.partition:
         return print_partition(job, args.repeats)
-    by_layer = profile_chunk(job, args.chunk, args.repeats, key=lambda l, m: (repr(l), m))
-    by_op = profile_chunk(job, args.chunk, args.repeats)
+    by_layer = profile_chunk(job.workload, args.chunk, args.repeats, key=lambda l, m: (repr(l), m))
+    by_op = profile_chunk(job.workload, args.chunk, args.repeats)
     per_mb = sum(by_layer.values())
     from mpihybrid.nn.data import task_dims
     from mpihybrid.nn.model import build_stage
 
-    stage = build_stage(job.model, *task_dims(job.data), args.chunk, num_chunks(job), 0)
+    stage = build_stage(job.model, *task_dims(job.data), args.chunk, job.workload.chunks, 0)
     optimizer = build_optimizer(job.train, stage.flat_params)
     optimizer.step(stage.flat_grads)  # warm-up (compiles)
     t0 = time.perf_counter()
@@ -59,7 +59,7 @@ def main() -> None:
         optimizer.step(stage.flat_grads)
     opt = (time.perf_counter() - t0) / args.repeats
     print(f"kernels: {_numba.describe()}")
-    print(f"chunk {args.chunk} of {num_chunks(job)}: {stage.num_params:,} parameters, "
+    print(f"chunk {args.chunk} of {job.workload.chunks}: {stage.num_params:,} parameters, "
           f"F+B+W {1e3 * per_mb:.1f} ms per micro-batch, {job.train.optimizer} step "
           f"{1e3 * opt:.1f} ms")  # fmt: skip
     for key, seconds in sorted(by_layer.items(), key=lambda kv: -kv[1]):
@@ -76,10 +76,10 @@ def print_partition(job, repeats: int) -> None:
     from mpihybrid.nn.data import task_dims
     from mpihybrid.nn.model import block_costs, build_blocks, chunk_ranges
 
-    counts, seconds = timed_partition(job, repeats)
+    counts, seconds = timed_partition(job.workload, repeats)
     blocks = build_blocks(job.model, *task_dims(job.data))
     flops = block_costs(blocks)
-    by_cost = chunk_ranges(job.model, blocks, num_chunks(job))
+    by_cost = chunk_ranges(job.model, blocks, job.workload.chunks)
     print(f"kernels: {_numba.describe()}; ms per micro-batch (F+B+W) and GFLOPs per row, by block:")
     for g, (s, f) in enumerate(zip(seconds, flops, strict=True)):
         print(f"  block {g:<3} {1e3 * s:7.2f} ms  {f / 1e9:6.3f}")
@@ -87,7 +87,7 @@ def print_partition(job, repeats: int) -> None:
     def chunk_ms(ranges) -> str:
         return " / ".join(f"{1e3 * sum(seconds[r.start : r.stop]):.1f}" for r in ranges)
 
-    measured = partition(seconds, num_chunks(job))
+    measured = partition(seconds, job.workload.chunks)
     print(f"by measured time: model.partition = {counts} (chunks {chunk_ms(measured)} ms)")
     print(f"by FLOPs ('cost'): blocks {[len(r) for r in by_cost]} (chunks {chunk_ms(by_cost)} ms)")
 

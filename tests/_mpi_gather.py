@@ -96,7 +96,7 @@ def ring_buffers(sets: list[str]) -> dict:
             except ValueError:
                 refused.append(f"{ring.role}.{call}")
     actions = build_schedule("1f1b", 1, 1)[0]
-    model = memory.rank_memory(job, stage_work(job), actions, ring_shared=False)["parts"]
+    model = memory.rank_memory(job, stage_work(job.workload), actions, ring_shared=False)["parts"]
     gathers = [ring.gather_wire.nbytes for ring in red.rings]
     red.close()
     run.gradcomm.close()

@@ -171,8 +171,11 @@ def _prepared(folder, tokenizer):
 
 
 def test_shards_of_two_tokenizers_are_refused_before_a_step(tmp_path):
-    from mpihybrid.nn.data import check_data
+    from mpihybrid.nn import data
     from mpihybrid.nn.tokens import DataError
+
+    def check_data(job):
+        data.check_data(job.data, job.train.global_batch)
 
     _prepared(tmp_path / "a", "byte")
     _prepared(tmp_path / "b", "bpe")

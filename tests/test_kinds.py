@@ -48,10 +48,10 @@ def test_job_answers_microbatch_size_and_tokens_per_sample():
     sets += ["data.seq_len=8", "train.global_batch=24", "train.microbatches=3", "grid.pp=2"]
     gpt = resolve(build_job({}, sets), 4)
     assert gpt.microbatch_size == 24 // (2 * 3) and gpt.tokens_per_sample == 8
-    assert microbatch_rows(gpt) == (4, 32)
+    assert microbatch_rows(gpt.workload) == (4, 32)
     mlp = resolve(build_job({}, ["train.global_batch=24", "train.microbatches=2"]), 3)
     assert mlp.microbatch_size == 4 and mlp.tokens_per_sample == 1
-    assert microbatch_rows(mlp) == (4, 4)
+    assert microbatch_rows(mlp.workload) == (4, 4)
 
 
 def _linear_blocks(cfg, in_features: int, num_classes: int):
@@ -80,7 +80,10 @@ def test_a_third_kind_is_one_entry(monkeypatch):
     assert [b[0].param_shapes()["weight"] for b in blocks] == [(5, 6), (6, 6), (6, 6), (6, 2)]
     assert boundary_shapes(job.model, 5, 2, 2, 4) == [(4, 5), (4, 6)]
     assert layer_counts(job.model, [range(0, 2), range(2, 4)]) == [2, 2]
-    assert [w.params for w in stage_work(job)] == [5 * 6 + 6 + 6 * 6 + 6, 6 * 6 + 6 + 6 * 2 + 2]
+    assert [w.params for w in stage_work(job.workload)] == [
+        5 * 6 + 6 + 6 * 6 + 6,
+        6 * 6 + 6 + 6 * 2 + 2,
+    ]
     stage = build_stage(job.model, 5, 2, 1, 2, seed=0)
     y, _ = stage.forward(np.ones((4, 6), np.float32))
     assert y.shape == (4, 2)

@@ -251,7 +251,7 @@ def test_activation_bytes_equal_the_runtime_count(path, sets):
         if job.model.kind == "gpt"
         else np.random.default_rng(0).standard_normal((samples, in_features), np.float32)
     )
-    work = stage_work(job)
+    work = stage_work(job.workload)
     for c in range(chunks):
         stage = build_stage(job.model, in_features, num_classes, c, chunks, seed=0)
         x, cache = stage.forward(x)
@@ -275,10 +275,10 @@ def test_one_declaration_of_gemms_for_predict_bench_and_partition(path, sets):
     from mpihybrid.nn.model import block_costs, build_blocks
 
     job = _job(path, *sets)
-    rows = microbatch_rows(job)[1]
+    rows = microbatch_rows(job.workload)[1]
     per_chunk = chunk_gemm_flops(job)
-    assert per_chunk == [sum(w.flops(k) for k in "FBW") for w in stage_work(job)]
-    assert gemm_flops(model_gemms(job)) == sum(per_chunk)
+    assert per_chunk == [sum(w.flops(k) for k in "FBW") for w in stage_work(job.workload)]
+    assert gemm_flops(model_gemms(job.workload)) == sum(per_chunk)
     assert sum(block_costs(build_blocks(job.model, *task_dims(job.data)))) * rows == sum(per_chunk)
 
 
@@ -423,7 +423,7 @@ def test_one_rank_step_is_the_sum_of_its_parts(microbatches):
     cluster = _plain(load_cluster(A100), op_overhead_s=1e-5, step_overhead_s=1e-3)
     sets = ["grid.pp=1", "grid.dp=1", f"train.microbatches={microbatches}"]
     job = _job("jobs/bench_pp2.toml", *sets)
-    (work,) = stage_work(job)
+    (work,) = stage_work(job.workload)
     r = predict(job, cluster)
     compute = sum(action_seconds(work, k, cluster) for k in "FBW") * microbatches
     rest = optimizer_seconds(job, work.params, cluster) + step_work_seconds(

@@ -137,7 +137,7 @@ def test_recompute_under_a_w_split_counts_the_w_caches(schedule):
 
     sets = [f"train.schedule={schedule}", "train.microbatches=8", "train.global_batch=16"]
     full = load_job("jobs/gpt_bench.toml", [*sets, "train.recompute=full"], 2)
-    work = stage_work(full)
+    work = stage_work(full.workload)
     t = full.train
     lists = build_schedule(schedule, 2, 8, t.virtual_stages, t.early_grad_send)
     for rank, actions in lists.items():

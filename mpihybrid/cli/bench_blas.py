@@ -240,7 +240,7 @@ def bench_blas(*, job_file, overrides, ranks, repeats, rounds, do_save, as_json)
         )
         sys.exit(2)
     ranks = ranks or os.cpu_count() or 1
-    gemms = [list(g) for g in model_gemms(_job(job_file, list(overrides), ranks))]
+    gemms = [list(g) for g in model_gemms(_job(job_file, list(overrides), ranks).workload)]
     echo = None if as_json else (lambda text: click.echo(text, err=True))
     rows = measure(gemms, ranks, repeats, rounds, echo)
     choice = best(rows)

@@ -118,11 +118,15 @@ def _parts(rank: int, compute: float, wall: float, seconds, profile: dict) -> di
 def profile_chunks(job: Job, world: MPI.Comm) -> dict[int, dict[str, float]] | None:
     """Every rank at once profiles some model chunks (chunk c on the ranks r with c = r modulo
     min(world, chunks)); rank 0 gets {chunk: seconds per micro-batch by op}."""
-    from mpihybrid.nn.profile import num_chunks, profile_chunk
+    from mpihybrid.nn.profile import profile_chunk
 
-    n = num_chunks(job)
+    n = job.workload.chunks
     mod = min(world.size, n)
-    mine = {c: profile_chunk(job, c, repeats=2) for c in range(n) if c % mod == world.rank % mod}
+    mine = {
+        c: profile_chunk(job.workload, c, repeats=2)
+        for c in range(n)
+        if c % mod == world.rank % mod
+    }
     gathered = world.gather(mine, root=0)
     if world.rank != 0:
         return None

@@ -64,7 +64,7 @@ from mpihybrid.trace.recorder import step_times
 
 def chunk_gemm_flops(job: Job) -> list[int]:
     """Matmul FLOPs of one micro-batch's forward + backward through each model chunk."""
-    return [int(sum(w.flops(p) for p in PASSES)) for w in stage_work(job)]
+    return [int(sum(w.flops(p) for p in PASSES)) for w in stage_work(job.workload)]
 
 
 def measure_gemm_rate(gemms: list[Gemm], repeats: int = 5) -> float:
@@ -126,8 +126,8 @@ def bench_train(
     other = _bench_job(against[0], warmup + steps) if against else None
     tokens = job.tokens_per_sample
     blocks = build_blocks(job.model, *task_dims(job.data))
-    rows = microbatch_rows(job)[1]
-    gemms = model_gemms(job)
+    rows = microbatch_rows(job.workload)[1]
+    gemms = model_gemms(job.workload)
 
     runs, other_walls, last, roofs, peak_rss = _run_repeats(
         job, other, world, warmup=warmup, repeats=repeats, gemms=gemms, progress=progress

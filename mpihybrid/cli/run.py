@@ -232,7 +232,7 @@ def _preflight(job, resume: bool, force: bool = False) -> list[str] | None:
     from mpihybrid.train import checkpoint
 
     try:  # token files: header, size, vocabulary, enough windows
-        check_data(job)
+        check_data(job.data, job.train.global_batch)
     except DataError as exc:
         raise ConfigError(str(exc)) from None
     root, candidates, manifest = job.checkpoint.dir, [], None

@@ -23,6 +23,7 @@ from mpihybrid.comm.device import CPU, Backend
 from mpihybrid.comm.layout import ORDERS, Layout
 from mpihybrid.comm.settings import GradientSettings, RingSettings
 from mpihybrid.inputs import MAX_TOML_BYTES, InputFileError, read_text
+from mpihybrid.nn.cost import Workload
 from mpihybrid.nn.kinds import model_kind
 from mpihybrid.pipeline.schedules import ScheduleError, get_spec
 from mpihybrid.pipeline.wire import P2PWire
@@ -184,6 +185,19 @@ class Job:
     def tokens_per_sample(self) -> int:
         """What a sample counts in rows and throughput: its tokens (a GPT), or itself."""
         return model_kind(self.model.kind).tokens_per_sample(self.data.seq_len)
+
+    @property
+    def workload(self) -> Workload:
+        """What nn/ needs of the job (its cost model, its profiles): [model], [data], the
+        chunks, M, the micro-batch size and the seed."""
+        return Workload(
+            model=self.model,
+            data=self.data,
+            chunks=self.grid.pp * self.train.virtual_stages,
+            microbatches=self.train.microbatches,
+            microbatch_size=self.microbatch_size,
+            seed=self.train.seed,
+        )
 
     def gradient_settings(self, backend: Backend = CPU) -> GradientSettings:
         """The gradient buckets' and rings' settings ([comm], train.shard_optimizer), made here

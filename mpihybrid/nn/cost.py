@@ -4,7 +4,7 @@ transformer.py), the loss, the parameters, the activations kept and what crosses
 boundary. Read by `mpihybrid predict`, bench train's roofline and the memory check (one
 declaration, three readers).
 
-    work = stage_work(job)        # one ChunkWork per model chunk (pp x virtual_stages)
+    work = stage_work(job.workload)   # one ChunkWork per model chunk (pp x virtual_stages)
     work[c].layers[i].gemms["W"]  # [(batch, m, k, n), ...] of top-level layer i's weight pass
 
 Rows of a micro-batch: samples (MLP), or samples x tokens (GPT). The loss (last chunk): the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.kinds import model_kind
@@ -22,7 +23,26 @@ from mpihybrid.nn.layers import FLOAT, PASSES, Cost, Gemm, layer_costs, matmul_f
 from mpihybrid.nn.model import boundary_shapes, build_blocks, chunk_ranges
 
 KINDS = PASSES
-# a job is duck-typed here (job.model, job.data, job.grid, job.train: config.Job, a layer above)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What nn/ needs of a job: its [model] and [data] sections and four numbers
+    (config.Job.workload makes it; nn/ never sees the whole job)."""
+
+    model: Any  # config.ModelConfig
+    data: Any  # config.DataConfig
+    chunks: int  # model chunks: pp x virtual_stages
+    microbatches: int  # M, per replica per step
+    microbatch_size: int  # samples in one micro-batch
+    seed: int = 0  # parameter initialisation (train.seed)
+
+    @property
+    def rows(self) -> int:
+        """Rows of one micro-batch: samples, or samples x tokens for a GPT."""
+        return self.microbatch_size * model_kind(self.model.kind).tokens_per_sample(
+            self.data.seq_len
+        )
 
 
 @dataclass
@@ -49,16 +69,16 @@ class ChunkWork:
         return sum(layer.calls[kind] for layer in self.layers)
 
 
-def microbatch_rows(job) -> tuple[int, int]:
+def microbatch_rows(work: Workload) -> tuple[int, int]:
     """(samples, rows) of one micro-batch: rows are samples x tokens for a GPT."""
-    return job.microbatch_size, job.microbatch_size * job.tokens_per_sample
+    return work.microbatch_size, work.rows
 
 
-def model_costs(job, rows: int) -> list[list[Cost]]:
+def model_costs(work: Workload, rows: int) -> list[list[Cost]]:
     """Every top-level layer's declared cost on `rows` rows, block by block (the model's first
     layer without its input gradient)."""
-    m = job.model
-    in_features, num_classes = task_dims(job.data)
+    m = work.model
+    in_features, num_classes = task_dims(work.data)
     width = model_kind(m.kind).input_width(in_features)  # a GPT's first layer takes token ids
     out = []
     for g, block in enumerate(build_blocks(m, in_features, num_classes)):
@@ -68,12 +88,15 @@ def model_costs(job, rows: int) -> list[list[Cost]]:
     return out
 
 
-def model_gemms(job) -> list[Gemm]:
+def model_gemms(work: Workload) -> list[Gemm]:
     """Every matmul of one micro-batch's forward and backward through the whole model, as the
     layers declare them (Layer.cost: the roofline runs the model's own shapes)."""
-    rows = microbatch_rows(job)[1]
     return [
-        g for block in model_costs(job, rows) for c in block for p in PASSES for g in c.gemms[p]
+        g
+        for block in model_costs(work, work.rows)
+        for c in block
+        for p in PASSES
+        for g in c.gemms[p]
     ]
 
 
@@ -81,29 +104,27 @@ def gemm_flops(gemms: list[Gemm]) -> int:
     return sum(matmul_flops(g) for g in gemms)
 
 
-def stage_work(job) -> list[ChunkWork]:
-    """Every chunk's work per micro-batch of `job` (pp x virtual_stages chunks)."""
-    m = job.model
-    in_features, num_classes = task_dims(job.data)
+def stage_work(work: Workload) -> list[ChunkWork]:
+    """Every chunk's work per micro-batch (pp x virtual_stages chunks)."""
+    m = work.model
+    in_features, num_classes = task_dims(work.data)
     blocks = build_blocks(m, in_features, num_classes)
-    num_chunks = job.grid.pp * job.train.virtual_stages
-    samples = microbatch_rows(job)[0]
-    shapes = boundary_shapes(m, in_features, num_classes, num_chunks, samples)
-    return _works(job, chunk_ranges(m, blocks, num_chunks), shapes)
+    shapes = boundary_shapes(m, in_features, num_classes, work.chunks, work.microbatch_size)
+    return _works(work, chunk_ranges(m, blocks, work.chunks), shapes)
 
 
-def block_work(job) -> list[ChunkWork]:
+def block_work(work: Workload) -> list[ChunkWork]:
     """Every block's work per micro-batch, as if each were a chunk of its own (the loss rides
     with the last; no input bytes): what a schedule search splits into chunks."""
-    in_features, num_classes = task_dims(job.data)
-    blocks = build_blocks(job.model, in_features, num_classes)
-    return _works(job, [range(g, g + 1) for g in range(len(blocks))], None)
+    in_features, num_classes = task_dims(work.data)
+    blocks = build_blocks(work.model, in_features, num_classes)
+    return _works(work, [range(g, g + 1) for g in range(len(blocks))], None)
 
 
-def _works(job, ranges: list[range], shapes) -> list[ChunkWork]:
-    num_classes = task_dims(job.data)[1]
-    num_chunks, rows = len(ranges), microbatch_rows(job)[1]
-    costs = model_costs(job, rows)
+def _works(work: Workload, ranges: list[range], shapes) -> list[ChunkWork]:
+    num_classes = task_dims(work.data)[1]
+    num_chunks, rows = len(ranges), work.rows
+    costs = model_costs(work, rows)
     out = []
     for c, chunk in enumerate(ranges):
         layers = [cost for g in chunk for cost in costs[g]]

@@ -181,10 +181,11 @@ class TextTask:
         check_one_tokenizer([self.train, self.val])
 
 
-def check_data(job) -> None:
-    """Open and check a job's token files (DataError, one line); other kinds need nothing."""
-    if job.data.kind == "tokens":
-        TextTask(job.data).check(job.train.global_batch)
+def check_data(data, global_batch: int) -> None:
+    """Open and check the job's token files ([data], DataError, one line) for batches of
+    `global_batch` sequences; other kinds need nothing."""
+    if data.kind == "tokens":
+        TextTask(data).check(global_batch)
 
 
 def build_task(cfg) -> TeacherTask | TokenTask | TextTask:

@@ -1,7 +1,7 @@
 """Where a stage's compute goes, op by op: the kernel columns of `bench train`'s time split.
 
     from mpihybrid.nn.profile import profile_chunk
-    ms = profile_chunk(job, chunk=0, repeats=3)   # {"GEMM (Linear)": s, "GELU": s, ...} per mb
+    ms = profile_chunk(job.workload, chunk=0, repeats=3)   # {"GEMM (Linear)": s, ...} per mb
 
 Runs the job's micro-batches through one model chunk as a pipeline stage does (M forwards
 with their activations alive, then M input and weight gradients; the last chunk's loss too),
@@ -17,10 +17,11 @@ import time
 
 import numpy as np
 
-from mpihybrid.nn.data import build_task, microbatches
+from mpihybrid.nn.cost import Workload
+from mpihybrid.nn.data import build_task, microbatches, task_dims
 from mpihybrid.nn.kinds import model_kind
 from mpihybrid.nn.layers import GELU, LayerNorm, Linear, SoftmaxCrossEntropy
-from mpihybrid.nn.model import build_stage
+from mpihybrid.nn.model import build_stage, layer_counts, partition
 from mpihybrid.nn.transformer import CausalAttention, Embedding, Residual
 
 CATEGORIES = {
@@ -53,24 +54,20 @@ def timed(layer, totals: dict, key=None) -> None:
         setattr(layer, method, wrapper)
 
 
-def chunk_inputs(job, chunk: int, seed: int = 0):
-    """(inputs, targets) of the job's M micro-batches for `chunk` (activations past chunk 0)."""
-    task = build_task(job.data)
-    m = job.train.microbatches
-    x, y = task.global_batch(0, job.train.global_batch // max(job.grid.dp, 1))
+def chunk_inputs(work: Workload, chunk: int, seed: int = 0):
+    """(inputs, targets) of a replica's M micro-batches for `chunk` (activations past chunk 0)."""
+    task = build_task(work.data)
+    m = work.microbatches
+    x, y = task.global_batch(0, work.microbatch_size * m)
     batches = microbatches(x, y, 0, 1, m)
     if chunk == 0:
         return [b[0] for b in batches], [b[1] for b in batches]
     rng = np.random.default_rng(seed)
-    stage = build_stage(job.model, task.in_features, task.num_classes, chunk, num_chunks(job), 0)
-    kind = model_kind(job.model.kind)
-    shape = (len(batches[0][0]), *kind.activation(job.model, task.in_features, stage.layers[0]))
+    stage = build_stage(work.model, task.in_features, task.num_classes, chunk, work.chunks, 0)
+    kind = model_kind(work.model.kind)
+    shape = (len(batches[0][0]), *kind.activation(work.model, task.in_features, stage.layers[0]))
     inputs = [rng.standard_normal(shape).astype(np.float32) for _ in range(m)]
     return inputs, [b[1] for b in batches]
-
-
-def num_chunks(job) -> int:
-    return job.grid.pp * job.train.virtual_stages
 
 
 def profile_stage(stage, inputs, targets, last: bool, first: bool, repeats: int, key=None):
@@ -102,50 +99,45 @@ def profile_stage(stage, inputs, targets, last: bool, first: bool, repeats: int,
     return result
 
 
-def profile_chunk(job, chunk: int, repeats: int = 3, key=None) -> dict[str, float]:
-    """profile_stage of model chunk `chunk` of the job, on the job's own micro-batches."""
-    from mpihybrid.nn.data import task_dims
-
-    stage = build_stage(job.model, *task_dims(job.data), chunk, num_chunks(job), job.train.seed)
-    inputs, targets = chunk_inputs(job, chunk)
-    last = chunk == num_chunks(job) - 1
+def profile_chunk(work: Workload, chunk: int, repeats: int = 3, key=None) -> dict[str, float]:
+    """profile_stage of model chunk `chunk`, on the job's own micro-batches."""
+    stage = build_stage(work.model, *task_dims(work.data), chunk, work.chunks, work.seed)
+    inputs, targets = chunk_inputs(work, chunk)
+    last = chunk == work.chunks - 1
     return profile_stage(stage, inputs, targets, last, chunk == 0, repeats, key)
 
 
-def timed_block_costs(job, repeats: int = 3) -> list[float]:
+def timed_block_costs(work: Workload, repeats: int = 3) -> list[float]:
     """Seconds per micro-batch of each block of the whole model (F + B + W, the loss with the
     head), timed on the job's micro-batches as one stage: what `model.partition = "cost"`
     estimates from FLOPs, measured on this machine."""
-    from mpihybrid.nn.data import task_dims
-    from mpihybrid.nn.model import build_stage
-
-    stage = build_stage(job.model, *task_dims(job.data), 0, 1, job.train.seed)
+    stage = build_stage(work.model, *task_dims(work.data), 0, 1, work.seed)
     owner = {}
     for g, block in enumerate(stage.blocks):
         for layer in block:
             for sub in layer.branch if isinstance(layer, Residual) else [layer]:
                 owner[id(sub)] = g
-    inputs, targets = chunk_inputs(job, 0)
+    inputs, targets = chunk_inputs(work, 0)
     per = profile_stage(stage, inputs, targets, True, True, repeats, key=lambda l, m: owner[id(l)])
     costs = [per.get(g, 0.0) for g in range(len(stage.blocks))]
     costs[-1] += per.get(LOSS, 0.0)
     return costs
 
 
-def block_pass_costs(job, repeats: int = 3) -> tuple[list[float], list[float], list[float]]:
+def block_pass_costs(
+    work: Workload, repeats: int = 3
+) -> tuple[list[float], list[float], list[float]]:
     """(F, B, W) seconds per micro-batch of each block of the whole model, timed apart on the
     job's micro-batches as one stage (timed_block_costs' run, each pass on its own): what a
     schedule search splits and orders. The loss rides with the head: its forward in F, its
     gradient in B."""
-    from mpihybrid.nn.data import task_dims
-
-    stage = build_stage(job.model, *task_dims(job.data), 0, 1, job.train.seed)
+    stage = build_stage(work.model, *task_dims(work.data), 0, 1, work.seed)
     owner = {}
     for g, block in enumerate(stage.blocks):
         for layer in block:
             for sub in layer.branch if isinstance(layer, Residual) else [layer]:
                 owner[id(sub)] = g
-    inputs, targets = chunk_inputs(job, 0)
+    inputs, targets = chunk_inputs(work, 0)
     per = profile_stage(
         stage, inputs, targets, True, True, repeats, key=lambda l, m: (owner[id(l)], m)
     )
@@ -161,11 +153,9 @@ def block_pass_costs(job, repeats: int = 3) -> tuple[list[float], list[float], l
     return tuple([x + glue for x in p] for p in passes)
 
 
-def timed_partition(job, repeats: int = 3) -> tuple[list[int], list[float]]:
+def timed_partition(work: Workload, repeats: int = 3) -> tuple[list[int], list[float]]:
     """(layers per chunk, seconds per block): the split of `model.partition` that balances the
     blocks' measured seconds (nn.model.partition on them), as a list a job file takes."""
-    from mpihybrid.nn.model import layer_counts, partition
-
-    costs = timed_block_costs(job, repeats)
+    costs = timed_block_costs(work, repeats)
     # the embedding and the head (gpt) ride with the first and last chunk
-    return layer_counts(job.model, partition(costs, num_chunks(job))), costs
+    return layer_counts(work.model, partition(costs, work.chunks)), costs

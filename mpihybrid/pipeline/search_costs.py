@@ -126,7 +126,7 @@ def job_costs(job, repeats: int = 3) -> SearchCosts:
     one stage on the job's own micro-batches; the loss rides with the head's F and B)."""
     from mpihybrid.nn.profile import block_pass_costs
 
-    forward, backward, weight = block_pass_costs(job, repeats)
+    forward, backward, weight = block_pass_costs(job.workload, repeats)
     return check_values(
         SearchCosts(tuple(forward), tuple(backward), tuple(weight), source="the job's timed blocks")
     )

@@ -86,7 +86,7 @@ def stage_medians(events: np.ndarray, num_stages: int) -> dict[str, list[float]]
 def _fit_elementwise(job, events: np.ndarray, device: Device) -> tuple[float, float, int]:
     """(mem_bandwidth, op_overhead_s, rows fitted): every stage's median F, B, W less its GEMMs
     at `device`'s rates, against its elementwise bytes and layer calls."""
-    work = stage_work(job)
+    work = stage_work(job.workload)
     means = stage_medians(events, len(work))
     split = {int(s) for s in events["stage"][events["kind"] == KIND["weight"]]}
     rows, targets = [], []
@@ -108,7 +108,7 @@ def _fit_elementwise(job, events: np.ndarray, device: Device) -> tuple[float, fl
 def _optimizer_bandwidth(job, events: np.ndarray, copy: float) -> float:
     """The optimizer's bytes over the optimizer rows' time (one update per rank, step and stage,
     however many buckets it came in)."""
-    work = stage_work(job)
+    work = stage_work(job.workload)
     rows = events[events["kind"] == KIND["optimizer"]]
     updates = {(int(e["rank"]), int(e["step"]), int(e["stage"])) for e in rows}
     nbytes = sum(optimizer_bytes(job) * work[s].params for _, _, s in updates)
@@ -127,7 +127,7 @@ def _base_memory(trace: Trace, job, cluster: Cluster) -> tuple[float, str]:
         return float(base_memory()), "peak RSS of a fresh interpreter after warm_runtime()"
     g, t = job.grid, job.train
     actions = build_schedule(t.schedule, g.pp, t.microbatches, t.virtual_stages, t.early_grad_send)
-    work = stage_work(job)
+    work = stage_work(job.workload)
     bare = dataclasses.replace(
         cluster,
         device=dataclasses.replace(cluster.device, base_memory_bytes=0.0, kernel_memory_bytes=0.0),
@@ -181,7 +181,7 @@ def calibrate(
         node_bw = float(ring["bytes"].sum()) / float(np.sum(ring["end"] - ring["start"]))
         node_note = "the trace's ring bytes / ring time"
     hop = message_latency(ev)
-    hop_bytes = max((w.input_bytes for w in stage_work(job)), default=0)
+    hop_bytes = max((w.input_bytes for w in stage_work(job.workload)), default=0)
     cluster = Cluster(
         name="local",
         node=Node(

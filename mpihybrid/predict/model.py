@@ -200,7 +200,7 @@ def pipeline(job: Job, cluster: Cluster) -> tuple:
     not change (the recommender reuses it across them)."""
     g, t = job.grid, job.train
     cluster = shared_cores(cluster, g.pp * g.dp)
-    work = stage_work(job)
+    work = stage_work(job.workload)
     actions = build_schedule(t.schedule, g.pp, t.microbatches, t.virtual_stages, t.early_grad_send)
     costs = Costs(
         forward=[action_seconds(w, "F", cluster) for w in work],

@@ -28,7 +28,7 @@ def block_costs(job: Job, cluster: Cluster):
     from mpihybrid.predict.wire import message_seconds
 
     cluster = shared_cores(cluster, job.grid.pp * job.grid.dp)
-    blocks = block_work(job)
+    blocks = block_work(job.workload)
     # the hop between neighbouring ranks as one-chunk-per-rank places them (every placement
     # searched sends the same activation between neighbours)
     loop = dataclasses.replace(job, train=dataclasses.replace(job.train, schedule="1f1b",

@@ -1,7 +1,7 @@
 """A rank's memory, the one model: what `mpihybrid predict` reports per rank and what the check
 before a run compares with the node's MemAvailable.
 
-    parts = rank_memory(job, stage_work(job), actions, ring_shared=False)["parts"]
+    parts = rank_memory(job, stage_work(job.workload), actions, ring_shared=False)["parts"]
     need = rank_estimate(job, pp_rank)     # bytes by part, from the job alone
     check_fits(job, world)                 # collective: ConfigError on every rank when a node's
                                            # ranks together need more than its MemAvailable or
@@ -210,7 +210,7 @@ def rank_estimate(
     t = job.train
     actions = build_schedule(t.schedule, job.grid.pp, t.microbatches, t.virtual_stages,
                              t.early_grad_send)[pp_rank]  # fmt: skip
-    parts = rank_memory(job, stage_work(job), actions, ring_shared, ways=ways)["parts"]
+    parts = rank_memory(job, stage_work(job.workload), actions, ring_shared, ways=ways)["parts"]
     return {k: v for k, v in parts.items() if k != "runtime"}
 
 
