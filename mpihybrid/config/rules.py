@@ -202,12 +202,16 @@ def _check_auto(job: Job) -> None:
     """train.schedule = "auto": the search splits the blocks into pp (loop) or 2 pp (V) chunks."""
     m, g, t = job.model, job.grid, job.train
     if t.schedule_inflight and t.schedule_inflight < 1:
-        raise ConfigError(f"train.schedule_inflight = {t.schedule_inflight}: at least 1 "
-                          "micro-batch of a rank's share (0: pp)")  # fmt: skip
+        raise ConfigError(
+            f"train.schedule_inflight = {t.schedule_inflight}: at least 1 "
+            "micro-batch of a rank's share (0: pp)"
+        )
     if isinstance(m.partition, list):
         if len(m.partition) not in (g.pp, 2 * g.pp):
-            raise ConfigError(f"train.schedule = 'auto' with model.partition = {m.partition}: a "
-                              f"list of pp ({g.pp}) or 2 pp counts (loop or V)")  # fmt: skip
+            raise ConfigError(
+                f"train.schedule = 'auto' with model.partition = {m.partition}: a "
+                f"list of pp ({g.pp}) or 2 pp counts (loop or V)"
+            )
         _check_partition(m, g.pp, len(m.partition) // g.pp)
     else:
         _check_partition(m, g.pp, 1)

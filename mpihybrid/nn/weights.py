@@ -70,9 +70,10 @@ def _param(block: list, path: tuple, name: str) -> np.ndarray:
 def own_names(g: int, block: list, num_blocks: int) -> list[tuple[str, tuple, str, bool]]:
     """block_names of the tensors block g holds itself (a tied head's weight is wte's)."""
     return [
-        entry for entry in block_names(g, num_blocks)
+        entry
+        for entry in block_names(g, num_blocks)
         if entry[2] in _layer(block, entry[1]).param_shapes()
-    ]  # fmt: skip
+    ]
 
 
 def expected_shapes(blocks: list) -> dict[str, tuple[int, ...]]:

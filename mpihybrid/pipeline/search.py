@@ -186,8 +186,9 @@ def search(
             continue
         for split_ranges in tried:
             if len(split_ranges) != placement.num_stages:
-                notes.append(f"{style} placement not tried: the split kept has "
-                             f"{len(split_ranges)} stages")  # fmt: skip
+                notes.append(
+                    f"{style} placement not tried: the split kept has {len(split_ranges)} stages"
+                )
                 break
             sim_costs = costs.split(split_ranges)
             try:
@@ -209,8 +210,7 @@ def search(
         raise ScheduleError(f"schedule search found no schedule: {why}")
     status, bound, solves = "heuristic", 0.0, []
     if exact:
-        proved = _exact(per_split, found, m, limit, split, time_limit, deterministic, notes,
-                        solves)  # fmt: skip
+        proved = _exact(per_split, found, m, limit, split, time_limit, deterministic, notes, solves)
         tick()
     best = min(found, key=lambda c: c.key)
     if exact and (best.placement.style, tuple(best.ranges)) in proved:
@@ -227,16 +227,26 @@ def _exact(per_split, found, m, limit, split, time_limit, deterministic, notes, 
     from mpihybrid.pipeline.search_exact import SolverMissing, solve
     from mpihybrid.pipeline.search_greedy import budgets
 
-    small = {k: c for k, c in per_split.items()
-             if (3 if split else 2) * m * c.placement.num_stages <= EXACT_ACTIONS}  # fmt: skip
+    small = {
+        k: c
+        for k, c in per_split.items()
+        if (3 if split else 2) * m * c.placement.num_stages <= EXACT_ACTIONS
+    }
     if len(small) < len(per_split):
         notes.append(f"exact search skipped where a step has more than {EXACT_ACTIONS} actions")
     proved = {}
     for key, seed in sorted(small.items(), key=lambda kv: kv[1].key):
         try:
-            res = solve(seed.placement, m, seed.sim_costs, limit=budgets(seed.placement, limit),
-                        split=split, time_limit=time_limit / len(small), hint=seed.lists,
-                        deterministic=deterministic)  # fmt: skip
+            res = solve(
+                seed.placement,
+                m,
+                seed.sim_costs,
+                limit=budgets(seed.placement, limit),
+                split=split,
+                time_limit=time_limit / len(small),
+                hint=seed.lists,
+                deterministic=deterministic,
+            )
         except SolverMissing as exc:
             notes.append(f"{exc}; the greedy's schedule instead")
             return {}
@@ -244,8 +254,9 @@ def _exact(per_split, found, m, limit, split, time_limit, deterministic, notes, 
         solves.append((f"{key[0]} {sizes}", res.status, res.seconds, res.makespan, res.bound))
         if res.lists is not None:
             sim = simulate(res.lists, seed.placement, seed.sim_costs)
-            found.append(Candidate(seed.placement, seed.ranges, res.lists, sim, "exact",
-                                   seed.sim_costs))  # fmt: skip
+            found.append(
+                Candidate(seed.placement, seed.ranges, res.lists, sim, "exact", seed.sim_costs)
+            )
             proved[key] = (res.status, res.bound)
     return proved
 
@@ -270,16 +281,22 @@ def builtin_rows(costs: SearchCosts, pp: int, m: int) -> list[dict]:
             placement = placement_of(name, pp, v)
             ranges = splits(costs, placement, 1)[0]
         except CostsError:
-            rows.append(row | {"note": f"the costs are of {costs.units} stages, it runs "
-                                       f"{pp * v}"})  # fmt: skip
+            rows.append(row | {"note": f"the costs are of {costs.units} stages, it runs {pp * v}"})
             continue
         except ScheduleError as exc:
             rows.append(row | {"note": str(exc).splitlines()[0]})
             continue
         lists = build_schedule(name, pp, m, v, early_grad_send=True)
         sim = simulate(lists, placement, costs.split(ranges))
-        rows.append(row | {"makespan": sim.makespan, "bubble": sim.bubble_fraction,
-                           "peak": max(sim.peak_per_rank), "note": ""})  # fmt: skip
+        rows.append(
+            row
+            | {
+                "makespan": sim.makespan,
+                "bubble": sim.bubble_fraction,
+                "peak": max(sim.peak_per_rank),
+                "note": "",
+            }
+        )
     return rows
 
 
@@ -302,11 +319,14 @@ def builtin_table(rows: list[dict], limit: float, result) -> list[dict]:
         if "makespan" not in row:
             out.append(dict(row))
             continue
-        out.append(row | {
-            "vs_best": row["makespan"] / best - 1,
-            "vs_bound": row["makespan"] / result.bound - 1 if result.bound else None,
-            "note": "over the memory limit" if row["peak"] > limit + 1e-9 else "",
-        })  # fmt: skip
+        out.append(
+            row
+            | {
+                "vs_best": row["makespan"] / best - 1,
+                "vs_bound": row["makespan"] / result.bound - 1 if result.bound else None,
+                "note": "over the memory limit" if row["peak"] > limit + 1e-9 else "",
+            }
+        )
     return out
 
 
@@ -359,17 +379,25 @@ def format_result(result: SearchResult, grid: bool = True) -> str:
     ]
     anywhere = result.any_bound
     if anywhere is not None:
-        lines.append(f"no schedule of these whole blocks on {result.pp} ranks beats "
-                     f"{_time(anywhere, unit)} ({sim.makespan / anywhere - 1:+.1%} from it), "
-                     "whatever its placement, split, order or memory")  # fmt: skip
+        lines.append(
+            f"no schedule of these whole blocks on {result.pp} ranks beats "
+            f"{_time(anywhere, unit)} ({sim.makespan / anywhere - 1:+.1%} from it), "
+            "whatever its placement, split, order or memory"
+        )
     for style, status, seconds, found, bound in result.solver_seconds:
-        lines.append(f"solver, {style}: {status} in {seconds:.2f} s (model step "
-                     f"{_time(found, unit)}, proven bound {_time(bound, unit)})")  # fmt: skip
+        lines.append(
+            f"solver, {style}: {status} in {seconds:.2f} s (model step "
+            f"{_time(found, unit)}, proven bound {_time(bound, unit)})"
+        )
     lines += result.notes
-    lines.append("built-in schedules on the same costs (each at the split that balances its "
-                 "placement, as model.partition = 'timed'; gradients sent before W):")  # fmt: skip
-    lines.append(f"{'schedule':<17} {'v':>2} {'step':>10} {'bubble':>7} {'rank peak':>9} "
-                 f"{'vs best':>8} {'vs bound':>8}  note")  # fmt: skip
+    lines.append(
+        "built-in schedules on the same costs (each at the split that balances its "
+        "placement, as model.partition = 'timed'; gradients sent before W):"
+    )
+    lines.append(
+        f"{'schedule':<17} {'v':>2} {'step':>10} {'bubble':>7} {'rank peak':>9} "
+        f"{'vs best':>8} {'vs bound':>8}  note"
+    )
     for row in result.table:
         if "makespan" not in row:
             lines.append(f"{row['schedule']:<17} {row['v']:>2} not legal: {row['note']}")

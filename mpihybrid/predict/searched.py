@@ -31,8 +31,9 @@ def block_costs(job: Job, cluster: Cluster):
     blocks = block_work(job.workload)
     # the hop between neighbouring ranks as one-chunk-per-rank places them (every placement
     # searched sends the same activation between neighbours)
-    loop = dataclasses.replace(job, train=dataclasses.replace(job.train, schedule="1f1b",
-                                                              virtual_stages=1))  # fmt: skip
+    loop = dataclasses.replace(
+        job, train=dataclasses.replace(job.train, schedule="1f1b", virtual_stages=1)
+    )
     full = job.train.recompute == "full"  # a backward first runs its forward again
 
     def seconds(kind: str) -> tuple[float, ...]:

@@ -79,8 +79,10 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
     and trace."""
     g, t, c = job.grid, job.train, job.comm
     if g.order == "auto":
-        raise ConfigError("grid.order = 'auto' is chosen before training (predict.auto."
-                          "resolve_order, as the mpihybrid command does)")  # fmt: skip
+        raise ConfigError(
+            "grid.order = 'auto' is chosen before training (predict.auto."
+            "resolve_order, as the mpihybrid command does)"
+        )
     on_host = backend.xp is np
     grid = ProcessGrid.build(world, g.layout)
     task = build_task(job.data)
@@ -155,6 +157,9 @@ def _node_groups(job: Job, world: MPI.Comm, grid: ProcessGrid, nodes: list[int] 
     kind, warning = ring_kind(job.comm.ring, dp_nodes)
     told = world.allreduce(int(bool(warning)), op=MPI.MAX)  # one line, whichever stage warned
     if told and world.rank == 0:
-        log.warning("%s", warning or "comm.ring = 'hierarchical': a stage's replicas share one "
-                    "node: the flat ring there")  # fmt: skip
+        log.warning(
+            "%s",
+            warning
+            or "comm.ring = 'hierarchical': a stage's replicas share one node: the flat ring there",
+        )
     return NodeGroups(grid.dp_comm, dp_nodes) if kind == "hierarchical" else None

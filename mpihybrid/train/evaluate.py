@@ -77,10 +77,13 @@ class HeldOutLoss:
             per_byte = metrics["bits_per_byte"]
             log.info(
                 "eval %d/%d  val loss %.4f nats  %.3f bits/token%s  perplexity %.2f",
-                step + 1, job.train.steps, metrics["loss"], metrics["bits_per_token"],
+                step + 1,
+                job.train.steps,
+                metrics["loss"],
+                metrics["bits_per_token"],
                 "" if math.isnan(per_byte) else f"  {per_byte:.3f} bits/byte",
                 metrics["perplexity"],
-            )  # fmt: skip
+            )
 
     def measure(self, job: Job, world: MPI.Comm, run) -> dict[str, float]:
         """Collective: mean cross-entropy of the model on train.eval_batches global batches of
@@ -97,9 +100,12 @@ class HeldOutLoss:
         nats, targets = 0.0, 0
         for i in range(0, len(x), rows):
             shapes = boundary_shapes(
-                job.model, task.in_features, task.num_classes, placement.num_stages,
+                job.model,
+                task.in_features,
+                task.num_classes,
+                placement.num_stages,
                 len(x[i : i + rows]),
-            )  # fmt: skip
+            )
             piece = x[i : i + rows] if backend.xp is np else backend.asarray(x[i : i + rows])
             logits = forward_only(run.grid.pp_comm, run.stages, placement, piece, shapes, backend)
             if logits is not None:

@@ -22,8 +22,17 @@ import numpy as np
 from mpihybrid.sysinfo import hostname
 
 FLIGHT_ROWS = 512  # actions and waits kept per rank
-RECORD_ATTRS = ("format", "rank", "pp_rank", "dp_rank", "world_size", "reason", "written_at",
-                "host", "pid")  # fmt: skip
+RECORD_ATTRS = (
+    "format",
+    "rank",
+    "pp_rank",
+    "dp_rank",
+    "world_size",
+    "reason",
+    "written_at",
+    "host",
+    "pid",
+)
 MAX_WORLD = 1 << 20
 RECORD_DTYPE = np.dtype(
     [
@@ -43,8 +52,14 @@ RECORD_DTYPE = np.dtype(
 class FlightRecorder:
     """This rank's last FLIGHT_ROWS actions and waits, a fixed ring of tuples."""
 
-    def __init__(self, rank: int, pp_rank: int = -1, dp_rank: int = -1, world_size: int = 0,
-                 run_started: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        pp_rank: int = -1,
+        dp_rank: int = -1,
+        world_size: int = 0,
+        run_started: float = 0.0,
+    ):
         """run_started: rank 0's clock when the run began, the same on every rank (what tells
         this run's records from an earlier run's in the same directory)."""
         self.rank, self.pp_rank, self.dp_rank, self.world_size = rank, pp_rank, dp_rank, world_size
@@ -56,8 +71,16 @@ class FlightRecorder:
         self.last_activity = time.monotonic()
         self.last_progress = ""  # what the last progress tick said (mpihybrid.progress)
 
-    def begin(self, what: str, step: int = 0, stage: int = -1, microbatch: int = -1,
-              peer: int = -1, tag: int = -1, nbytes: int = 0) -> int:  # fmt: skip
+    def begin(
+        self,
+        what: str,
+        step: int = 0,
+        stage: int = -1,
+        microbatch: int = -1,
+        peer: int = -1,
+        tag: int = -1,
+        nbytes: int = 0,
+    ) -> int:
         i = self.count % FLIGHT_ROWS
         self.rows[i] = (time.time(), what, step, stage, microbatch, peer, tag, nbytes)
         self.ends[i] = np.nan
@@ -105,11 +128,17 @@ class FlightRecorder:
             with h5py.File(tmp, "w") as f:
                 f.create_dataset("rows", data=self.to_array())
                 f.attrs.update(
-                    format="mpihybrid-flight-1", rank=self.rank, pp_rank=self.pp_rank,
-                    dp_rank=self.dp_rank, world_size=self.world_size, reason=reason,
-                    written_at=time.time(), host=self.host, pid=os.getpid(),
+                    format="mpihybrid-flight-1",
+                    rank=self.rank,
+                    pp_rank=self.pp_rank,
+                    dp_rank=self.dp_rank,
+                    world_size=self.world_size,
+                    reason=reason,
+                    written_at=time.time(),
+                    host=self.host,
+                    pid=os.getpid(),
                     run_started=self.run_started,
-                )  # fmt: skip
+                )
             os.replace(tmp, path)
             return path
         except OSError as exc:

@@ -105,9 +105,14 @@ def train(
         _stop_before_training(job, world, run, record)
         record.peak_inflight = dict.fromkeys(run.states, 0)
         summary = _steps(
-            job, world, run, record, quiet=quiet, collect=collect_params,
+            job,
+            world,
+            run,
+            record,
+            quiet=quiet,
+            collect=collect_params,
             resumed=resume_from is not None,
-        )  # fmt: skip
+        )
     except BaseException as exc:
         dog.settle()
         flight.write(flight_dir, _ended_by(exc))
@@ -131,9 +136,13 @@ def _watch(job: Job, world: MPI.Comm):
     flight = FlightRecorder(world.rank, world_size=world.Get_size(), run_started=started)
     flight_dir = record_dir(job.trace.path, job.checkpoint.dir, name)
     dog = Watchdog(
-        flight, signals, job.comm.timeout_s, world.Abort, lambda: flight_dir,
+        flight,
+        signals,
+        job.comm.timeout_s,
+        world.Abort,
+        lambda: flight_dir,
         usr1_stops=bool(job.checkpoint.dir),
-    ).start()  # fmt: skip
+    ).start()
     return signals, flight, flight_dir, dog
 
 
@@ -157,9 +166,13 @@ def _steps(
     # Rank 0's clock at the start, for traces relative to the run's start.
     t_origin = world.bcast(t_start + offset if world.rank == 0 else None, root=0)
     tracing.begin_trace(
-        job, run.trace, record, offset - t_origin, resumed=resumed,
+        job,
+        run.trace,
+        record,
+        offset - t_origin,
+        resumed=resumed,
         run_started=run.flight.run_started,
-    )  # fmt: skip
+    )
     run.watchdog.at_boundary()
     if run.tie is not None:  # the head's mirror starts as the table (drawn, loaded or resumed)
         run.tie.refresh()
@@ -250,9 +263,15 @@ def _step_boundary(
     t = job.train
     bad = nonfinite_stages(run.stages)
     mine = np.array(
-        [result.loss_sum, result.correct, result.samples, run.trace.asks(), len(bad),
-         *signal_counts(run.signals)]
-    )  # fmt: skip
+        [
+            result.loss_sum,
+            result.correct,
+            result.samples,
+            run.trace.asks(),
+            len(bad),
+            *signal_counts(run.signals),
+        ]
+    )
     sums = np.empty_like(mine)
     i = run.flight.begin("metrics allreduce", step + 1)
     world.Allreduce(mine, sums, op=MPI.SUM)
@@ -268,9 +287,13 @@ def _step_boundary(
     tracing.trace_step(job, run.trace, record, step, asked=sums[3] > 0, stopping=stopping)
     if not quiet and t.log_every and ((step + 1) % t.log_every == 0 or step == t.steps - 1):
         report.log_step(  # collective: the peak memory over the ranks
-            job, world, record, step, held_out_s=record.held_out.seconds,
+            job,
+            world,
+            record,
+            step,
+            held_out_s=record.held_out.seconds,
             peak_flops=run.peak_flops,
-        )  # fmt: skip
+        )
     if not finite:  # before any checkpoint: never one of these weights
         stop_nonfinite(world, job, step, float(sums[0]), bad)
     if record.held_out.due(job, step):
@@ -297,9 +320,14 @@ def _save_checkpoint(job: Job, world: MPI.Comm, run: Run, record: Record, step: 
     i = run.flight.begin("checkpoint", step + 1)
     try:
         path = checkpoint.save_all(
-            world, job, run.states, dp_rank=run.grid.dp_rank, step=step + 1,
-            losses=record.losses, accuracies=record.accuracies,
-        )  # fmt: skip
+            world,
+            job,
+            run.states,
+            dp_rank=run.grid.dp_rank,
+            step=step + 1,
+            losses=record.losses,
+            accuracies=record.accuracies,
+        )
     except checkpoint.CheckpointError as exc:  # every rank alike
         raise TrainingStopped(step + 1, str(exc)) from None
     run.flight.end(i)

@@ -208,8 +208,9 @@ def rank_estimate(
     """Bytes a rank at pipeline position `pp_rank` needs, by part (rank_memory's, without the
     runtime): from the job alone, nothing allocated. ways: shard_ways (0: grid.dp)."""
     t = job.train
-    actions = build_schedule(t.schedule, job.grid.pp, t.microbatches, t.virtual_stages,
-                             t.early_grad_send)[pp_rank]  # fmt: skip
+    actions = build_schedule(
+        t.schedule, job.grid.pp, t.microbatches, t.virtual_stages, t.early_grad_send
+    )[pp_rank]
     parts = rank_memory(job, stage_work(job.workload), actions, ring_shared, ways=ways)["parts"]
     return {k: v for k, v in parts.items() if k != "runtime"}
 
@@ -361,9 +362,14 @@ def load_kernels(job: Job, say: bool = False) -> None:
     tokens = d.kind != "teacher"
     model = dataclasses.replace(m, hidden=4 * m.heads, depth=1, ffn=0, partition="uniform")
     data = dataclasses.replace(
-        d, kind="random-tokens" if tokens else d.kind, vocab=min(d.vocab, 64),
-        seq_len=min(d.seq_len, 8), features=min(d.features, 8), train_samples=8, test_samples=4,
-    )  # fmt: skip
+        d,
+        kind="random-tokens" if tokens else d.kind,
+        vocab=min(d.vocab, 64),
+        seq_len=min(d.seq_len, 8),
+        features=min(d.features, 8),
+        train_samples=8,
+        test_samples=4,
+    )
     task = build_task(data)
     stage = build_stage(model, task.in_features, task.num_classes, 0, 1, 0)
     optimizer = build_optimizer(job.train, stage.flat_params)

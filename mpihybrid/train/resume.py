@@ -71,8 +71,10 @@ def keep_recorded_horizon(job: Job, world, given: bool) -> Job:
         log.info(
             "train.lr_schedule = %s: the rate decays to train.min_lr at step %d, as in the run "
             "this resumes (train.steps = %d now; train.lr_decay_steps sets another horizon)",
-            t.lr_schedule, stored, t.steps,
-        )  # fmt: skip
+            t.lr_schedule,
+            stored,
+            t.steps,
+        )
     return dataclasses.replace(job, train=dataclasses.replace(t, lr_decay_steps=stored))
 
 
@@ -96,6 +98,9 @@ def keep_recorded_batch(job: Job, world, given: bool) -> Job:
     if world.rank == 0:
         log.info(
             "train.global_batch = %d, as the checkpoint recorded (left at its default, which "
-            "follows dp: %d at dp = %d)", stored, t.global_batch, job.grid.dp,
-        )  # fmt: skip
+            "follows dp: %d at dp = %d)",
+            stored,
+            t.global_batch,
+            job.grid.dp,
+        )
     return resumed

@@ -86,9 +86,9 @@ def stop_exception(stop: str, step: int, path: str | None) -> StopRequested:
         return Interrupted(step, f"interrupted at step {step}{saved}")
     if stop == "terminate":
         return Terminated(
-            step, f"terminated by SIGTERM at step {step} (no checkpoint.dir: nothing to resume "
-            "from)"
-        )  # fmt: skip
+            step,
+            f"terminated by SIGTERM at step {step} (no checkpoint.dir: nothing to resume from)",
+        )
     return Preempted(step, path)
 
 

@@ -113,8 +113,9 @@ def embedding_group(pp_comm: MPI.Comm, states: dict, placement, backend) -> Embe
     if gate is not None:
         gate.gated = True
     if bind_local(stages):
-        return EmbeddingGroup(pp_comm, -1, _embedding(stages[first]), _head(stages[last]),
-                              gate, backend)  # fmt: skip
+        return EmbeddingGroup(
+            pp_comm, -1, _embedding(stages[first]), _head(stages[last]), gate, backend
+        )
     if first in stages:
         peer = placement.rank_of(last)
         return EmbeddingGroup(pp_comm, peer, _embedding(stages[first]), None, gate, backend)
@@ -123,8 +124,9 @@ def embedding_group(pp_comm: MPI.Comm, states: dict, placement, backend) -> Embe
     mirror = backend.zeros((vocab, width), np.float32)
     mirror_grad = backend.zeros((vocab, width), np.float32)
     head.tie(mirror.T, mirror_grad.T)
-    return EmbeddingGroup(pp_comm, placement.rank_of(first), None, head, None, backend,
-                          mirror, mirror_grad)  # fmt: skip
+    return EmbeddingGroup(
+        pp_comm, placement.rank_of(first), None, head, None, backend, mirror, mirror_grad
+    )
 
 
 def held_nbytes(first_on_rank: bool, last_on_rank: bool, vocab: int, width: int) -> int:

@@ -159,15 +159,27 @@ def record_buckets(recorder: Recorder, step: int, events, states: dict, ring_pee
     row), as the gradient communication reported them."""
     for ev in events:
         recorder.record(
-            KIND["allreduce"], step, ev.stage, ev.bucket, ev.start, ev.reduced, ev.nbytes,
+            KIND["allreduce"],
+            step,
+            ev.stage,
+            ev.bucket,
+            ev.start,
+            ev.reduced,
+            ev.nbytes,
             ring_peer,
-        )  # fmt: skip
+        )
         recorder.record(KIND["optimizer"], step, ev.stage, ev.bucket, ev.reduced, ev.end)
         if states[ev.stage].reducer.sharded:
             recorder.record(
-                KIND["allreduce"], step, ev.stage, ev.bucket, ev.end, ev.gathered,
-                ev.gather_nbytes, ring_peer,
-            )  # fmt: skip
+                KIND["allreduce"],
+                step,
+                ev.stage,
+                ev.bucket,
+                ev.end,
+                ev.gathered,
+                ev.gather_nbytes,
+                ring_peer,
+            )
 
 
 # a run without a trace file keeps the rows of its last UNTRACED_STEPS to 2 x UNTRACED_STEPS

@@ -137,8 +137,9 @@ class Watchdog:
             log.warning(
                 "comm.timeout_s = %g is below the first step's %.1f s: a step whose actions "
                 "take that long without one ending is ended as a stall; raise it",
-                self.timeout_s, took,
-            )  # fmt: skip
+                self.timeout_s,
+                took,
+            )
 
     def settle(self) -> None:
         """Every rank agreed how the run ends (a stop, or the steps are done): a signal from now
@@ -204,12 +205,15 @@ class Watchdog:
             )
         if row is not None and idle > self.warn_s and self._warned is not row:
             self._warned = row
-            log.warning("rank %d has waited %.0f s: %s", self.flight.rank, idle,
-                        describe(row))  # fmt: skip
+            log.warning("rank %d has waited %.0f s: %s", self.flight.rank, idle, describe(row))
         elif self._warned is not None and row is not self._warned:
             start = self._warned[0]
-            log.warning("rank %d: a long wait ended after %.1f s: %s", self.flight.rank,
-                        time.time() - start, describe(self._warned))  # fmt: skip
+            log.warning(
+                "rank %d: a long wait ended after %.1f s: %s",
+                self.flight.rank,
+                time.time() - start,
+                describe(self._warned),
+            )
             self._warned = None
 
     def _waiting(self, now: float) -> str:

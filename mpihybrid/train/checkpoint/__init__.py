@@ -57,8 +57,28 @@ from mpihybrid.train.checkpoint.stages import (
 )
 
 __all__ = [
-    "FORMAT", "VERSION", "CheckpointDamaged", "CheckpointError", "RESUMABLE", "check_compatible",
-    "check_same_job", "check_trace_owner", "clean_partials", "commit", "complete", "file_digest",
-    "job_differences", "latest", "load_rank", "manifest_for", "new_partial", "prunable",
-    "read_manifest", "restore_all", "save_all", "save_rank", "share_nbytes", "step_dir",
-]  # fmt: skip
+    "FORMAT",
+    "VERSION",
+    "CheckpointDamaged",
+    "CheckpointError",
+    "RESUMABLE",
+    "check_compatible",
+    "check_same_job",
+    "check_trace_owner",
+    "clean_partials",
+    "commit",
+    "complete",
+    "file_digest",
+    "job_differences",
+    "latest",
+    "load_rank",
+    "manifest_for",
+    "new_partial",
+    "prunable",
+    "read_manifest",
+    "restore_all",
+    "save_all",
+    "save_rank",
+    "share_nbytes",
+    "step_dir",
+]

@@ -139,9 +139,11 @@ def prunable(found: list[Path], keep: int) -> list[Path]:
         log.warning(
             "checkpoint %s is kept beyond checkpoint.keep = %d: its loss (%.4g) is the best, "
             "and the newer ones' are higher (%s)",
-            best, keep, scores[best],
+            best,
+            keep,
+            scores[best],
             ", ".join(f"{scores[p]:.4g}" for p in found[-keep:]),
-        )  # fmt: skip
+        )
     return [path for path in old if path != best]
 
 

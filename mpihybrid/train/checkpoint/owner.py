@@ -15,10 +15,20 @@ from mpihybrid.train.checkpoint.disk import CheckpointError
 # whether forwards are recomputed (neither changes a bit). Anything else (the model, the data and
 # their seeds, the batch, the optimizer and its settings) makes it another job.
 RESUMABLE = (
-    "train.steps", "train.lr_decay_steps", "train.schedule", "train.microbatches",
-    "train.early_grad_send", "train.shard_optimizer", "train.recompute",
-    "grid.dp", "grid.order", "grid.device", "comm.*", "trace.*", "checkpoint.*",
-)  # fmt: skip
+    "train.steps",
+    "train.lr_decay_steps",
+    "train.schedule",
+    "train.microbatches",
+    "train.early_grad_send",
+    "train.shard_optimizer",
+    "train.recompute",
+    "grid.dp",
+    "grid.order",
+    "grid.device",
+    "comm.*",
+    "trace.*",
+    "checkpoint.*",
+)
 
 
 def job_differences(stored_toml: str, job, ignore: tuple[str, ...] = RESUMABLE) -> list[str]:
