@@ -36,6 +36,7 @@ from mpihybrid._blas import (
     machine_key,
     openblas_path,
 )
+from mpihybrid.cli.options import set_option
 from mpihybrid.units import table
 
 DEFAULT = "default"  # OpenBLAS's own pick: OPENBLAS_CORETYPE unset
@@ -208,13 +209,7 @@ def _job(job_file: str | None, overrides: list[str], ranks: int):
 
 @click.command("blas")
 @click.argument("job_file", required=False, type=click.Path(dir_okay=False))
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="SECTION.KEY=VALUE",
-    help="Override one job setting (repeatable).",
-)
+@set_option("model.hidden=1024")
 @click.option(
     "--ranks",
     type=click.IntRange(1, 1024),

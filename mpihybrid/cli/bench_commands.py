@@ -21,6 +21,7 @@ from mpihybrid.cli.commands import (
     exit_on_any_error,
     exit_stopped,
 )
+from mpihybrid.cli.options import set_option
 from mpihybrid.cli.run import _auto_order, _auto_schedule, _timed_partition
 
 
@@ -174,13 +175,7 @@ def bench_codecs(size, codecs, repeats, as_json) -> None:
 
 @bench.command("train")
 @click.argument("job_file", required=False, type=click.Path(dir_okay=False))
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="SECTION.KEY=VALUE",
-    help="Override one job setting (repeatable), e.g. --set train.schedule=1f1b.",
-)
+@set_option("train.schedule=1f1b")
 @click.option("--warmup", type=click.IntRange(0, MAX_STEPS), default=3, show_default=True)
 @click.option(
     "--steps",

@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from mpihybrid.cli.commands import _fail
+from mpihybrid.cli.options import set_option
 from mpihybrid.units import human_bytes, table
 
 DEFAULT_CLUSTER = "local"  # the user's calibrated file, else the one packaged (this project's)
@@ -141,13 +142,7 @@ def format_prediction(r: dict) -> str:
 
 @click.command()
 @click.argument("job_file")
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="SECTION.KEY=VALUE",
-    help="Override one job setting (repeatable).",
-)
+@set_option("train.schedule=zb-h1")
 @click.option(
     "--cluster",
     "cluster_path",

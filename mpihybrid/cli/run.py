@@ -24,18 +24,13 @@ from mpihybrid.cli.commands import (
     exit_on_any_error,
     exit_stopped,
 )
+from mpihybrid.cli.options import set_option
 from mpihybrid.files import release_all
 
 
 @click.command()
 @click.argument("job_file", required=False)
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="SECTION.KEY=VALUE",
-    help="Override one job setting (repeatable), e.g. --set train.steps=20.",
-)
+@set_option()
 @click.option("--trace", "trace_path", metavar="PATH", help="Write the run's HDF5 trace here.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing trace file.")
 @click.option(

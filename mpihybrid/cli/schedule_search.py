@@ -11,6 +11,8 @@ import sys
 
 import click
 
+from mpihybrid.cli.options import set_option
+
 EXIT_USAGE = 2
 MAX_PP, MAX_M = 64, 512
 
@@ -60,13 +62,7 @@ def search_job(job_file: str, overrides: list[str]):
     default=None,
     help="Costs of this job's blocks, timed here (F, B, W apart); the split is searched.",
 )
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="SECTION.KEY=VALUE",
-    help="Override one setting of --job (repeatable).",
-)
+@set_option("train.microbatches=8", of="setting of --job")
 @click.option(
     "--pp",
     type=int,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import click
 
+from mpihybrid.cli.options import set_option
 from mpihybrid.cli.sweep_plan import (
     Cell,
     check_size,
@@ -119,13 +120,7 @@ class SweepOptions:
 
 # the sweep command's options, in --help order (SweepOptions names them)
 _OPTIONS = [
-    click.option(
-        "--set",
-        "overrides",
-        multiple=True,
-        metavar="SECTION.KEY=VALUE",
-        help="Override one job setting (repeatable), e.g. --set train.steps=5.",
-    ),
+    set_option("train.steps=5"),
     click.option(
         "--schedules",
         default="all",

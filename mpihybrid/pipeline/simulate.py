@@ -27,6 +27,7 @@ from mpihybrid.pipeline.schedules import (
     get_spec,
     placement_of,
 )
+from mpihybrid.units import table
 
 
 @dataclass(frozen=True)
@@ -300,26 +301,28 @@ def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False) -> str:
     activations per rank (vs the paper's memory column) and per stage; early_grad_send simulates
     each as training runs it (B, send, then W)."""
     early = "; gradients sent before W" if early_grad_send else ""
-    lines = [
-        f"pp={pp} num_microbatches={m}; F = B = W = 1 (an unsplit backward costs B + W){early};",
-        "rank peak = most activations alive on a rank, in micro-batches of its share of the model"
-        " (paper = the zero-bubble paper's memory column); stage peak = most on one stage",
-        f"{'schedule':<17} {'v':>2} {'place':<5} {'formula':<36} {'predicted':>9} {'simulated':>9}"
-        f"  {'paper':<15} {'rank peak':>9}  stage peak",
-    ]
+    caption = (
+        f"pp={pp} num_microbatches={m}; F = B = W = 1 (an unsplit backward costs B + W){early}; "
+        "rank peak = most activations alive on a rank, in micro-batches of its share of the "
+        "model (paper = the zero-bubble paper's memory column); stage peak = most on one stage"
+    )
+    header = ["schedule", "v", "place", "formula", "predicted", "simulated", "paper"]
+    header += ["rank peak", "stage peak", "note"]
+    rows = []
     for name in SCHEDULES:
         spec, nv = get_spec(name), chunks_for(name, v)
         try:
             check_config(name, pp, m, nv)
         except ScheduleError as exc:
-            lines.append(f"{name:<17} {nv:>2} {spec.placement:<5} not legal: {exc}")
+            rows.append([name, nv, spec.placement, *[""] * 6, f"not legal: {exc}"])
             continue
         actions = build_schedule(name, pp, m, nv, early_grad_send)
         result = simulate(actions, placement_of(name, pp, nv), Costs(1.0, 1.0, 1.0))
         predicted = bubble_formula(name, pp, m, nv)
-        lines.append(
-            f"{name:<17} {nv:>2} {spec.placement:<5} {spec.bubble_text:<36} {predicted:>9.3f}"
-            f" {result.bubble_fraction:>9.3f}  {spec.memory_text:<15}"
-            f" {max(result.peak_per_rank):>9g}  {max(result.peak_inflight)}"
+        rows.append(
+            [name, nv, spec.placement, spec.bubble_text, f"{predicted:.3f}"]
+            + [f"{result.bubble_fraction:.3f}", spec.memory_text]
+            + [f"{max(result.peak_per_rank):g}", max(result.peak_inflight), ""]
         )
+    lines = [caption, *table(header, rows, left=(2, 3, 6, 9))]
     return "\n".join(lines)
