@@ -33,6 +33,7 @@ Byte layouts (native byte order; every rank of a job shares one machine type):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ from mpihybrid import _numba
 from mpihybrid.comm import codec_kernels
 from mpihybrid.comm.device import array_module
 
-CODECS = ("fp32", "fp16", "bf16", "int8")
+# CODECS, the names a job may give (comm.codec, comm.p2p_codec): the registry's, at the end
 KERNELS = ("auto", "numpy")  # auto: the numba kernels where numba is enabled
 
 
@@ -396,18 +397,24 @@ class Int8Codec(Codec):
         return True
 
 
+# The registry: name -> what makes one from (block, kernels). A new codec is a Codec subclass
+# (a module of its own, or here) and one entry here; config, the rings, the pipeline wire,
+# bench allreduce and predict's calibration read the names from CODECS.
+REGISTRY: dict[str, Callable[[int, str], Codec]] = {
+    "fp32": lambda block, kernels: Fp32Codec(kernels),
+    "fp16": lambda block, kernels: Fp16Codec(kernels),
+    "bf16": lambda block, kernels: Bf16Codec(kernels),
+    "int8": lambda block, kernels: Int8Codec(block, kernels),
+}
+CODECS = tuple(REGISTRY)
+
+
 def get_codec(name: str, block: int = 256, kernels: str = "auto") -> Codec:
     """A fresh codec by name; `block` is the int8 block size (ignored by the others);
     kernels="numpy" forces the numpy references (what the tests compare the kernels with)."""
-    if name == "fp32":
-        return Fp32Codec(kernels)
-    if name == "fp16":
-        return Fp16Codec(kernels)
-    if name == "bf16":
-        return Bf16Codec(kernels)
-    if name == "int8":
-        return Int8Codec(block, kernels)
-    raise ValueError(f"unknown codec {name!r}; known codecs: {', '.join(CODECS)}")
+    if name not in REGISTRY:
+        raise ValueError(f"unknown codec {name!r}; known codecs: {', '.join(CODECS)}")
+    return REGISTRY[name](block, kernels)
 
 
 def overflow_hint(name: str) -> str:
