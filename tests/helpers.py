@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpihybrid.launch import find_mpiexec, mpi_flavour, mpiexec_command
+from mpihybrid.launch import find_mpiexec, mpi_flavour, mpiexec_command, yield_when_idle
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,8 +32,10 @@ def flavour() -> str:
 
 
 def mpi_env(env: dict | None = None) -> dict:
-    """One BLAS thread per rank, and this checkout importable."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    """One BLAS thread per rank, waiting ranks that give their core away (tests oversubscribe
+    the machine; a setting of the caller's own wins), and this checkout importable."""
+    full_env = {**yield_when_idle(flavour()), **os.environ}
+    full_env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})
     return full_env

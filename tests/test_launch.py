@@ -13,7 +13,9 @@ from mpihybrid.launch import (
     mpi_flavour,
     mpiexec_command,
     without_launcher,
+    yield_when_idle,
 )
+from tests import helpers
 
 HYDRA = "HYDRA build details:\n    Version:                                 4.2.0\n"
 OPENRTE = "mpiexec (OpenRTE) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/\n"
@@ -50,3 +52,17 @@ def test_a_child_of_a_rank_loses_the_launchers_variables():
     env = {"PMI_RANK": "1", "HYDRA_CONTROL_FD": "3", "OMPI_COMM_WORLD_RANK": "1", "PMIX_RANK": "1",
            "ORTE_HNP": "x", "OPAL_PREFIX": "/usr", "PATH": "/bin", "HOME": "/"}  # fmt: skip
     assert without_launcher(env) == {"PATH": "/bin", "HOME": "/"}
+
+
+def test_waiting_ranks_yield_in_the_tests_and_a_users_setting_wins(monkeypatch):
+    mpich = yield_when_idle(MPICH)
+    assert mpich["MPIR_CVAR_POLLS_BEFORE_YIELD"] == "1"
+    assert mpich["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] == "1"
+    assert yield_when_idle(OPEN_MPI) == {"OMPI_MCA_mpi_yield_when_idle": "1"}
+    assert yield_when_idle(UNKNOWN) == {}
+    monkeypatch.setattr(helpers, "flavour", lambda: MPICH)
+    monkeypatch.setenv("MPIR_CVAR_POLLS_BEFORE_YIELD", "1000")
+    env = helpers.mpi_env()
+    assert env["MPIR_CVAR_POLLS_BEFORE_YIELD"] == "1000"  # the caller's own
+    assert env["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] == "1"
+    assert env["OMP_NUM_THREADS"] == "1"
