@@ -46,7 +46,7 @@ def block_costs(job: Job, cluster: Cluster):
             forward,
             backward,
             seconds("W"),
-            send=message_seconds(loop, stage_work(loop), cluster),
+            send=message_seconds(loop, stage_work(loop.workload), cluster),
             source=f"the cost model on {cluster.name}",
         )
     )
