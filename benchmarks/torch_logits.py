@@ -108,6 +108,7 @@ def mpihybrid_gpt(config: dict, path: Path):
     """The whole model as one mpihybrid stage, its weights from the file."""
     from mpihybrid.nn import weights
     from mpihybrid.nn.model import build_stage
+    from mpihybrid.train.tie import bind_local
 
     cfg = SimpleNamespace(
         kind="gpt", hidden=config["n_embd"], depth=config["n_layer"], heads=config["n_head"],
@@ -116,6 +117,7 @@ def mpihybrid_gpt(config: dict, path: Path):
     )  # fmt: skip
     stage = build_stage(cfg, config["block_size"], config["vocab_size"], 0, 1, seed=12345)
     weights.load_into(stage, path, cfg.depth + 2)
+    bind_local([stage])  # tied: the head reads the token table
     return stage
 
 

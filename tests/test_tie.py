@@ -6,6 +6,8 @@ optimizer run in tests/test_clip.py's launches (each case tied and untied)."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -15,7 +17,7 @@ from mpihybrid.config import ConfigError, load_job
 from mpihybrid.nn.model import build_stage, stage_num_params
 from mpihybrid.trace.read import load
 from mpihybrid.train.tie import bind_local, held_nbytes
-from tests.helpers import run_mpi
+from tests.helpers import mpi_env, run_mpi
 from tests.serial_reference import train_serial
 
 TINY_GPT = ["model.kind=gpt", "model.hidden=16", "model.heads=2", "model.ffn=32",
@@ -107,6 +109,11 @@ def test_tied_checkpoint_holds_the_table_once_and_resumes(tmp_path):
                 with h5py.File(ckpt / "step-000003" / f"stage-{s:03d}.h5") as f:
                     assert f["params"].shape == (n,)
             assert sum(sizes) == build_stage(job.model, 8, V, 0, 1, 0).num_params
+    gen = [sys.executable, "-m", "mpihybrid", "generate", str(ckpt), "--tokens", "5", "--ids",
+           "--prompt", "3 4"]  # fmt: skip
+    sample = subprocess.run(gen, capture_output=True, text=True, env=mpi_env(), timeout=120)
+    assert sample.returncode == 0, sample.stderr  # generate builds every stage, the head tied
+    assert len(sample.stdout.split()) == 5
     whole, same, zbv = (load(traces[k]).steps["loss"] for k in ("whole", "same", "zb-v"))
     np.testing.assert_array_equal(same, whole)  # a resumed trace holds the earlier steps too
     np.testing.assert_allclose(zbv, whole, rtol=1e-5)

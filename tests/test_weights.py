@@ -19,7 +19,7 @@ from mpihybrid.nn.data import build_task
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
 from mpihybrid.trace.file import load
-from tests.helpers import mpi_env, run_mpi
+from tests.helpers import ROOT, mpi_env, run_mpi
 
 TINY = ["model.kind=gpt", "model.hidden=16", "model.heads=2", "model.ffn=32", "model.depth=3",
         "data.kind=markov", "data.vocab=37", "data.seq_len=8", "data.test_samples=4"]  # fmt: skip
@@ -105,6 +105,36 @@ def test_a_tied_model_goes_out_with_both_names_and_comes_back(tmp_path):
     with pytest.raises(ConfigError) as err:
         job("model.tie_embeddings=true", f"model.init={untied}")
     assert "lm_head.weight is not transformer.wte.weight (an untied model)" in str(err.value)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_torch_computes_the_same_logits(tmp_path, tied):
+    """benchmarks/torch_logits.py: a PyTorch GPT to nanoGPT's model.py loading the exported file
+    (tied: nanoGPT's wte = lm_head) gives mpihybrid's logits to float32 tolerance."""
+    pytest.importorskip("torch", reason="torch is not a dependency: the logits are compared "
+                        "where it is installed")  # fmt: skip
+    from mpihybrid.train.tie import bind_local
+
+    j = job(f"model.tie_embeddings={str(tied).lower()}")
+    (stage,) = stages(j, 1, 0)
+    bind_local([stage])
+    stage.flat_params += np.random.default_rng(1).standard_normal(stage.num_params).astype(
+        np.float32
+    ) * np.float32(0.02)
+    path = tmp_path / "m.safetensors"
+    save_file(nw.export_tensors([stage], 5), str(path))
+    nw.config_path(path).write_text(json.dumps(nw.config_of(j.model, 8, 37)))
+    script = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "torch_logits.py"),
+        str(path),
+        "--batch",
+        "4",
+    ]
+    proc = subprocess.run(script, capture_output=True, text=True, env=mpi_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(proc.stdout)
+    assert "max |torch - mpihybrid|" in proc.stdout
 
 
 def _file(tmp_path, change=None, heads=None):
