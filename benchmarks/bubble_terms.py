@@ -86,7 +86,7 @@ def terms(path: Path, skip: int) -> dict:
     a = trace.attrs
     name, pp, m = from_trace(a), int(a["pp"]), int(a["microbatches"])
     v, early = int(a.get("virtual_stages", 1)), bool(a.get("early_grad_send", False))
-    summary = bubble_summary(trace.events, name, pp, m, v, skip, early)
+    summary = bubble_summary(trace.events, name, pp, m, v, skip_steps=skip, early_grad_send=early)
     events = trace.events[np.isin(trace.events["step"], summary["steps"])]
     rows = events[np.isin(events["kind"], list(COMPUTE))]
     actions, placement = build_schedule(name, pp, m, v, early), placement_of(name, pp, v)

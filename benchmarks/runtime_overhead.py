@@ -59,7 +59,7 @@ def main() -> None:
     task = build_task(job.data)
     placement = Placement.loop(pp)
     stages = {
-        s: build_stage(job.model, task.in_features, task.num_classes, s, pp, 0)
+        s: build_stage(job.model, task.in_features, task.num_classes, s, pp, seed=0)
         for s in placement.stages_of(world.rank)
     }
     actions = lower(build_schedule("1f1b", pp, m, 1), placement)[world.rank]

@@ -131,7 +131,7 @@ def example_file(out: Path) -> Path:
 
     job = load_job(ROOT / "jobs/text_gpt.toml", ["grid.pp=1"], 1)
     m, d = job.model, job.data
-    stage = build_stage(m, d.seq_len, d.vocab, 0, 1, job.train.seed)
+    stage = build_stage(m, d.seq_len, d.vocab, 0, 1, seed=job.train.seed)
     rng = np.random.default_rng(1)  # biases and norms away from their 0 / 1 start
     stage.flat_params += rng.standard_normal(stage.num_params).astype(np.float32) * 0.02
     save_file(weights.export_tensors([stage], m.depth + 2), str(out))

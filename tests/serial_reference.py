@@ -19,7 +19,7 @@ def train_serial(job, norms: list | None = None) -> tuple[np.ndarray, list[float
     """Final flat parameters and per-step losses of the job trained serially; `norms` gets each
     step's gradient norm (before train.grad_clip clips it)."""
     task = build_task(job.data)
-    model = build_stage(job.model, task.in_features, task.num_classes, 0, 1, job.train.seed)
+    model = build_stage(job.model, task.in_features, task.num_classes, 0, 1, seed=job.train.seed)
     bind_local([model])  # model.tie_embeddings: the head's weight is the token table's view
     optimizer = build_optimizer(job.train, model.flat_params)
     loss_fn = SoftmaxCrossEntropy()

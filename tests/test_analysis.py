@@ -139,7 +139,7 @@ def test_allreduce_bandwidth_follows_nccl_tests(run):
     job = load_job(None, [f"grid.pp={PP}", f"grid.dp={DP}"], PP * DP)
     assert len(result["allreduce"]) == PP
     for a in result["allreduce"]:
-        stage = build_stage(job.model, job.data.features, 2, a["stage"], PP, 0)
+        stage = build_stage(job.model, job.data.features, 2, a["stage"], PP, seed=0)
         assert a["size_bytes"] == 4 * stage.num_params
         assert a["algbw"] == pytest.approx(a["size_bytes"] / a["seconds"])
         assert a["busbw"] == pytest.approx(a["algbw"] * 2 * (DP - 1) / DP)
@@ -291,7 +291,9 @@ def test_simulated_trace_with_gaps_tails_and_whole_backwards_measures_what_it_pr
         for a, t in sim.start.items()
     ]  # fmt: skip
     events = rows(spec)
-    result = bubble_summary(events[np.argsort(events["start"])], name, pp, m, v, 1, True)
+    result = bubble_summary(
+        events[np.argsort(events["start"])], name, pp, m, v, skip_steps=1, early_grad_send=True
+    )
     assert sim.bubble_fraction > 0.0
     assert result["measured"] == pytest.approx(sim.bubble_fraction, abs=1e-9)
     assert result["predicted"] == pytest.approx(sim.bubble_fraction, abs=1e-9)
@@ -316,7 +318,7 @@ def test_predicted_bubble_averages_each_steps_simulation_as_the_measured_one_doe
              100.0 * step + t, 100.0 * step + sim.end[a])
             for a, t in sim.start.items()
         ]  # fmt: skip
-    result = bubble_summary(rows(spec), "1f1b", 2, 4, 1, 1)
+    result = bubble_summary(rows(spec), "1f1b", 2, 4, 1, skip_steps=1)
     assert result["steps"] == [1, 2]
     assert result["predicted"] == pytest.approx(sum(sims) / 2, abs=1e-12)
     assert result["measured"] == pytest.approx(sum(sims) / 2, abs=1e-12)

@@ -102,7 +102,7 @@ def test_memory_estimate_counts_the_parameters_exactly(optimizer, state):
     job = load_job(None, [f"train.optimizer={optimizer}", "model.hidden=48"], 4)
     in_features, num_classes = task_dims(job.data)
     for pp_rank in range(job.grid.pp):
-        stage = build_stage(job.model, in_features, num_classes, pp_rank, job.grid.pp, 0)
+        stage = build_stage(job.model, in_features, num_classes, pp_rank, job.grid.pp, seed=0)
         need = rank_estimate(job, pp_rank)
         assert need["parameters"] == stage.flat_params.nbytes
         assert need["optimizer state"] == state * stage.flat_params.nbytes

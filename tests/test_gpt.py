@@ -40,7 +40,7 @@ def gpt(depth=4, hidden=8, heads=2, ffn=16, partition="cost"):
 
 def whole_model(cfg, seed=3, noise=0.0) -> Stage:
     """The unsplit float64 model; `noise` moves the parameters off their (tiny) init."""
-    stage = build_stage(cfg, T, V, 0, 1, seed, dtype=np.float64)
+    stage = build_stage(cfg, T, V, 0, 1, seed=seed, dtype=np.float64)
     stage.flat_params += noise * np.random.default_rng(seed).standard_normal(stage.num_params)
     return stage
 
@@ -214,7 +214,9 @@ def test_split_gpt_equals_whole_gpt(depth, num_chunks, partition):
     loss, logits = chained([whole], tokens, targets, [(b, T)])
     assert whole.flat_grads.any()
 
-    chunks = [build_stage(cfg, T, V, c, num_chunks, 3, np.float64) for c in range(num_chunks)]
+    chunks = [
+        build_stage(cfg, T, V, c, num_chunks, seed=3, dtype=np.float64) for c in range(num_chunks)
+    ]
     ranges = [chunk.block_range for chunk in chunks]
     print(f"{partition}: {ranges}")
     assert ranges[0].start == 0 and ranges[-1].stop == depth + 2
@@ -237,9 +239,9 @@ def test_whole_model_ignores_the_partition():
     The serial reference (tests/serial_reference.py) builds it from the job's model section,
     so a job with explicit counts for pp chunks must still give the one-chunk model.
     """
-    reference = build_stage(gpt(depth=4), T, V, 0, 1, 3, np.float64)
+    reference = build_stage(gpt(depth=4), T, V, 0, 1, seed=3, dtype=np.float64)
     for partition in ("uniform", [3, 1], [1, 2, 1]):
-        whole = build_stage(gpt(depth=4, partition=partition), T, V, 0, 1, 3, np.float64)
+        whole = build_stage(gpt(depth=4, partition=partition), T, V, 0, 1, seed=3, dtype=np.float64)
         assert whole.block_range == range(6)
         np.testing.assert_array_equal(whole.flat_params, reference.flat_params)
 

@@ -96,7 +96,7 @@ def test_a_replica_reads_its_own_rows_of_the_step_s_global_batch(tmp_path):
     assert np.array_equal(x, task.global_batch(7, 8)[0])  # the step alone decides
     assert not np.array_equal(x, task.global_batch(8, 8)[0])
     for dp_rank in range(2):
-        mine = replica_microbatches(task, 7, 8, dp_rank, 2, 2)
+        mine = replica_microbatches(task, 7, 8, dp_rank, 2, num_microbatches=2)
         rows = np.concatenate([mx for mx, _ in mine])
         assert np.array_equal(rows, x[dp_rank * 4 : (dp_rank + 1) * 4])
 

@@ -37,8 +37,8 @@ def test_one_rank_holds_the_table_once():
     job = _job("grid.pp=1", "train.optimizer=adamw", "train.lr=1e-2", "train.global_batch=8",
                "train.microbatches=2")  # fmt: skip
     untied = load_job(None, [*TINY_GPT[:-1], "grid.pp=1"], 1)
-    stage = build_stage(job.model, 8, V, 0, 1, 0)
-    assert stage.num_params == build_stage(untied.model, 8, V, 0, 1, 0).num_params - V * C
+    stage = build_stage(job.model, 8, V, 0, 1, seed=0)
+    assert stage.num_params == build_stage(untied.model, 8, V, 0, 1, seed=0).num_params - V * C
     assert bind_local([stage])
     table, head = stage.layers[0], stage.layers[-1]
     assert np.shares_memory(head.params["weight"], table.params["tokens"])
@@ -52,7 +52,7 @@ def test_one_rank_holds_the_table_once():
 def test_a_head_alone_has_a_weight_of_its_own_until_tied():
     """The last chunk built alone (profiles, the memory check's warm-up) computes with zeros."""
     job = _job("grid.pp=2", world=2)
-    head_stage = build_stage(job.model, 8, V, 1, 2, 0)
+    head_stage = build_stage(job.model, 8, V, 1, 2, seed=0)
     assert head_stage.layers[-1].params["weight"].shape == (C, V)
     assert not bind_local([head_stage])
     y, _ = head_stage.forward(np.ones((2, 8, C), np.float32))
@@ -108,7 +108,7 @@ def test_tied_checkpoint_holds_the_table_once_and_resumes(tmp_path):
             for s, n in enumerate(sizes):
                 with h5py.File(ckpt / "step-000003" / f"stage-{s:03d}.h5") as f:
                     assert f["params"].shape == (n,)
-            assert sum(sizes) == build_stage(job.model, 8, V, 0, 1, 0).num_params
+            assert sum(sizes) == build_stage(job.model, 8, V, 0, 1, seed=0).num_params
     gen = [sys.executable, "-m", "mpihybrid", "generate", str(ckpt), "--tokens", "5", "--ids",
            "--prompt", "3 4"]  # fmt: skip
     sample = subprocess.run(gen, capture_output=True, text=True, env=mpi_env(), timeout=120)

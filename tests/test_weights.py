@@ -31,7 +31,7 @@ def job(*more, world=1):
 
 def stages(j, chunks, seed):
     d = j.data
-    return [build_stage(j.model, d.seq_len, d.vocab, c, chunks, seed) for c in range(chunks)]
+    return [build_stage(j.model, d.seq_len, d.vocab, c, chunks, seed=seed) for c in range(chunks)]
 
 
 def whole(parts) -> np.ndarray:

@@ -54,6 +54,7 @@ def bubble_summary(
     pp: int,
     num_microbatches: int,
     virtual_stages: int = 1,
+    *,
     skip_steps: int = 1,
     early_grad_send: bool = False,
 ) -> dict:
@@ -194,7 +195,7 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     of = {name: window[window["kind"] == KIND[name]] for name in KINDS}
 
     ranks = _rank_rows(window)
-    bubble = bubble_summary(ev, schedule, pp, m, v, skip_steps, early)
+    bubble = bubble_summary(ev, schedule, pp, m, v, skip_steps=skip_steps, early_grad_send=early)
     bubble["formula"] = bubble_formula(schedule, pp, m, v)
     bubble["formula_text"] = bubble_text(schedule)
     for row in ranks:

@@ -154,7 +154,7 @@ def render_png(traces: Trace | list[Trace], steps: range | list[range], labels=N
         top = 1 - (top_px + 0.45 * DPI) / (height_in * DPI)
         top_px += px
         ax = fig.add_axes((0.12, bottom, 0.86, top - bottom))
-        _panel(ax, trace, rows, span, ranks, t0, length, scale, label)
+        _panel(ax, trace, rows, span, ranks, t0=t0, length=length, scale=scale, label=label)
         colours = COLOURS if trace.has_actions else {"step": "#8c8c8c"}
         kinds_drawn += [n for n in colours if np.any(rows["kind"] == KIND[n])]
     shown = list(dict.fromkeys(kinds_drawn))
@@ -173,7 +173,7 @@ def render_png(traces: Trace | list[Trace], steps: range | list[range], labels=N
     return buf.getvalue()
 
 
-def _panel(ax, trace: Trace, rows, steps: range, ranks, t0, length, scale, label) -> None:
+def _panel(ax, trace: Trace, rows, steps: range, ranks, *, t0, length, scale, label) -> None:
     """One trace's rows on `ax`: bars, step lines, rank labels, the title (and its caveats)."""
     from mpihybrid.analysis.oversubscription import oversubscription
 
@@ -183,7 +183,7 @@ def _panel(ax, trace: Trace, rows, steps: range, ranks, t0, length, scale, label
     # a label fits when its bar is at least ~14 px wide
     min_width = length * 14 / (0.86 * WIDTH_PX)
     y_of = {r: i for i, r in enumerate(ranks)}
-    _draw_bars(ax, rows, y_of, t0, scale, min_width, colours)
+    _draw_bars(ax, rows, y_of, t0, scale, min_width=min_width, colours=colours)
     step_rows = ev[ev["kind"] == KIND["step"]]
     for step in steps:  # dashed line where each step starts on its first rank
         starts = step_rows["start"][step_rows["step"] == step]
@@ -217,7 +217,7 @@ def _panel(ax, trace: Trace, rows, steps: range, ranks, t0, length, scale, label
     ax.set_title(title, loc="right", fontsize=9, color="#b00000" if over else "black")
 
 
-def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, min_width, colours):
+def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, *, min_width, colours):
     """A bar per event in its kind's colour; micro-batch numbers on the F/B/W bars wide enough."""
     labelled = 0
     for name, colour in colours.items():

@@ -63,7 +63,7 @@ def _median_times(
     return [statistics.median(seen) for seen in times]
 
 
-def _row(size: int, codec: str, impl: str, seconds: float, n: int, wire: int | None) -> dict:
+def _row(size: int, codec: str, impl: str, seconds: float, n: int, *, wire: int | None) -> dict:
     algbw = size / seconds if seconds > 0 else 0.0
     return {
         "size": size,
@@ -83,6 +83,7 @@ def bench_allreduce(
     codecs: list[str],
     repeats: int = 5,
     warmup: int = 2,
+    *,
     segment: int = DEFAULT_SEGMENT,
     progress=None,
     transport: str = "auto",
@@ -125,9 +126,11 @@ def bench_allreduce(
         native_time, *ring_times = _median_times(comm, calls, reset, repeats, warmup)
         for ring in rings:
             ring.close()
-        rows.append(_row(count * 4, "fp32", "mpi", native_time, n, None))
+        rows.append(_row(count * 4, "fp32", "mpi", native_time, n, wire=None))
         for name, ring_time, seen in zip(codecs, ring_times, sent, strict=True):
-            row = _row(count * 4, name, "ring", ring_time, n, comm.allreduce(max(seen), op=MPI.MAX))
+            row = _row(
+                count * 4, name, "ring", ring_time, n, wire=comm.allreduce(max(seen), op=MPI.MAX)
+            )
             row["ratio"] = ring_time / native_time if native_time > 0 else float("nan")
             rows.append(row)
         if progress is not None:

@@ -112,6 +112,7 @@ def bench_train(
     warmup: int,
     steps: int,
     repeats: int,
+    *,
     against: tuple[Job, list[str]] | None = None,
     progress=None,
 ) -> dict | None:

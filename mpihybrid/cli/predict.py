@@ -243,7 +243,7 @@ def predict(
                 world if world is not None else job.grid.pp * job.grid.dp,
                 top,
                 as_json,
-                job_file,
+                job_file=job_file,
             )
             return
         if world is not None:
@@ -285,7 +285,7 @@ def exit_if_it_does_not_fit(result: dict) -> None:
         sys.exit(EXIT_DOES_NOT_FIT)
 
 
-def _search(job, cluster, world: int, top: int, as_json: bool, job_file: str) -> None:
+def _search(job, cluster, world: int, top: int, as_json: bool, *, job_file: str) -> None:
     """Print the ranked layouts (--json: all of them, best first); exit 4 when none fits."""
     from mpihybrid.predict.search import search
 
@@ -304,7 +304,7 @@ def _search(job, cluster, world: int, top: int, as_json: bool, job_file: str) ->
         )
         click.echo(json.dumps([{k: e[k] for k in keys} for e in ranked], indent=1))
     else:
-        click.echo(format_search(ranked, made, world, cluster.name, top, job_file))
+        click.echo(format_search(ranked, made, world, cluster.name, top, job_file=job_file))
     if not ranked:
         click.echo(
             f"mpihybrid: error: does not fit: none of the {made} layouts on {world} ranks fits "
@@ -318,7 +318,9 @@ def _prediction_cells(throughput: float, step_s: float, bubble: float, exposed_s
     return [f"{throughput:,.0f}", f"{1e3 * step_s:.2f}", f"{bubble:.3f}", f"{1e3 * exposed_s:.2f}"]
 
 
-def format_search(ranked: list, made: int, world: int, name: str, top: int, job_file: str) -> str:
+def format_search(
+    ranked: list, made: int, world: int, name: str, top: int, *, job_file: str
+) -> str:
     if not ranked:
         return f"== search: {made} layouts on {world} ranks, none fits ({name})"
     unit = ranked[0]["prediction"]["unit"]

@@ -93,7 +93,7 @@ def schedule_show(
         if show_all:
             click.echo(compare(pp, microbatches, v, early_grad_send))
             return
-        click.echo(describe(name, pp, microbatches, v, early_grad_send, grid))
+        click.echo(describe(name, pp, microbatches, v, early_grad_send, grid=grid))
         if csv_path:
             actions = build_schedule(name, pp, microbatches, v, early_grad_send)
             unit = simulate(actions, placement_of(name, pp, v), unit_costs(actions))

@@ -304,7 +304,9 @@ def _prepare(world, job_file: str, overrides, opts: SweepOptions):
         raise ConfigError(
             f"train.steps({job.train.steps}) must exceed --warmup-steps({warmup_steps})"
         )
-    cells, notes = plan(job, names, ms, opts.virtual, world.Get_size(), opts.fixed_global_batch)
+    cells, notes = plan(
+        job, names, ms, opts.virtual, world.Get_size(), fixed_batch=opts.fixed_global_batch
+    )
     if not cells:
         raise ConfigError("every combination was rejected: " + "; ".join(notes))
     # collective, reached by every rank alike: an auto cell's schedule searched on rank 0 (bad

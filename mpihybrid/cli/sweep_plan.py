@@ -107,6 +107,7 @@ def plan(
     microbatches: list[int],
     virtual: int,
     world_size: int,
+    *,
     fixed_batch: bool = False,
 ) -> tuple[list[tuple[Cell, Job]], list[str]]:
     """The legal cells with their jobs, and one note per combination a schedule rejects."""

@@ -77,7 +77,9 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
     measured = [t for s, t in step_times(summary.events).items() if s >= warmup_steps]
     step_s = statistics.median(measured)
     early = t.early_grad_send
-    bubble = bubble_summary(summary.events, name, g.pp, m, v, warmup_steps, early)
+    bubble = bubble_summary(
+        summary.events, name, g.pp, m, v, skip_steps=warmup_steps, early_grad_send=early
+    )
     costs = bubble["costs"]
     placement = placement_of(name, g.pp, v)
     actions = build_schedule(name, g.pp, m, v, early)

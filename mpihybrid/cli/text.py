@@ -310,7 +310,9 @@ def generate(*, checkpoint_dir, prompt, count, temperature, top_k, seed, tokeniz
     except DataError as exc:
         _fail(str(exc))
     if ids:
-        _generate_ids(model, _prompt_ids(prompt, vocab), seq_len, count, temperature, top_k, seed)
+        _generate_ids(
+            model, _prompt_ids(prompt, vocab), seq_len, count, temperature, top_k=top_k, seed=seed
+        )
         return
     if vocab > tokenizer.vocab:  # ids past the tokenizer's have no text: never sampled
         click.echo(
@@ -350,7 +352,7 @@ def _prompt_ids(prompt: str, vocab: int) -> list[int]:
     return context or [0]
 
 
-def _generate_ids(model, context, seq_len, count, temperature, top_k, seed) -> None:
+def _generate_ids(model, context, seq_len, count, temperature, *, top_k, seed) -> None:
     """--ids: the sampled token ids, space-separated, as they come."""
     rng = np.random.default_rng(seed)
     for i in range(count):
@@ -447,7 +449,7 @@ def checkpoint_stages(path: Path, job, manifest: dict) -> list:
     d, num_stages = job.data, job.grid.pp * job.train.virtual_stages
     model = []
     for s in range(num_stages):
-        stage = build_stage(job.model, d.seq_len, d.vocab, s, num_stages, job.train.seed)
+        stage = build_stage(job.model, d.seq_len, d.vocab, s, num_stages, seed=job.train.seed)
         name = f"stage-{s:03d}.h5"
         digest = manifest.get("files", {}).get(name)
         try:

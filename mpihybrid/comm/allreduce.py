@@ -134,7 +134,7 @@ class RingAllreduce:
             segment,
             cuts if self.compress else (),
             codec.nbytes if self.compress else lambda n: 4 * n,
-            origin if self.compress else None,
+            origin=origin if self.compress else None,
         )
         self.chunk_nbytes = [sum(s[3] for s in segs) for segs in self.segments]
         own = (self.dp_rank + 1) % p  # the chunk this rank's reduce-scatter completes

@@ -39,6 +39,7 @@ def segment_layout(
     segment: int,
     cuts: tuple[int, ...],
     nbytes: Callable[[int], int],
+    *,
     origin: int | None = None,
 ) -> tuple[list[list[Segment]], int]:
     """Every chunk's segments, and the bytes a wire buffer of all of them takes; nbytes(n): what

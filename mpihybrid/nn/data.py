@@ -51,7 +51,7 @@ def heldout(task, count: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def replica_microbatches(
-    task, step: int, batch: int, dp_rank: int, dp_size: int, num_microbatches: int
+    task, step: int, batch: int, dp_rank: int, dp_size: int, *, num_microbatches: int
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """My replica's M micro-batches of step `step`; a task with `rows` (token files) reads only
     my shard's windows, the others draw the global batch and cut it."""
@@ -92,7 +92,14 @@ class TokenTask:
     """
 
     def __init__(
-        self, kind: str, vocab: int, seq_len: int, test_samples: int, seed: int, branching: int = 2
+        self,
+        kind: str,
+        vocab: int,
+        seq_len: int,
+        test_samples: int,
+        seed: int,
+        *,
+        branching: int = 2,
     ) -> None:
         self.kind, self.vocab, self.seq_len, self.seed = kind, vocab, seq_len, seed
         self.in_features, self.num_classes = seq_len, vocab
@@ -193,7 +200,7 @@ def build_task(cfg) -> TeacherTask | TokenTask | TextTask:
         return TeacherTask(cfg.features, cfg.train_samples, cfg.test_samples, cfg.seed)
     if cfg.kind in ("random-tokens", "markov"):
         return TokenTask(
-            cfg.kind, cfg.vocab, cfg.seq_len, cfg.test_samples, cfg.seed, cfg.branching
+            cfg.kind, cfg.vocab, cfg.seq_len, cfg.test_samples, cfg.seed, branching=cfg.branching
         )
     if cfg.kind == "tokens":
         return TextTask(cfg)

@@ -371,6 +371,7 @@ def build_stage(
     num_classes: int,
     chunk: int,
     num_chunks: int,
+    *,
     seed: int,
     dtype: np.dtype = np.float32,
 ) -> Stage:

@@ -93,6 +93,7 @@ class AdamW:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        *,
         state_size: int | None = None,
     ):
         """state_size: elements of state (default params.size; a shard holds fewer)."""

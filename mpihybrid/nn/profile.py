@@ -63,14 +63,14 @@ def chunk_inputs(work: Workload, chunk: int, seed: int = 0):
     if chunk == 0:
         return [b[0] for b in batches], [b[1] for b in batches]
     rng = np.random.default_rng(seed)
-    stage = build_stage(work.model, task.in_features, task.num_classes, chunk, work.chunks, 0)
+    stage = build_stage(work.model, task.in_features, task.num_classes, chunk, work.chunks, seed=0)
     kind = model_kind(work.model.kind)
     shape = (len(batches[0][0]), *kind.activation(work.model, task.in_features, stage.layers[0]))
     inputs = [rng.standard_normal(shape).astype(np.float32) for _ in range(m)]
     return inputs, [b[1] for b in batches]
 
 
-def profile_stage(stage, inputs, targets, last: bool, first: bool, repeats: int, key=None):
+def profile_stage(stage, inputs, targets, last: bool, first: bool, *, repeats: int, key=None):
     """Seconds per micro-batch by category (or by `key(layer, method)`), glue included."""
     totals: dict = collections.defaultdict(float)
     for layer in stage.layers:
@@ -104,7 +104,7 @@ def profile_chunk(work: Workload, chunk: int, repeats: int = 3, key=None) -> dic
     stage = build_stage(work.model, *task_dims(work.data), chunk, work.chunks, work.seed)
     inputs, targets = chunk_inputs(work, chunk)
     last = chunk == work.chunks - 1
-    return profile_stage(stage, inputs, targets, last, chunk == 0, repeats, key)
+    return profile_stage(stage, inputs, targets, last, chunk == 0, repeats=repeats, key=key)
 
 
 def timed_block_costs(work: Workload, repeats: int = 3) -> list[float]:
@@ -118,7 +118,9 @@ def timed_block_costs(work: Workload, repeats: int = 3) -> list[float]:
             for sub in layer.branch if isinstance(layer, Residual) else [layer]:
                 owner[id(sub)] = g
     inputs, targets = chunk_inputs(work, 0)
-    per = profile_stage(stage, inputs, targets, True, True, repeats, key=lambda l, m: owner[id(l)])
+    per = profile_stage(
+        stage, inputs, targets, True, True, repeats=repeats, key=lambda l, m: owner[id(l)]
+    )
     costs = [per.get(g, 0.0) for g in range(len(stage.blocks))]
     costs[-1] += per.get(LOSS, 0.0)
     return costs
@@ -139,7 +141,7 @@ def block_pass_costs(
                 owner[id(sub)] = g
     inputs, targets = chunk_inputs(work, 0)
     per = profile_stage(
-        stage, inputs, targets, True, True, repeats, key=lambda l, m: (owner[id(l)], m)
+        stage, inputs, targets, True, True, repeats=repeats, key=lambda l, m: (owner[id(l)], m)
     )
     n = len(stage.blocks)
     passes = [

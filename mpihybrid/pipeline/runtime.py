@@ -317,6 +317,7 @@ def forward_only(
     placement: Placement,
     x: np.ndarray,
     boundary_shapes: list[tuple[int, ...]],
+    *,
     backend: Backend = CPU,
 ) -> np.ndarray | None:
     """Push one batch through the whole pipeline (evaluation); the last stage's rank gets logits.

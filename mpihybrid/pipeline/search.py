@@ -210,7 +210,17 @@ def search(
         raise ScheduleError(f"schedule search found no schedule: {why}")
     status, bound, solves = "heuristic", 0.0, []
     if exact:
-        proved = _exact(per_split, found, m, limit, split, time_limit, deterministic, notes, solves)
+        proved = _exact(
+            per_split,
+            found,
+            m,
+            limit,
+            split,
+            time_limit=time_limit,
+            deterministic=deterministic,
+            notes=notes,
+            solves=solves,
+        )
         tick()
     best = min(found, key=lambda c: c.key)
     if exact and (best.placement.style, tuple(best.ranges)) in proved:
@@ -220,7 +230,7 @@ def search(
     return result
 
 
-def _exact(per_split, found, m, limit, split, time_limit, deterministic, notes, solves):
+def _exact(per_split, found, m, limit, split, *, time_limit, deterministic, notes, solves):
     """Solve every split tried exactly where small (the time shared among them), seeded with its
     best order: {(style, split): (status, bound)}; the orders found join `found`, each solve's
     (style, status, seconds, found, bound) `solves`."""

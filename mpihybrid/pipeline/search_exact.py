@@ -136,7 +136,7 @@ def solve(
     model.AddMaxEquality(makespan, [end[key] for key in start])
     model.Minimize(makespan)
     if hint is not None:
-        _add_hint(model, start, hint, placement, costs, tick)
+        _add_hint(model, start, hint, placement, costs, tick=tick)
     solver, status, seconds = _run(
         cp_model, model, time_limit=time_limit, deterministic=deterministic, workers=workers
     )
@@ -184,7 +184,7 @@ def _solve_ticking(solver, model) -> int:
     return codes[0]
 
 
-def _add_hint(model, start, hint, placement, costs, tick) -> None:
+def _add_hint(model, start, hint, placement, costs, *, tick) -> None:
     """The hint's simulated start times, in ticks."""
     result = simulate(hint, placement, costs)
     for a, t in result.start.items():

@@ -261,7 +261,7 @@ GRID_ROWS = 64  # ... and rows
 
 
 def describe(
-    name: str, pp: int, m: int, v: int = 1, early_grad_send: bool = False, grid: str = "auto"
+    name: str, pp: int, m: int, v: int = 1, early_grad_send: bool = False, *, grid: str = "auto"
 ) -> str:
     """Grid + predicted and simulated bubble + peak activations per stage, for one schedule.
     grid: "full", "auto" (summarised past GRID_RANKS ranks or GRID_ROWS rows) or "none"."""

@@ -92,7 +92,7 @@ def optimizer_seconds(job: Job, params: int, cluster: Cluster) -> float:
 
 
 def _bucket_ready(
-    work: ChunkWork, last: Action, split: bool, sim: SimResult, job: Job, cluster: Cluster
+    work: ChunkWork, last: Action, split: bool, sim: SimResult, job: Job, *, cluster: Cluster
 ) -> list[tuple[float, int]]:
     """(time it is final, parameters) of each bucket of the stage, in the order they start:
     during the stage's last weight action, as its layers finish from the last."""
@@ -126,7 +126,9 @@ def _rank_end(
     after = job.comm.overlap == "off" or cluster.device.host_copy_bandwidth > 0
     buckets = []  # (ready, stage, params)
     for s, a in last.items():
-        for ready, n in _bucket_ready(work[s], a, (s, a.microbatch) in split, sim, job, cluster):
+        for ready, n in _bucket_ready(
+            work[s], a, (s, a.microbatch) in split, sim, job, cluster=cluster
+        ):
             buckets.append((compute_end if after else ready, s, n))
     shift = free = late_update = 0.0  # compute delayed by bucket work so far; when the last
     # bucket is done; updates of the buckets that start after the compute
@@ -176,7 +178,7 @@ def rank_memory(job: Job, work: list[ChunkWork], actions: list[Action], cluster:
     base = d.base_memory_bytes + (d.kernel_memory_bytes if runs_compiled_kernels(job) else 0.0)
     ways = shard_ways(job, rank, cluster)
     return memory.rank_memory(
-        job, work, actions, shared, base, cluster.node.memory_bytes, ways=ways
+        job, work, actions, shared, base, memory_bytes=cluster.node.memory_bytes, ways=ways
     )
 
 

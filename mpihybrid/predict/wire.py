@@ -113,14 +113,14 @@ def ring_seconds(job: Job, chunk: int, params: int, cluster: Cluster) -> tuple[f
     if levels is not None:
         return two_level_seconds(job, params, cluster, *levels)
     halves = [
-        ring_half(job, chunk, params, cluster, c.codec, "reduce_scatter"),
-        ring_half(job, chunk, params, cluster, gather, "all_gather"),
+        ring_half(job, chunk, params, cluster, c.codec, half="reduce_scatter"),
+        ring_half(job, chunk, params, cluster, gather, half="all_gather"),
     ]
     return sum(h[0] for h in halves), sum(h[1] for h in halves)
 
 
 def ring_half(
-    job: Job, chunk: int, params: int, cluster: Cluster, codec_name: str, half: str
+    job: Job, chunk: int, params: int, cluster: Cluster, codec_name: str, *, half: str
 ) -> tuple[float, float]:
     """One half of a chunk's ring ("reduce_scatter" or "all_gather") in `codec_name`: (seconds,
     of them the rank's own work): p - 1 hops of a chunk in messages of comm.segment_kb, the
@@ -187,7 +187,7 @@ def two_level(job: Job, pp_rank: int, cluster: Cluster) -> tuple[int, int, int] 
 
 
 def two_level_seconds(
-    job: Job, params: int, cluster: Cluster, local: int, nodes: int, spanning: int
+    job: Job, params: int, cluster: Cluster, local: int, nodes: int, *, spanning: int
 ) -> tuple[float, float]:
     """comm.hier_ring's ring of `params` gradients: (seconds, of them the rank's own work).
     Inside the node a reduce-scatter of the codec over `local` ranks (a lossy one on shared

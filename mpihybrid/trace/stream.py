@@ -42,6 +42,7 @@ class TraceStream:
         writer: TraceWriter | None,
         writing: bool,
         flush_steps: int = 0,
+        *,
         flush_seconds: float = 0.0,
     ) -> None:
         self.comm, self.recorder, self.writer = comm, recorder, writer

@@ -92,7 +92,7 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
     compute = build_schedule(t.schedule, g.pp, M, v, t.early_grad_send)
     actions = lower(compute, placement)[grid.pp_rank]
     stages = {
-        s: build_stage(job.model, task.in_features, task.num_classes, s, num_stages, t.seed)
+        s: build_stage(job.model, task.in_features, task.num_classes, s, num_stages, seed=t.seed)
         for s in placement.stages_of(grid.pp_rank)
     }
     for st in stages.values():

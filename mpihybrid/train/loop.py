@@ -54,9 +54,9 @@ def train(
     quiet: bool = False,
     collect_params: bool = False,
     resume_from: str | list[str] | None = None,
+    *,
     backend: Backend | None = None,
     peak_flops: float | None = None,
-    *,
     notes: dict | None = None,
 ) -> Summary | None:
     """Run the job on every rank of `world`; rank 0 gets the Summary, the others None.
@@ -209,7 +209,7 @@ def _train_step(job: Job, world: MPI.Comm, run: Run, record: Record, step: int, 
     for st in run.states.values():
         st.begin_step(lr)  # gradients zeroed; a reduced bucket updates its slice of the weights
     batches = replica_microbatches(
-        run.task, step, t.global_batch, grid.dp_rank, grid.dp_size, t.microbatches
+        run.task, step, t.global_batch, grid.dp_rank, grid.dp_size, num_microbatches=t.microbatches
     )
     if backend.xp is not np:
         batches = [(backend.asarray(bx), backend.asarray(by)) for bx, by in batches]

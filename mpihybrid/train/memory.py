@@ -70,8 +70,8 @@ def rank_memory(
     actions: list[Action],
     ring_shared: bool,
     base_bytes: float = 0.0,
-    memory_bytes: float = 0.0,
     *,
+    memory_bytes: float = 0.0,
     ways: int = 0,
 ) -> dict:
     """Bytes one rank (its pp position's actions) holds at its peak, by part. ring_shared: a
@@ -371,10 +371,10 @@ def load_kernels(job: Job, say: bool = False) -> None:
         test_samples=4,
     )
     task = build_task(data)
-    stage = build_stage(model, task.in_features, task.num_classes, 0, 1, 0)
+    stage = build_stage(model, task.in_features, task.num_classes, 0, 1, seed=0)
     optimizer = build_optimizer(job.train, stage.flat_params)
     stage.zero_grad()
-    for x, _ in replica_microbatches(task, 0, 4, 0, 1, 1):
+    for x, _ in replica_microbatches(task, 0, 4, 0, 1, num_microbatches=1):
         y, cache = stage.forward(x)
         stage.backward(np.full_like(y, 1e-3), cache)
     optimizer.begin_step()

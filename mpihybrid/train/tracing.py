@@ -53,7 +53,9 @@ def build_trace(job: Job, world: MPI.Comm, dp_rank: int, num_actions: int):
         attrs = run_attrs(world, job, hostnames)
         attrs["host_cores"] = [cores for _, cores in hosts]  # analysis: oversubscribed or not
         writer = TraceWriter(tr.path, config=to_toml(job), attrs=attrs, overwrite=tr.overwrite)
-    stream = TraceStream(world, recorder, writer, bool(tr.path), tr.flush_steps, tr.flush_seconds)
+    stream = TraceStream(
+        world, recorder, writer, bool(tr.path), tr.flush_steps, flush_seconds=tr.flush_seconds
+    )
     return recorder, stream
 
 

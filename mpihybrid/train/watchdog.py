@@ -92,6 +92,7 @@ class Watchdog:
         timeout_s: float,
         abort: Callable[[int], None],
         record_dir: Callable[[], str | Path],
+        *,
         usr1_stops: bool = True,
         grace_s: float = 10.0,
         tick_s: float = TICK_S,

@@ -32,7 +32,7 @@ def save_shard(partial: Path, s: int, dp_rank: int, optimizer, step: int) -> dic
     return disk.write_h5(partial / shard_name(s, dp_rank), arrays, attrs)
 
 
-def _whole_state(path: Path, s: int, n: int, names, manifest: dict, arrays: dict):
+def _whole_state(path: Path, s: int, n: int, names, manifest: dict, *, arrays: dict):
     """The whole stage's optimizer state {name: array of n} and the master weights (None when
     the checkpoint has none): from the stage file, or assembled from every replica's shard.
     CheckpointError when the shards leave part of the stage uncovered."""
@@ -106,14 +106,14 @@ def check_shards_cover(manifest: dict, job, path: Path) -> None:
         _refuse_uncovered(path, manifest, s, covered)
 
 
-def load_sharded(path: Path, s: int, stage, optimizer, manifest: dict, arrays: dict) -> None:
+def load_sharded(path: Path, s: int, stage, optimizer, manifest: dict, *, arrays: dict) -> None:
     """Parameters and optimizer state where either side is sharded (re-sharding as needed).
     The weights are the master copy where the checkpoint has one, unless this run keeps a
     master itself (then the working weights and the master are both restored as they were)."""
     n = stage.flat_params.size
     sharded = isinstance(optimizer, ShardedOptimizer)
     names = list(optimizer.state())
-    whole, master = _whole_state(path, s, n, names, manifest, arrays)
+    whole, master = _whole_state(path, s, n, names, manifest, arrays=arrays)
     params = arrays["params"]
     keeps_master = sharded and optimizer.master is not None
     copy_from_host(stage.flat_params, params if master is None or keeps_master else master)

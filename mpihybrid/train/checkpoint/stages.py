@@ -108,7 +108,7 @@ def load_rank(path: Path, state, *, dp_rank: int, same_dp: bool, manifest=None) 
         raise CheckpointError(f"{path}: stage {s} parameters do not fit this model")
     check_finite(path, f"stage {s} parameters", params)
     if (manifest or {}).get("shard_optimizer") or state.sharded:
-        load_sharded(path, s, stage, optimizer, manifest or {}, arrays)
+        load_sharded(path, s, stage, optimizer, manifest or {}, arrays=arrays)
     else:
         copy_from_host(stage.flat_params, params)
         for name, buf in optimizer.state().items():
