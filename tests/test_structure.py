@@ -177,3 +177,28 @@ def test_the_length_checks_catch_a_long_module_and_function(tmp_path):
         "pkg/short.py:1 f: 5 lines",
     ]
     assert long_functions(package, limit=5) == []
+
+
+# numba kernels take positional arguments; the runtime's per-action row writers stay rows
+POSITIONAL_ALLOWED = {"adamw_update", "layernorm_forward", "record", "begin"}
+MAX_POSITIONAL = 5  # the charter: keyword-only params past five
+
+
+def positional_walls(root: Path = PACKAGE, limit: int = MAX_POSITIONAL) -> list[str]:
+    """'path:line name: N' of every function taking more than `limit` positional parameters
+    (self and cls apart): past five, parameters are keyword-only."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args.posonlyargs + node.args.args
+                n = len([a for a in args if a.arg not in ("self", "cls")])
+                if n > limit and node.name not in POSITIONAL_ALLOWED:
+                    where = f"{path.relative_to(root.parent)}:{node.lineno}"
+                    found.append(f"{where} {node.name}: {n}")
+    return found
+
+
+def test_keyword_only_past_five_parameters():
+    wrong = positional_walls()
+    assert not wrong, "more than five positional parameters:\n" + "\n".join(wrong)

@@ -167,12 +167,7 @@ def search(
     (a watchdog's progress)."""
     tick = tick or _progress
     rows = builtin_rows(costs, pp, m)
-    limit = float(default_limit(rows, pp) if max_inflight is None else max_inflight)
-    if not limit >= 1:
-        raise ScheduleError(
-            f"a memory limit of {limit:g} micro-batches of a rank's share: no schedule holds "
-            "less than one (the smallest limit any schedule meets is 1)"
-        )
+    limit = _checked_limit(default_limit(rows, pp) if max_inflight is None else max_inflight)
     split = split and costs.can_split
     notes = [] if costs.can_split else [f"{costs.source}: backwards ran whole, so B/W not split"]
     found: list[Candidate] = []
@@ -228,6 +223,16 @@ def search(
     result = SearchResult(best, pp, m, limit, costs, status, bound, solves, notes)
     result.table = builtin_table(rows, limit, result)
     return result
+
+
+def _checked_limit(limit: float) -> float:
+    """The memory limit, refused below one micro-batch (no schedule holds less)."""
+    if not limit >= 1:
+        raise ScheduleError(
+            f"a memory limit of {limit:g} micro-batches of a rank's share: no schedule holds "
+            "less than one (the smallest limit any schedule meets is 1)"
+        )
+    return float(limit)
 
 
 def _exact(per_split, found, m, limit, split, *, time_limit, deterministic, notes, solves):
