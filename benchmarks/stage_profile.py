@@ -51,7 +51,7 @@ def main() -> None:
     from mpihybrid.nn.data import task_dims
     from mpihybrid.nn.model import build_stage
 
-    stage = build_stage(job.model, *task_dims(job.data), args.chunk, job.workload.chunks, 0)
+    stage = build_stage(job.model, *task_dims(job.data), args.chunk, job.workload.chunks, seed=0)
     optimizer = build_optimizer(job.train, stage.flat_params)
     optimizer.step(stage.flat_grads)  # warm-up (compiles)
     t0 = time.perf_counter()

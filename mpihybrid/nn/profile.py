@@ -101,7 +101,7 @@ def profile_stage(stage, inputs, targets, last: bool, first: bool, *, repeats: i
 
 def profile_chunk(work: Workload, chunk: int, repeats: int = 3, key=None) -> dict[str, float]:
     """profile_stage of model chunk `chunk`, on the job's own micro-batches."""
-    stage = build_stage(work.model, *task_dims(work.data), chunk, work.chunks, work.seed)
+    stage = build_stage(work.model, *task_dims(work.data), chunk, work.chunks, seed=work.seed)
     inputs, targets = chunk_inputs(work, chunk)
     last = chunk == work.chunks - 1
     return profile_stage(stage, inputs, targets, last, chunk == 0, repeats=repeats, key=key)
@@ -111,7 +111,7 @@ def timed_block_costs(work: Workload, repeats: int = 3) -> list[float]:
     """Seconds per micro-batch of each block of the whole model (F + B + W, the loss with the
     head), timed on the job's micro-batches as one stage: what `model.partition = "cost"`
     estimates from FLOPs, measured on this machine."""
-    stage = build_stage(work.model, *task_dims(work.data), 0, 1, work.seed)
+    stage = build_stage(work.model, *task_dims(work.data), 0, 1, seed=work.seed)
     owner = {}
     for g, block in enumerate(stage.blocks):
         for layer in block:
@@ -133,7 +133,7 @@ def block_pass_costs(
     job's micro-batches as one stage (timed_block_costs' run, each pass on its own): what a
     schedule search splits and orders. The loss rides with the head: its forward in F, its
     gradient in B."""
-    stage = build_stage(work.model, *task_dims(work.data), 0, 1, work.seed)
+    stage = build_stage(work.model, *task_dims(work.data), 0, 1, seed=work.seed)
     owner = {}
     for g, block in enumerate(stage.blocks):
         for layer in block:

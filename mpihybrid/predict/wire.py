@@ -111,7 +111,8 @@ def ring_seconds(job: Job, chunk: int, params: int, cluster: Cluster) -> tuple[f
     gather = (c.param_codec or "fp32") if job.train.shard_optimizer else c.codec
     levels = two_level(job, job_placement(job).rank_of(chunk), cluster)
     if levels is not None:
-        return two_level_seconds(job, params, cluster, *levels)
+        local, nodes, spanning = levels
+        return two_level_seconds(job, params, cluster, local, nodes, spanning=spanning)
     halves = [
         ring_half(job, chunk, params, cluster, c.codec, half="reduce_scatter"),
         ring_half(job, chunk, params, cluster, gather, half="all_gather"),
