@@ -215,7 +215,9 @@ def _train_step(job: Job, world: MPI.Comm, run: Run, record: Record, step: int, 
         batches = [(backend.asarray(bx), backend.asarray(by)) for bx, by in batches]
     result = run.runtime.run_step(step, batches)
     if run.tie is not None:  # the head's gradient into the table's, before the table's ring
+        k = run.flight.begin("tied embedding: gradient", step + 1)  # a wait the watchdog names
         run.tie.sum_grads()
+        run.flight.end(k)
     # the rest of the buckets: most were reduced and applied behind the pipeline's compute; the
     # ring waits on its predecessor most directly (with dp = 1 there is no ring)
     source = grid.replica_neighbour(-1) if grid.dp_size > 1 else -1
@@ -226,7 +228,9 @@ def _train_step(job: Job, world: MPI.Comm, run: Run, record: Record, step: int, 
     if t.grad_clip:
         events = _clip_and_update(world, run, record, events, t.grad_clip)
     if run.tie is not None:  # the head's mirror is the updated table
+        k = run.flight.begin("tied embedding: table", step + 1)
         run.tie.refresh()
+        run.flight.end(k)
     tracing.record_buckets(run.recorder, step, events, run.states, run.ring_peer)
     run.flight.end(i)
     run.recorder.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
