@@ -1,28 +1,36 @@
 #!/usr/bin/env bash
 # The schedule search measured (docs/schedules.md, "Searched schedules"), one part per lock:
 #   flock -x /tmp/mh_heavy.lock benchmarks/search_sitting.sh solver
-#   flock -x /tmp/mh_heavy.lock benchmarks/search_sitting.sh pp2|pp4|head
+#   flock -x /tmp/mh_heavy.lock benchmarks/search_sitting.sh pp2|pp4|head2|head4 [BUILTIN]
+# A job part prints the search on the job's blocks timed here (the built-ins simulated on the same
+# costs beside it), then pairs train.schedule=auto against BUILTIN (default: the built-in the
+# search's table ranks fastest), both with model.partition=timed, in ABBA order (bench train
+# --against). The load average is printed before and after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# BENCH_ARGS overrides the bench's repeats and steps (a loaded machine: fewer, to keep a part short)
+NP=2; JOB=jobs/gpt_bench.toml; SET=(); BENCH=(--repeats 3)
 case "${1:-}" in
 solver)  # the exact search's times with unit costs, pp <= 4, M <= 8, both placements
     for pp in 2 3 4; do for m in 4 8; do
         echo "== pp=$pp M=$m"
         mpihybrid schedule search --pp "$pp" -m "$m" --no-grid --time-limit 60 | grep -E "^found|^solver"
     done; done
-    echo "== gpt_bench_pp4's timed blocks, pp=4 M=8"
-    mpihybrid schedule search --job jobs/gpt_bench_pp4.toml --no-grid --time-limit 60 ;;
-pp2)
-    mpihybrid schedule search --job jobs/gpt_bench.toml --no-grid
-    mpiexec -n 2 mpihybrid bench train jobs/gpt_bench.toml --set train.schedule=auto \
-        --against train.schedule=dualpipev --repeats 3 ;;
-pp4)  # 4 ranks on 2 cores: oversubscribed
-    mpihybrid schedule search --job jobs/gpt_bench_pp4.toml --no-grid
-    mpiexec -n 4 mpihybrid bench train jobs/gpt_bench_pp4.toml --set train.schedule=auto \
-        --against train.schedule=dualpipev --repeats 3 --steps 6 --warmup 2 ;;
-head)
-    mpihybrid schedule search --job jobs/gpt_bench_head.toml --no-grid
-    mpiexec -n 2 mpihybrid bench train jobs/gpt_bench_head.toml --set train.schedule=auto \
-        --against train.schedule=zb-h1 --against model.partition=timed --repeats 3 ;;
-*) echo "usage: $0 solver|pp2|pp4|head" >&2; exit 2 ;;
+    exit 0 ;;
+pp2) ;;
+pp4) NP=4; JOB=jobs/gpt_bench_pp4.toml; BENCH=(--repeats 2 --steps 6 --warmup 2) ;;  # 4 ranks, 2 cores
+head2) JOB=jobs/gpt_bench_head.toml ;;
+head4) NP=4; JOB=jobs/gpt_bench_head.toml
+    SET=(--set grid.pp=4 --set train.microbatches=8 --set train.global_batch=16)
+    BENCH=(--repeats 2 --steps 6 --warmup 2) ;;
+*) echo "usage: $0 solver|pp2|pp4|head2|head4 [BUILTIN]" >&2; exit 2 ;;
 esac
+echo "load $(cut -d' ' -f1-3 /proc/loadavg) at $(date -u +%H:%M:%S)"
+[ -n "${BENCH_ARGS:-}" ] && read -r -a BENCH <<< "$BENCH_ARGS"
+table=$(mpihybrid schedule search --job "$JOB" "${SET[@]}" --no-grid --time-limit 10)
+echo "$table"
+best=${2:-$(echo "$table" | awk '/^schedule +v +step/{t=1; next} t && $3 ~ /^[0-9.]+$/ && (b == "" || $3 < s) {s = $3; b = $1} END {print b}')}
+echo "== auto against $best (model.partition=timed for both)"
+mpiexec -n "$NP" mpihybrid bench train "$JOB" "${SET[@]}" --set model.partition=timed \
+    --set train.schedule=auto --against "train.schedule=$best" "${BENCH[@]}"
+echo "load $(cut -d' ' -f1-3 /proc/loadavg) at $(date -u +%H:%M:%S)"

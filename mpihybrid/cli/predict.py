@@ -252,7 +252,7 @@ def predict(
         if job.train.schedule == AUTO:
             from mpihybrid.predict.searched import predicted_auto
 
-            job, searched = predicted_auto(job, cluster)
+            job, searched, _ = predicted_auto(job, cluster)
         result = run_prediction(job, cluster)
         if searched:
             result["notes"].append(searched)

@@ -25,11 +25,12 @@ from mpihybrid.pipeline.actions import Action, ScheduleError
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.search_bounds import any_placement_bound, busiest_work, fill_bound
 from mpihybrid.pipeline.search_costs import CostsError, SearchCosts
-from mpihybrid.pipeline.search_greedy import best_greedy
+from mpihybrid.pipeline.search_greedy import CAPS, best_greedy
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
 
 EXACT_ACTIONS = 800  # the exact search runs where a step has at most this many F/B/W
 SPLITS = 3  # splits of the blocks tried per placement (the least-loaded first)
+LARGE_CAPS = 2  # the greedy's memory budgets tried where the step is too large to solve exactly
 MAX_ENUMERATED = 20_000  # splits enumerated before only the balanced one is tried
 SEARCHES: dict[str, str] = {}  # csv:auto@HASH -> its search's JSON (cli/auto.py; the trace's)
 
@@ -174,8 +175,10 @@ def search(
     per_split: dict[tuple, Candidate] = {}  # (style, split): its best order so far
     for style in placements:
         placement = make_placement(style, pp)
+        # a large step (no exact search): the balanced split alone, the greedy's top budgets
+        large = (3 if split else 2) * m * placement.num_stages > EXACT_ACTIONS
         try:
-            tried = splits(costs, placement) if ranges is None else [ranges]
+            tried = splits(costs, placement, 1 if large else SPLITS) if ranges is None else [ranges]
         except CostsError as exc:
             notes.append(f"{style} placement not tried: {exc}")
             continue
@@ -187,7 +190,8 @@ def search(
                 break
             sim_costs = costs.split(split_ranges)
             try:
-                lists, sim = best_greedy(placement, m, sim_costs, max_inflight=limit, split=split)
+                lists, sim = best_greedy(placement, m, sim_costs, max_inflight=limit, split=split,
+                                         caps=LARGE_CAPS if large else CAPS)  # fmt: skip
                 found.append(Candidate(placement, split_ranges, lists, sim, "greedy", sim_costs))
             except ScheduleError:
                 pass

@@ -134,6 +134,7 @@ def solve(
         model.AddCumulative(alive, [1] * len(alive), limit[r])
     makespan = model.NewIntVar(0, horizon, "makespan")
     model.AddMaxEquality(makespan, [end[key] for key in start])
+    model.Add(makespan >= _fill_ticks(placement, m, dur, hop, kinds))  # implied: helps the proof
     model.Minimize(makespan)
     if hint is not None:
         _add_hint(model, start, hint, placement, costs, tick=tick)
@@ -145,6 +146,22 @@ def solve(
         return ExactResult(None, status, float("inf"), bound, seconds)
     lists = _lists(placement, {key: solver.Value(v) for key, v in start.items()})
     return ExactResult(lists, status, solver.ObjectiveValue() * tick, bound, seconds)
+
+
+def _fill_ticks(placement: Placement, m: int, dur: dict, hop: int, kinds: tuple) -> int:
+    """search_bounds' fill bound in the model's own ticks: for every rank and stage it holds,
+    the first micro-batch's forward through the stages before it, then the rank's work on that
+    stage and its later ones. Implied by the constraints, so adding it cuts nothing feasible."""
+    n, bound, release = placement.num_stages, 0, [0] * placement.num_stages
+    for s in range(1, n):
+        crossing = hop if placement.crosses(s - 1, s) else 0
+        release[s] = release[s - 1] + dur[("F", s - 1)] + crossing
+    for r in range(placement.pp):
+        mine = placement.stages_of(r)
+        for s in mine:
+            work = sum(m * dur[(k, t)] for t in mine if t >= s for k in kinds)
+            bound = max(bound, release[s] + work)
+    return bound
 
 
 def _run(cp_model, model, *, time_limit: float, deterministic: bool, workers: int):

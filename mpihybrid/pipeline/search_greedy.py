@@ -28,6 +28,7 @@ from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
 from mpihybrid.progress import progress
 
 INF = math.inf
+CAPS = 6  # memory budgets best_greedy tries: the limit's and the ones just below it
 
 
 def _value(x, s: int) -> float:
@@ -180,18 +181,24 @@ def budgets(placement: Placement, max_inflight: float) -> list[int]:
 
 
 def best_greedy(
-    placement: Placement, m: int, costs: Costs, *, max_inflight: float, split: bool = True
+    placement: Placement,
+    m: int,
+    costs: Costs,
+    *,
+    max_inflight: float,
+    split: bool = True,
+    caps: int = CAPS,
 ) -> tuple[dict[int, list[Action]], SimResult]:
-    """The greedy's best order over its policies (fill, deep or shallow first, reserve) and every
-    memory budget from 1 to the limit: the one whose simulation ends first (then the lower peak).
-    ScheduleError when none fits the limit."""
+    """The greedy's best order over its policies (fill, deep or shallow first, reserve) and the
+    `caps` largest memory budgets up to the limit: the one whose simulation ends first (then the
+    lower peak). ScheduleError when none fits the limit."""
     from mpihybrid.pipeline.schedules import validate
 
     top = min(budgets(placement, max_inflight)[0], m * placement.chunks)  # more is never held
     best: tuple | None = None
     reserves = (0, 1) if placement.chunks > 1 else (0,)
     for cap, fill, deep, reserve in itertools.product(
-        range(top, 0, -1), ("idle", "fit"), (True, False), reserves
+        range(top, max(0, top - caps), -1), ("idle", "fit"), (True, False), reserves
     ):
         progress("searching a schedule (greedy)")
         try:

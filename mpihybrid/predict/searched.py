@@ -52,9 +52,10 @@ def block_costs(job: Job, cluster: Cluster):
     )
 
 
-def predicted_auto(job: Job, cluster: Cluster) -> tuple[Job, str]:
-    """The job with "auto" replaced by the schedule searched on the predicted costs, and a line
-    saying what was found (ScheduleError, one line, when the costs or the limit are bad)."""
+def predicted_auto(job: Job, cluster: Cluster, time_limit: float | None = None):
+    """(the job with "auto" replaced by the schedule searched on the predicted costs, a line
+    saying what was found, the search's result); ScheduleError, one line, when the costs or
+    the limit are bad. time_limit: the exact search's (deterministic; default train's)."""
     from mpihybrid.config.searched import AUTO_TIME, apply
     from mpihybrid.nn.model import layer_counts
     from mpihybrid.pipeline.search import csv_of, search
@@ -65,7 +66,7 @@ def predicted_auto(job: Job, cluster: Cluster) -> tuple[Job, str]:
         job.grid.pp,
         t.microbatches,
         max_inflight=t.schedule_inflight or None,
-        time_limit=AUTO_TIME,
+        time_limit=AUTO_TIME if time_limit is None else time_limit,
         deterministic=True,
     )
     best = result.best
@@ -82,4 +83,4 @@ def predicted_auto(job: Job, cluster: Cluster) -> tuple[Job, str]:
         f"at most {result.max_inflight:g} micro-batches of a rank's share per rank "
         f"(as {resolved.train.schedule})"
     )
-    return resolved, line
+    return resolved, line, result
