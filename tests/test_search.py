@@ -111,8 +111,10 @@ def test_imbalanced_costs_searched_split_and_order_beat_every_builtin():
 def test_same_costs_same_schedule():
     costs = SearchCosts((1.0, 2.0, 1.5, 1.0), (1.0, 2.0, 1.0, 2.0), (0.5, 1.0, 1.0, 0.5),
                         send=0.1, source="test")  # fmt: skip
-    runs = [search(costs, 2, 4, placements=("loop",), time_limit=1, deterministic=True).best.lists
-            for _ in range(2)]
+    runs = [
+        search(costs, 2, 4, placements=("loop",), time_limit=1, deterministic=True).best.lists
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
