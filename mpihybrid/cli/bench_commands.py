@@ -226,7 +226,15 @@ def bench_train(*, job_file, overrides, warmup, steps, repeats, against, as_json
     from mpihybrid.train.loop import StopRequested
 
     try:
-        result = run(job, world, warmup, steps, repeats, other, progress_echo(world.rank, quiet))
+        result = run(
+            job,
+            world,
+            warmup,
+            steps,
+            repeats,
+            against=other,
+            progress=progress_echo(world.rank, quiet),
+        )
     except StopRequested as exc:
         exit_stopped(world, exc)
     except BaseException as exc:
