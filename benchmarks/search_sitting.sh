@@ -31,6 +31,8 @@ table=$(mpihybrid schedule search --job "$JOB" "${SET[@]}" --no-grid --time-limi
 echo "$table"
 best=${2:-$(echo "$table" | awk '/^schedule +v +step/{t=1; next} t && $3 ~ /^[0-9.]+$/ && (b == "" || $3 < s) {s = $3; b = $1} END {print b}')}
 echo "== auto against $best (model.partition=timed for both)"
+other=(--against "train.schedule=$best")
+[ "$best" = interleaved-1f1b ] && other+=(--against train.virtual_stages=2)  # the table's v
 mpiexec -n "$NP" mpihybrid bench train "$JOB" "${SET[@]}" --set model.partition=timed \
-    --set train.schedule=auto --against "train.schedule=$best" "${BENCH[@]}"
+    --set train.schedule=auto "${other[@]}" "${BENCH[@]}"
 echo "load $(cut -d' ' -f1-3 /proc/loadavg) at $(date -u +%H:%M:%S)"
