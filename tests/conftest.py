@@ -64,10 +64,6 @@ ONE_MPI = {
 }
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "one_mpi: runs under the first MPI only (tests/conftest.py)")
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(fnmatch.fnmatchcase(item.nodeid, pattern) for pattern in ONE_MPI):
