@@ -93,6 +93,43 @@ def test_replicas_identical_when_clipping_with_int8_and_sharded_optimizer():
         assert r["replica_max_diff"] == 0.0
 
 
+def test_the_norm_is_the_buckets_sums_of_squares_and_names_a_stage_not_finite():
+    """Each held bucket's sum of squares is taken as its ring ends (here one rank: the ring is
+    the identity); the norm adds them up, and a nan in one stage's gradient names that stage
+    (the step's end reads it instead of a pass of its own over the gradient)."""
+    import math
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpihybrid.comm.buckets import GradientComm
+    from mpihybrid.comm.settings import GradientSettings
+    from mpihybrid.train.clip import global_norm
+
+    rng = np.random.default_rng(0)
+    grads = {0: rng.standard_normal(40).astype(np.float32), 1: np.full(9, 2.0, np.float32)}
+    layers = {0: [(0, 10), (10, 25), (25, 40)], 1: [(0, 9)]}
+    comm = GradientComm(MPI.COMM_SELF, GradientSettings(bucket_bytes=40))
+    reducers = {s: comm.reducer(s, grads[s], layers[s]) for s in grads}
+    try:
+        for poison in (False, True):
+            if poison:
+                grads[1][4] = np.nan
+            for red in reducers.values():
+                red.hold = True
+                red.begin_step()
+            comm.finish()
+            norm, bad = global_norm(MPI.COMM_SELF, reducers)
+            if poison:
+                assert math.isnan(norm) and bad == [1]
+            else:
+                assert len(reducers[0].sumsq) == 3
+                expected = math.sqrt(sum(float(np.dot(g, g)) for g in grads.values()))
+                assert norm == pytest.approx(expected, rel=1e-6) and bad == []
+    finally:
+        comm.close()
+
+
 def test_analyze_reports_the_norms():
     from types import SimpleNamespace
 

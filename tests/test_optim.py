@@ -52,6 +52,29 @@ def test_sliced_updates_equal_whole_step_bit_for_bit(name):
     assert opt_whole.step_count == opt_sliced.step_count == 3
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_scaled_update_equals_scaling_the_gradient_first(name):
+    """scale_gradients(coef) (train.grad_clip's coefficient, folded into the update's own
+    pass) gives the bits of g *= float32(coef) before the update; the next step reads g as is."""
+    make = OPTIMIZERS[name]
+    init = np.random.default_rng(0).standard_normal(N).astype(np.float32)
+    folded, scaled = init.copy(), init.copy()
+    opt_folded, opt_scaled = make(folded), make(scaled)
+    rng = np.random.default_rng(3)
+    for coef, g in zip([0.37, 1.0, 0.05], _grads(3), strict=True):
+        opt_folded.begin_step()
+        opt_folded.scale_gradients(coef)
+        for lo, hi in _cover(rng):
+            opt_folded.update(g.copy(), lo, hi)
+        opt_scaled.step(g * np.float32(coef))
+    assert not np.array_equal(folded, init)
+    np.testing.assert_array_equal(folded, scaled)
+    for key, state in opt_scaled.state().items():
+        np.testing.assert_array_equal(opt_folded.state()[key], state)
+    opt_folded.begin_step()  # a new step reads its gradient unscaled until told otherwise
+    assert opt_folded.g_scale == 1
+
+
 def test_adamw_matches_the_textbook_update():
     """Three AdamW steps against the formula in float64 (fp32 rounding: rtol 1e-5)."""
     lr, b1, b2, eps, wd = 1e-3, 0.9, 0.999, 1e-8, 0.1

@@ -53,6 +53,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid.comm.allreduce import RingAllreduce
+from mpihybrid.comm.device import array_module
 from mpihybrid.comm.hier_ring import NodeGroups, TwoLevelRing
 from mpihybrid.comm.settings import GradientSettings, RingSettings
 
@@ -109,6 +110,7 @@ class BucketEvent:
     nbytes: int
     gathered: float = 0.0  # sharded: the weight all-gather ended (it began at `end`)
     gather_nbytes: int = 0
+    held: float = 0.0  # a held bucket (train.grad_clip): the update started (0: at `reduced`)
 
 
 class Reducer:
@@ -159,8 +161,10 @@ class Reducer:
         self.optimizer = None  # what updates a reduced bucket's parameters (bind)
         self.submitted = 0  # buckets handed to the ring this step
         # hold: a reduced bucket waits for release() instead of updating at once (train.grad_clip:
-        # the update needs the norm over every bucket of every stage)
+        # the update needs the norm over every bucket of every stage); meanwhile its sum of
+        # squares is taken as its ring ends, behind the compute (sum_of_squares)
         self.hold = False
+        self.sumsq = [0.0] * len(self.buckets)
         # gated: the last bucket (the stage's first layers) waits for open_gate() every step
         # before its ring (model.tie_embeddings: the head's gradient is added to the table's)
         self.gated = False
@@ -209,6 +213,20 @@ class Reducer:
         self.optimizer.update(self.flat_grads, lo, hi)
         self.backend.synchronize()  # a no-op on the CPU
 
+    def sum_of_squares(self, i: int) -> float:
+        """The squared l2 norm of the reduced gradient of bucket i that this rank owns (its
+        chunk when sharded; without sharding the replicas hold the same bits, and dp rank 0
+        counts the whole bucket, the others nothing): a float32 dot (nan or inf when the bucket
+        is not finite)."""
+        if self.sharded:
+            lo, hi = self.owned[i]
+        elif self.owner.dp_comm.Get_rank() == 0:
+            lo, hi = self.buckets[i]
+        else:
+            return 0.0
+        g = self.flat_grads[lo:hi]
+        return float(array_module(g).dot(g, g)) if hi > lo else 0.0
+
     def bucket_steps(self, i: int, times: list[float]) -> Iterator[MPI.Request]:
         """Bucket i as a generator of requests: reduce, update (and, sharded, gather the
         weights); `times` gets the clock when the reduction, the update (and the gather) end."""
@@ -218,13 +236,16 @@ class Reducer:
         if self.param_rings is None:
             yield from ring.steps(self.flat_grads[lo:hi], "mean")
             times.append(clock())
-            if not self.hold:
+            if self.hold:
+                self.sumsq[i] = self.sum_of_squares(i)
+            else:
                 self.update(lo, hi)
             times.append(clock())
             return
         yield from ring.reduce_scatter_steps(self.flat_grads[lo:hi], "mean")
         times.append(clock())
         if self.hold:  # update and gather come with release()
+            self.sumsq[i] = self.sum_of_squares(i)
             times += [clock(), clock()]
             return
         yield from self._update_and_gather(i, times)

@@ -51,11 +51,12 @@ def fast(*arrays) -> bool:
 
 
 @njit
-def adamw_update(p, g, m, v, decay, b1, b2, scale, shift, apply_decay):  # N each
+def adamw_update(p, g, m, v, decay, b1, b2, scale, shift, apply_decay, g_scale):  # N each
     """m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; p = p decay - m / (sqrt(v) scale + shift),
-    written as optim.AdamW's numpy passes write it, so the bits are the same."""
+    written as optim.AdamW's numpy passes write it, so the bits are the same; g is the gradient
+    times g_scale (float32: train.grad_clip's coefficient, 1 otherwise), read once."""
     for i in range(p.size):
-        gi = g[i]
+        gi = g[i] * g_scale
         pi = p[i] * decay if apply_decay else p[i]
         mi = (m[i] - gi) * b1 + gi
         g2 = gi * gi

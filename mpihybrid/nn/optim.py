@@ -4,9 +4,14 @@ Every optimizer steps in two parts, so that a stage can update each bucket of it
 soon as that bucket's all-reduce is done:
 
     opt.begin_step(lr)            # once per step: the step count, its rate, the scalars
+    opt.scale_gradients(coef)     # (train.grad_clip) this step's updates read grads * coef
     opt.update(grads, lo, hi)     # parameters [lo, hi) from grads[lo:hi]; any slices that
     ...                           # cover the buffer once, in any order
     opt.step(grads, lr)           # = begin_step(lr); update(grads, 0, n)
+
+scale_gradients folds the clip into the update: the same float32 product g * coef that a
+separate pass over the gradient would store, taken where the update reads g (one pass over
+memory fewer on the step's critical path: train/clip.py).
 
 The rate of a step comes from `learning_rate(cfg, step)` (train.lr_schedule: nanoGPT's
 warmup then cosine or linear decay); begin_step() without one keeps the rate it had.
@@ -48,16 +53,24 @@ class SGD:
         n = params.size if state_size is None else state_size
         self.buf = array_module(params).zeros(n, params.dtype) if momentum else None
         self.step_count = 0
+        self.g_scale = params.dtype.type(1.0)
 
     def begin_step(self, lr: float | None = None) -> None:
         self.step_count += 1
         self.lr = self.lr if lr is None else lr
+        self.g_scale = self.params.dtype.type(1.0)
+
+    def scale_gradients(self, coef: float) -> None:
+        """The rest of this step's updates read the gradient times coef (float32)."""
+        self.g_scale = self.params.dtype.type(coef)
 
     def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
         self.apply(self.params[lo:hi], grads[lo:hi], lo, hi)
 
     def apply(self, p: np.ndarray, g: np.ndarray, lo: int, hi: int) -> None:
         """p -= the step from g (slices of one length); the state at [lo, hi)."""
+        if self.g_scale != 1:
+            g = g * self.g_scale
         if self.weight_decay:
             g = g + self.weight_decay * p
         if self.buf is not None:
@@ -108,12 +121,14 @@ class AdamW:
         self.tmp = xp.empty(0 if self.fused else min(self.block, params.size), params.dtype)
         self.step_count = 0
         self._scalars: tuple = ()
+        self.g_scale = params.dtype.type(1.0)
 
     def begin_step(self, lr: float | None = None) -> None:
         self.step_count += 1
         self.lr = self.lr if lr is None else lr
         t = self.step_count
         f = self.params.dtype.type
+        self.g_scale = f(1.0)
         # p -= lr * m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) * scale + shift): the step size
         # and both bias corrections folded into two scalars of the denominator
         step = self.lr / (1 - self.beta1**t)
@@ -121,6 +136,10 @@ class AdamW:
         shift = f(self.eps / step)
         decay = f(1.0 - self.lr * self.weight_decay)
         self._scalars = (decay, f(self.beta1), f(self.beta2), scale, shift)
+
+    def scale_gradients(self, coef: float) -> None:
+        """The rest of this step's updates read the gradient times coef (float32)."""
+        self.g_scale = self.params.dtype.type(coef)
 
     def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
         self.apply(self.params[lo:hi], grads[lo:hi], lo, hi)
@@ -140,6 +159,7 @@ class AdamW:
                 scale,
                 shift,
                 bool(self.weight_decay),
+                self.g_scale,
             )
             return
         for start in range(0, hi - lo, self.block):
@@ -147,6 +167,8 @@ class AdamW:
             p, g = params[start:end], grads[start:end]
             m, v = self.m[lo + start : lo + end], self.v[lo + start : lo + end]
             tmp = self.tmp[: end - start]
+            if self.g_scale != 1:  # g * coef stored in the block, as a separate clip pass would
+                g *= self.g_scale
             if self.weight_decay:
                 p *= decay
             m -= g  # m = b1 m + (1 - b1) g, as g + b1 (m - g): no temporary
@@ -210,6 +232,9 @@ class ShardedOptimizer:
 
     def begin_step(self, lr: float | None = None) -> None:
         self.inner.begin_step(lr)
+
+    def scale_gradients(self, coef: float) -> None:
+        self.inner.scale_gradients(coef)
 
     def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
         at = self._at(lo)

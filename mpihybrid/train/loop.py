@@ -224,9 +224,10 @@ def _train_step(job: Job, world: MPI.Comm, run: Run, record: Record, step: int, 
     i = run.flight.begin("grad_wait", step + 1, peer=source)
     t0 = Recorder.clock()
     events = run.gradcomm.finish()
+    bad = None  # the stages whose gradient is not finite (None: not known yet)
+    if t.grad_clip:  # the grad_wait row covers the norm and the held updates too
+        bad = _clip_and_update(world, run, record, events, t.grad_clip)
     run.recorder.record(KIND["grad_wait"], step, -1, -1, t0, Recorder.clock())
-    if t.grad_clip:
-        events = _clip_and_update(world, run, record, events, t.grad_clip)
     if run.tie is not None:  # the head's mirror is the updated table
         k = run.flight.begin("tied embedding: table", step + 1)
         run.tie.refresh()
@@ -236,36 +237,46 @@ def _train_step(job: Job, world: MPI.Comm, run: Run, record: Record, step: int, 
     run.recorder.record(KIND["step"], step, -1, -1, t_step, Recorder.clock())
     for s, n in result.peak_inflight.items():
         record.peak_inflight[s] = max(record.peak_inflight[s], n)
-    _step_boundary(job, world, run, record, step, result=result, quiet=quiet)
+    _step_boundary(job, world, run, record, step, result=result, quiet=quiet, bad=bad)
 
 
 def _clip_and_update(world, run: Run, record: Record, events: list, grad_clip: float):
-    """train.grad_clip: the global norm (collective), the reduced gradients clipped by it; then
-    every held bucket's update (and sharded, its weight gather), in stage and bucket order on
-    every replica; the events carry the updates' own times."""
+    """train.grad_clip: the global norm (collective, from the sums of squares the buckets took
+    as their rings ended), each optimizer told the clip coefficient; then every held bucket's
+    update (and sharded, its weight gather), in stage and bucket order on every replica; the
+    events carry the updates' own times. Returns the stages whose gradient is not finite."""
     reducers = {s: st.reducer for s, st in run.states.items()}
-    record.grad_norm = clip.global_norm(world, run.stages, reducers, run.grid.dp_rank)
+    record.grad_norm, bad = clip.global_norm(world, reducers)
     record.grad_norms.append(record.grad_norm)
     coef = clip.clip_coefficient(record.grad_norm, grad_clip)
-    if coef < 1.0:
-        clip.scale(run.stages, reducers, coef)
+    for st in run.states.values():
+        st.optimizer.scale_gradients(coef)
     by_bucket = {(ev.stage, ev.bucket): ev for ev in events}
     for s in sorted(reducers):
         for i in range(len(reducers[s].buckets)):
             ev = by_bucket[(s, i)]
-            ev.reduced = Recorder.clock()  # the optimizer row starts here, not at the ring's end
+            ev.held = Recorder.clock()  # the optimizer row starts here, not at the ring's end
             ev.end, ev.gathered, ev.gather_nbytes = reducers[s].release(i)
-    return events
+    return bad
 
 
 def _step_boundary(
-    job: Job, world: MPI.Comm, run: Run, record: Record, step: int, *, result, quiet: bool
+    job: Job,
+    world: MPI.Comm,
+    run: Run,
+    record: Record,
+    step: int,
+    *,
+    result,
+    quiet: bool,
+    bad: list[int] | None,
 ) -> None:
     """The step's end, agreed by every rank: one small collective carries the metrics, whether
     any rank was told to stop and whether any gradient is not finite (agreed here, never inside
-    a handler); then the trace, the step line, the held-out loss, a checkpoint when due."""
+    a handler; `bad`: the stages the clip's norm found not finite, None: look); then the trace,
+    the step line, the held-out loss, a checkpoint when due."""
     t = job.train
-    bad = nonfinite_stages(run.stages)
+    bad = nonfinite_stages(run.stages) if bad is None else bad
     mine = np.array(
         [
             result.loss_sum,

@@ -170,7 +170,8 @@ def record_buckets(recorder: Recorder, step: int, events, states: dict, ring_pee
             ev.nbytes,
             ring_peer,
         )
-        recorder.record(KIND["optimizer"], step, ev.stage, ev.bucket, ev.reduced, ev.end)
+        update_start = ev.held or ev.reduced  # a held bucket's update waited for the norm
+        recorder.record(KIND["optimizer"], step, ev.stage, ev.bucket, update_start, ev.end)
         if states[ev.stage].reducer.sharded:
             recorder.record(
                 KIND["allreduce"],
