@@ -34,12 +34,14 @@ RATES = {"2gbit": 2e9, "500mbit": 5e8, "200mbit": 2e8, "100mbit": 1e8, "50mbit":
 PAIRS = [
     *((r, 2, WIRE, [f"comm.p2p_codec={c}"], ["comm.p2p_codec=fp32"])
       for r in ("2gbit", "500mbit", "200mbit", "100mbit", "50mbit") for c in ("bf16", "int8")),
+    *((r, 2, WIRE, ["comm.p2p_codec=int8"], ["comm.p2p_codec=bf16"])
+      for r in ("100mbit", "50mbit")),
     ("500mbit", 2, [*GPT, "grid.pp=2", "grid.dp=2", "grid.order=data-inner"],
      ["comm.p2p_codec=int8"], ["comm.p2p_codec=fp32"]),
     *((r, 2, [*GPT, "grid.pp=1", "grid.dp=4", *codec], ["comm.ring=hierarchical"],
        ["comm.ring=flat"])
       for r, codec in (("500mbit", []), ("2gbit", []), ("500mbit", ["comm.codec=int8"]),
-                       ("100mbit", []))),
+                       ("100mbit", []), ("50mbit", []))),
     ("500mbit", 2, [*GPT, "grid.pp=2", "grid.dp=2"], ["grid.order=auto"],
      ["grid.order=data-inner"]),
     ("500mbit", 2, [*GPT, "grid.pp=2", "grid.dp=2"], ["grid.order=pipeline-inner"],
