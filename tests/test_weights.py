@@ -167,6 +167,33 @@ def test_a_file_that_does_not_fit_is_one_config_error(tmp_path, change, heads, s
     assert says in str(err.value) and "\n" not in str(err.value)
 
 
+def test_the_pair_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """weights export's write_pair: the weights file carries its config in its metadata (a run
+    starts from it alone, and its head count is checked without the JSON); a failure after the
+    weights are written leaves neither file (nor a temporary) behind."""
+    j = job()
+    tensors = nw.export_tensors(stages(j, 1, 0), 5)
+    config = nw.config_of(j.model, j.data.seq_len, j.data.vocab)
+    path = tmp_path / "w.safetensors"
+    assert nw.write_pair(path, tensors, config, overwrite=False) == tmp_path / "w.json"
+    assert nw.file_config(path) == config == json.loads((tmp_path / "w.json").read_text())
+    (tmp_path / "w.json").unlink()
+    assert job(f"model.init={path}").model.init == str(path)  # complete alone
+    with pytest.raises(ConfigError, match=r"w.safetensors says n_head = 2, the job's model.heads"):
+        job(f"model.init={path}", "model.heads=4", "model.hidden=16")
+    with pytest.raises(FileExistsError):
+        nw.write_pair(path, tensors, config, overwrite=False)
+
+    def fail(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    half = tmp_path / "half.safetensors"
+    monkeypatch.setattr(type(half), "write_text", fail)  # the JSON, after the weights' bytes
+    with pytest.raises(OSError, match="No space left"):
+        nw.write_pair(half, tensors, config, overwrite=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+
+
 def test_other_bad_inits(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     for setting, says in [

@@ -4,15 +4,15 @@
     mpihybrid weights export runs/text_gpt -o runs/text_gpt.safetensors   # + runs/text_gpt.json
     mpiexec -n 2 mpihybrid train jobs/text_gpt.toml --set model.init=runs/text_gpt.safetensors
 
-The file holds every tensor of the model (nn/weights.py says which and how they are laid out),
-the JSON config beside it nanoGPT's GPTConfig fields and where this GPT differs from nanoGPT.
-Both are written atomically (all or nothing); an existing file is replaced only with
---overwrite. One process, no mpiexec; errors are one line and exit 2.
+The file holds every tensor of the model (nn/weights.py says which and how they are laid out)
+and, in its metadata, the config: nanoGPT's GPTConfig fields and where this GPT differs from
+nanoGPT; the JSON beside it is a copy of that config. The two are written whole or not at all
+(nn/weights.write_pair); an existing file is replaced only with --overwrite. One process, no
+mpiexec; errors are one line and exit 2.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -39,10 +39,7 @@ def export(checkpoint_dir, output, overwrite) -> None:
     """Write a GPT checkpoint of any grid (a checkpoint.dir or one step-N directory) as one
     safetensors file with nanoGPT's GPT-2 names and (out, in) Linear layouts, and a JSON
     config beside it (OUTPUT with .json): `model.init = "OUTPUT"` starts a run from it."""
-    from safetensors.numpy import save
-
     from mpihybrid.cli.text import checkpoint_stages, read_checkpoint
-    from mpihybrid.files import write_atomic
     from mpihybrid.nn import weights as nw
     from mpihybrid.nn.tokens import DataError
 
@@ -62,8 +59,7 @@ def export(checkpoint_dir, output, overwrite) -> None:
     tensors = nw.export_tensors(stages, m.depth + 2)
     config = {**nw.config_of(m, d.seq_len, d.vocab), "step": int(manifest.get("step", -1))}
     try:
-        write_atomic(out, save(tensors, metadata={"format": "pt"}), overwrite)
-        write_atomic(beside, json.dumps(config, indent=1) + "\n", overwrite)
+        nw.write_pair(out, tensors, config, overwrite)
     except OSError as exc:
         _fail(str(exc))
     click.echo(f"{out}: {len(tensors)} tensors, {nw.num_params(tensors):,} parameters; {beside}")

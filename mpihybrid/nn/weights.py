@@ -1,14 +1,16 @@
 """A GPT's weights under nanoGPT's GPT-2 names and layouts, to and from safetensors files.
 
     tensors = export_tensors(cfg, stages)            # {"transformer.wte.weight": (V, C), ...}
+    write_pair(path, tensors, config, overwrite)     # PATH.safetensors (config inside) + PATH.json
     problem = check_file(cfg, seq_len, vocab, path)  # "" or one line: what does not fit
     load_into(stage, cfg, path)                      # a stage's blocks from the file
 
 nanoGPT's model (transformer.wte, wpe, h.i.{ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc,
 mlp.c_proj}, ln_f, lm_head) holds the same tensors as this GPT; its nn.Linear stores the weight
 as (out, in), ours as (in, out), so every Linear weight is transposed on the way out and back.
-Where this GPT differs from nanoGPT's defaults the JSON config beside the file says so (a PyTorch
-model that loads the file must follow it to compute the same logits,
+Where this GPT differs from nanoGPT's defaults the config says so: it is the file's own
+safetensors metadata (key "config", so the file alone is complete) and a JSON copy beside it (a
+PyTorch model that loads the file must follow it to compute the same logits,
 benchmarks/torch_logits.py): GELU in its tanh form (nanoGPT: erf), an LM head with a bias
 (nanoGPT: none), LayerNorm eps 1e-5 and biases everywhere else as nanoGPT's bias=True.
 A file without `lm_head.bias` (nanoGPT's own) loads with a zero bias, one without
@@ -128,6 +130,34 @@ def config_path(path: str | Path) -> Path:
     return Path(path).with_suffix(".json")
 
 
+def write_pair(path: str | Path, tensors: dict, config: dict, overwrite: bool) -> Path:
+    """The weights file, its config in its metadata, and the config's JSON copy beside it
+    (config_path), both or neither: each is written in full under a temporary name first, and
+    only then renamed into place, the weights file first (complete by itself, should the last
+    rename fail). FileExistsError when either exists and overwrite is False (nothing written)."""
+    from safetensors.numpy import save
+
+    from mpihybrid.files import atomic_path, check_target
+
+    path, beside = Path(path), config_path(path)
+    for target in (path, beside):
+        check_target(target, overwrite)
+    text = json.dumps(config, indent=1) + "\n"
+    with atomic_path(beside, overwrite) as tmp_json, atomic_path(path, overwrite) as tmp:
+        tmp.write_bytes(save(tensors, metadata={"format": "pt", "config": text}))
+        tmp_json.write_text(text)
+    return beside
+
+
+def file_config(path: str | Path) -> dict | None:
+    """The config an exported file carries in its metadata (None: a file written elsewhere)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        text = (f.metadata() or {}).get("config")
+    return None if text is None else json.loads(text)
+
+
 def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) -> str:
     """What keeps the file from starting this model, in one line ("" = it fits): a missing,
     misshapen or unexpected tensor, another model's head count in its config."""
@@ -163,19 +193,26 @@ def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) ->
             return wrong
     if extra:
         return f"model.init = {str(p)!r}: {len(extra)} tensors the model has not ({extra[0]}, ...)"
+    return _heads_problem(cfg, p)
+
+
+def _heads_problem(cfg, p: Path) -> str:
+    """The head count the file's config says (its metadata's, else the JSON beside it) against
+    the job's: "" when they agree or when no config says."""
     beside = config_path(p)
-    if beside.exists():
-        try:
-            text = read_text(beside, what="model.init's config", limit=MiB)
-            heads = json.loads(text).get("n_head", cfg.heads)
-        except InputFileError as exc:
-            return str(exc)
-        except (ValueError, AttributeError) as exc:
-            return f"model.init: {beside} is not a readable JSON config ({exc})"
-        if heads != cfg.heads:
-            return (
-                f"model.init: {beside} says n_head = {heads}, the job's model.heads = {cfg.heads}"
-            )
+    where = str(p)
+    try:
+        config = file_config(p)
+        if config is None and beside.exists():
+            where = str(beside)
+            config = json.loads(read_text(beside, what="model.init's config", limit=MiB))
+        heads = (config or {}).get("n_head", cfg.heads)
+    except InputFileError as exc:
+        return str(exc)
+    except (ValueError, AttributeError) as exc:
+        return f"model.init: {where} holds no readable JSON config ({exc})"
+    if heads != cfg.heads:
+        return f"model.init: {where} says n_head = {heads}, the job's model.heads = {cfg.heads}"
     return ""
 
 
