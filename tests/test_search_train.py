@@ -14,10 +14,12 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize(
-    "pp, dp, m, model",
-    [(2, 2, 4, "mlp"), (3, 1, 6, "mlp"), (4, 1, 8, "mlp"), (2, 1, 4, "gpt")],
-)
-def test_auto_equals_serial(pp, dp, m, model):
+    "pp, dp, m, model, placements",
+    [(2, 2, 4, "mlp", []), (3, 1, 6, "mlp", ["v"]), (4, 1, 8, "mlp", ["loop"]),
+     (2, 1, 4, "gpt", ["v", "loop"])],
+)  # fmt: skip
+def test_auto_equals_serial(pp, dp, m, model, placements):
+    """placements: train.schedule_placement of the run, then of each --also run (one launch)."""
     settings = [f"grid.pp={pp}", f"grid.dp={dp}", f"train.microbatches={m}",
                 f"train.global_batch={dp * m * 2}", "train.steps=3", "comm.codec=fp32",
                 "comm.sync_sends=true", "model.depth=8"]  # fmt: skip
@@ -25,13 +27,19 @@ def test_auto_equals_serial(pp, dp, m, model):
         settings += [*TINY_GPT, "train.optimizer=adamw", "train.lr=1e-4"]
     else:
         settings += ["model.hidden=16"]
+    settings += [f"train.schedule_placement={p}" for p in placements[:1]]
     argv = [arg for s in settings for arg in ("--set", s)]
+    argv += [arg for p in placements[1:] for arg in ("--also", f"train.schedule_placement={p}")]
     proc = run_mpi(pp * dp, "tests/_mpi_train.py", "--serial", "--schedules", "auto", *argv,
                    timeout=300)  # fmt: skip
-    (r,) = results(proc)
-    assert r["allclose"] and r["max_abs_diff"] < 1e-5, r
-    np.testing.assert_allclose(r["losses"], r["serial_losses"], rtol=1e-5)
-    assert r["replica_max_diff"] == 0.0
+    runs = results(proc)
+    assert len(runs) == max(1, len(placements))
+    for r, placement in zip(runs, placements or [""], strict=True):
+        assert r["allclose"] and r["max_abs_diff"] < 1e-5, r
+        np.testing.assert_allclose(r["losses"], r["serial_losses"], rtol=1e-5)
+        assert r["replica_max_diff"] == 0.0
+        if placement:  # the placement forced is the one that ran: pp stages (loop) or 2 pp (V)
+            assert len(r["peak_inflight"]) == pp * (2 if placement == "v" else 1), r
 
 
 def test_auto_from_a_trace_resumes_bit_for_bit_and_refuses_another_model(tmp_path):

@@ -2,8 +2,10 @@
 
     job = resolve_auto(job, world)      # collective; ConfigError (the same on every rank)
 
-Rank 0 takes the costs (the job's blocks timed here, or `train.schedule_costs = RUN.h5`: a run
-of this model's measured per-stage costs, its split kept), searches the split and the order under
+Rank 0 takes the costs (the job's blocks timed here, each block's optimizer update, and the hop
+and per-action gap pipeline ranks 0 and 1 measure running the runtime itself, train/link_probe.py;
+or `train.schedule_costs = RUN.h5`: a run of this model's measured per-stage costs, its split
+kept), searches the split and the order under
 the memory limit (`train.schedule_inflight` micro-batches of a rank's share, 0: pp) with
 pipeline/search.py, deterministically (one solver worker, a deterministic time limit), and
 broadcasts torch's CSV of the lists and the split. Every rank then runs the job as
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 import json
 
-from mpihybrid.config.searched import AUTO_TIME, apply
+from mpihybrid.config.searched import AUTO_TIME, apply, auto_placements
 
 
-def decide(job, tick=None) -> dict:
+def decide(job, tick=None, link: tuple[float, float] = (0.0, 0.0)) -> dict:
     """Rank 0's search: {"csv", "partition", "chunks", "info"} (raises CostsError, ScheduleError,
-    TraceError, OSError with one line)."""
+    TraceError, OSError with one line). link: (send, gap) train.link_probe measured, added to
+    the job's timed blocks (a trace's costs carry their own)."""
     from mpihybrid.analysis.search_inputs import check_job, trace_costs
     from mpihybrid.nn.model import layer_counts
     from mpihybrid.pipeline.search import csv_of, search
@@ -39,7 +42,7 @@ def decide(job, tick=None) -> dict:
         check_job(costs, trace, job, t.schedule_costs)
         partition = list(costs.partition) or trace_partition_setting(trace)
     else:
-        costs = job_costs(job)
+        costs = job_costs(job, link=link)
         counts = stored_counts(job) or (m.partition if isinstance(m.partition, list) else None)
         if counts is not None:
             ranges = block_ranges(job.model, counts)
@@ -49,6 +52,7 @@ def decide(job, tick=None) -> dict:
         job.grid.pp,
         t.microbatches,
         max_inflight=limit,
+        placements=auto_placements(t),
         ranges=ranges,
         time_limit=AUTO_TIME,
         deterministic=True,
@@ -109,9 +113,13 @@ def resolve_auto(job, world=None, tick=None):
 
     if job.train.schedule != AUTO:
         return job
+    from mpihybrid.train.link_probe import probe_link
+
     error, payload = None, None
+    # the hop and the gap as the runtime pays them (collective; a trace's costs have their own)
+    link = probe_link(world, job) if not job.train.schedule_costs else (0.0, 0.0)
     if world is None or world.rank == 0:
-        error, payload = _decide_one_line(job, tick)
+        error, payload = _decide_one_line(job, tick, link)
     if world is not None:
         error, payload = world.bcast((error, payload), root=0)
     if error:
@@ -119,11 +127,11 @@ def resolve_auto(job, world=None, tick=None):
     return apply(job, payload, world.Get_size() if world is not None else job.grid.pp * job.grid.dp)
 
 
-def _decide_one_line(job, tick) -> tuple[str | None, dict | None]:
+def _decide_one_line(job, tick, link) -> tuple[str | None, dict | None]:
     from mpihybrid.pipeline.actions import ScheduleError
     from mpihybrid.trace.read import TraceError
 
     try:
-        return None, decide(job, tick)
+        return None, decide(job, tick, link)
     except (ScheduleError, TraceError, OSError, ValueError) as exc:
         return str(exc).splitlines()[0], None

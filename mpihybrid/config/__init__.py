@@ -100,9 +100,11 @@ class TrainConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b; a V schedule sets its 2)
     # schedule = "auto" (cli/auto.py): costs from this trace instead of timing the blocks,
-    # and the memory limit in micro-batches of a rank's share (0: pp, 1F1B's)
+    # the memory limit in micro-batches of a rank's share (0: pp, 1F1B's), and the placements
+    # searched ("": loop and V; "loop" or "v": that one alone)
     schedule_costs: str = ""
     schedule_inflight: float = 0.0
+    schedule_placement: str = ""
     early_grad_send: bool = True  # a backward sends its input gradient before the weight gradient
     optimizer: str = "sgd"
     lr: float = 0.01  # the peak rate (lr_schedule: the rate after the warmup)

@@ -198,6 +198,9 @@ def _check_finite(job: Job) -> None:
                 raise ConfigError(f"{section}.{f.name} = {value!r}: must be a finite number")
 
 
+PLACEMENTS = ("", "loop", "v")  # train.schedule_placement (config.searched.auto_placements)
+
+
 def _check_auto(job: Job) -> None:
     """train.schedule = "auto": the search splits the blocks into pp (loop) or 2 pp (V) chunks."""
     m, g, t = job.model, job.grid, job.train
@@ -206,6 +209,19 @@ def _check_auto(job: Job) -> None:
             f"train.schedule_inflight = {t.schedule_inflight}: at least 1 "
             "micro-batch of a rank's share (0: pp)"
         )
+    if t.schedule_placement not in PLACEMENTS:
+        raise ConfigError(
+            f"train.schedule_placement = {t.schedule_placement!r}: one of "
+            + ", ".join(map(repr, PLACEMENTS))
+            + " ('': both)"
+        )
+    if isinstance(m.partition, list) and t.schedule_placement:
+        want = g.pp * (2 if t.schedule_placement == "v" else 1)
+        if len(m.partition) != want:
+            raise ConfigError(
+                f"train.schedule_placement = {t.schedule_placement!r} with model.partition = "
+                f"{m.partition}: a list of {want} counts"
+            )
     if isinstance(m.partition, list):
         if len(m.partition) not in (g.pp, 2 * g.pp):
             raise ConfigError(

@@ -16,6 +16,11 @@ import hashlib
 AUTO_TIME = 4.0  # the exact search's deterministic time limit, over every split it solves (~ s)
 
 
+def auto_placements(train) -> tuple[str, ...]:
+    """The placements "auto" searches: train.schedule_placement's, or loop and V."""
+    return (train.schedule_placement,) if train.schedule_placement else ("loop", "v")
+
+
 def apply(job, payload: dict, world_size: int):
     """The job running the searched schedule: csv:auto@HASH registered here, its split."""
     from mpihybrid.config import resolve

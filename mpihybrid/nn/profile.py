@@ -155,6 +155,31 @@ def block_pass_costs(
     return tuple([x + glue for x in p] for p in passes)
 
 
+def block_update_costs(work: Workload, train, repeats: int = 3) -> list[float]:
+    """Seconds of one optimizer update (train.optimizer) of each block's parameters: what a
+    stage's last weight-gradient action carries besides its W on a CPU rank (the gradient
+    buckets' updates run inside it), the median of `repeats` after a warm-up."""
+    import statistics
+
+    from mpihybrid.nn.model import block_num_params, build_blocks
+    from mpihybrid.nn.optim import build_optimizer
+
+    out = []
+    for block in build_blocks(work.model, *task_dims(work.data)):
+        n = block_num_params(block)
+        if n == 0:
+            out.append(0.0)
+            continue
+        params, grads = np.zeros(n, np.float32), np.full(n, 1e-3, np.float32)
+        optimizer, times = build_optimizer(train, params), []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            optimizer.step(grads)
+            times.append(time.perf_counter() - start)
+        out.append(statistics.median(times[1:]))
+    return out
+
+
 def timed_partition(work: Workload, repeats: int = 3) -> tuple[list[int], list[float]]:
     """(layers per chunk, seconds per block): the split of `model.partition` that balances the
     blocks' measured seconds (nn.model.partition on them), as a list a job file takes."""

@@ -35,7 +35,7 @@ class SearchCosts:
     weight: tuple[float, ...]  # weight gradient alone (0: never measured apart, see can_split)
     send: float = 0.0  # one message hop
     gap: float = 0.0  # a rank's own time between two compute actions
-    tail: tuple[float, ...] = ()  # per stage (fixed only): the last W's extra (simulate.Costs)
+    tail: tuple[float, ...] = ()  # per unit: its last W's extra, the optimizer's update (Costs)
     whole: tuple[float, ...] = ()  # per stage (fixed only): a whole backward's measured seconds
     fixed: bool = False  # units are stages whose split is given: the split is not searched
     can_split: bool = True  # B and W measured apart (a trace of whole backwards: False)
@@ -58,7 +58,7 @@ class SearchCosts:
             return [float(sum(values[i] for i in r)) for r in ranges]
 
         whole = list(self.whole) if self.fixed and self.whole else None
-        tail = list(self.tail) if self.fixed and self.tail else 0.0
+        tail = per(self.tail) if self.tail else 0.0
         return Costs(
             forward=per(self.forward),
             backward=per(self.backward),
@@ -89,8 +89,8 @@ def check_values(costs: SearchCosts) -> SearchCosts:
     if not costs.units:
         raise CostsError(f"costs from {costs.source}: no {unit}s")
     n = costs.units
-    if len(costs.backward) != n or len(costs.weight) != n:
-        raise CostsError(f"costs from {costs.source}: F, B and W have different lengths")
+    if len(costs.backward) != n or len(costs.weight) != n or len(costs.tail) not in (0, n):
+        raise CostsError(f"costs from {costs.source}: F, B, W and tail have different lengths")
     for i, x in enumerate(costs.forward):
         if not math.isfinite(x) or x <= 0:
             raise CostsError(
@@ -121,12 +121,23 @@ def unit_costs(pp: int, blocks: int | None = None) -> SearchCosts:
     return SearchCosts((1.0,) * n, (1.0,) * n, (1.0,) * n, source="unit")
 
 
-def job_costs(job, repeats: int = 3) -> SearchCosts:
+def job_costs(job, repeats: int = 3, link: tuple[float, float] = (0.0, 0.0)) -> SearchCosts:
     """The job's blocks timed on this machine, F, B and W apart (nn.profile: the whole model as
-    one stage on the job's own micro-batches; the loss rides with the head's F and B)."""
-    from mpihybrid.nn.profile import block_pass_costs
+    one stage on the job's own micro-batches; the loss rides with the head's F and B), each
+    block's optimizer update (the tail its stage's last W carries), and link = (send, gap) as
+    train.link_probe measured them (0: not measured, one process)."""
+    from mpihybrid.nn.profile import block_pass_costs, block_update_costs
 
     forward, backward, weight = block_pass_costs(job.workload, repeats)
+    send, gap = link
     return check_values(
-        SearchCosts(tuple(forward), tuple(backward), tuple(weight), source="the job's timed blocks")
+        SearchCosts(
+            tuple(forward),
+            tuple(backward),
+            tuple(weight),
+            send=float(send),
+            gap=float(gap),
+            tail=tuple(block_update_costs(job.workload, job.train, repeats)),
+            source="the job's timed blocks",
+        )
     )
