@@ -254,9 +254,9 @@ def test_a_tie_keeps_the_fastest_builtins_placement_split_and_order():
 
 
 def test_job_costs_carry_each_blocks_update_and_the_link():
+    from mpihybrid.cli.link_probe import probe_link
     from mpihybrid.cli.predict import _load_job
     from mpihybrid.pipeline.search_costs import job_costs
-    from mpihybrid.train.link_probe import probe_link
 
     job = _load_job("jobs/gpt_bench.toml", ["train.schedule=auto", "model.depth=2"])
     assert probe_link(None, job) == (0.0, 0.0)  # one process: no hop to measure

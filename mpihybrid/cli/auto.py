@@ -3,7 +3,7 @@
     job = resolve_auto(job, world)      # collective; ConfigError (the same on every rank)
 
 Rank 0 takes the costs (the job's blocks timed here, each block's optimizer update, and the hop
-and per-action gap pipeline ranks 0 and 1 measure running the runtime itself, train/link_probe.py;
+and per-action gap pipeline ranks 0 and 1 measure running the runtime itself, cli/link_probe.py;
 or `train.schedule_costs = RUN.h5`: a run of this model's measured per-stage costs, its split
 kept), searches the split and the order under
 the memory limit (`train.schedule_inflight` micro-batches of a rank's share, 0: pp) with
@@ -24,7 +24,7 @@ from mpihybrid.config.searched import AUTO_TIME, apply, auto_placements
 
 def decide(job, tick=None, link: tuple[float, float] = (0.0, 0.0)) -> dict:
     """Rank 0's search: {"csv", "partition", "chunks", "info"} (raises CostsError, ScheduleError,
-    TraceError, OSError with one line). link: (send, gap) train.link_probe measured, added to
+    TraceError, OSError with one line). link: (send, gap) cli.link_probe measured, added to
     the job's timed blocks (a trace's costs carry their own)."""
     from mpihybrid.analysis.search_inputs import check_job, trace_costs
     from mpihybrid.nn.model import layer_counts
@@ -113,7 +113,7 @@ def resolve_auto(job, world=None, tick=None):
 
     if job.train.schedule != AUTO:
         return job
-    from mpihybrid.train.link_probe import probe_link
+    from mpihybrid.cli.link_probe import probe_link
 
     error, payload = None, None
     # the hop and the gap as the runtime pays them (collective; a trace's costs have their own)

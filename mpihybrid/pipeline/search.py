@@ -212,32 +212,15 @@ def search(
     if not found:
         why = "; ".join(notes) or f"none holds at most {limit:g} micro-batches of a rank's share"
         raise ScheduleError(f"schedule search found no schedule: {why}")
-    status, bound, solves = "heuristic", 0.0, []
+    proved, solves = {}, []
     if exact:
-        proved = _exact(
-            per_split,
-            found,
-            m,
-            limit,
-            split,
-            time_limit=time_limit,
-            deterministic=deterministic,
-            notes=notes,
-            solves=solves,
-        )
+        proved = _exact(per_split, found, m, limit, split, time_limit=time_limit,
+                        deterministic=deterministic, notes=notes, solves=solves)  # fmt: skip
         tick()
     best = searched = min(found, key=lambda c: c.key)
     if ranges is None:
-        best = _keep_builtin(searched, rows, costs, m, limit, placements)
-    if best is not searched:
-        notes.append(
-            f"the best searched ({searched.placement.style} "
-            f"{[len(r) for r in searched.ranges]}, {searched.how}) simulates "
-            f"{_time(searched.sim.makespan, costs.source == 'unit')}: not {TIE_MARGIN:.0%} "
-            f"faster than {best.how}, which is kept"
-        )
-    if exact and (best.placement.style, tuple(best.ranges)) in proved:
-        status, bound = proved[(best.placement.style, tuple(best.ranges))]
+        best = _keep_builtin(searched, rows, costs, m, limit, placements=placements, notes=notes)
+    status, bound = proved.get((best.placement.style, tuple(best.ranges)), ("heuristic", 0.0))
     result = SearchResult(
         best, pp, m, limit, costs, status, bound, solves, notes, searched=searched
     )
@@ -245,9 +228,10 @@ def search(
     return result
 
 
-def _keep_builtin(best: Candidate, rows, costs, m, limit, placements) -> Candidate:
+def _keep_builtin(best: Candidate, rows, costs, m, limit, *, placements, notes) -> Candidate:
     """The fastest built-in within the limit (its placement, split and order, as builtin_rows
-    simulated it) unless `best` beats its step by TIE_MARGIN; `best` where none qualifies."""
+    simulated it) unless `best` beats its step by TIE_MARGIN (a note says what was kept);
+    `best` where none qualifies."""
     from mpihybrid.pipeline.schedules import build_schedule, placement_of
 
     fits = [r for r in rows if "makespan" in r and r["peak"] <= limit + 1e-9]
@@ -263,6 +247,11 @@ def _keep_builtin(best: Candidate, rows, costs, m, limit, placements) -> Candida
     lists = build_schedule(row["schedule"], placement.pp, m, row["v"], early_grad_send=True)
     sim_costs = costs.split(ranges)
     sim = simulate(lists, placement, sim_costs)
+    notes.append(
+        f"the best searched ({best.placement.style} {[len(r) for r in best.ranges]}, {best.how}) "
+        f"simulates {_time(best.sim.makespan, costs.source == 'unit')}: not {TIE_MARGIN:.0%} "
+        f"faster than {row['schedule']}, which is kept"
+    )
     return Candidate(placement, ranges, lists, sim, row["schedule"], sim_costs)
 
 
@@ -292,6 +281,7 @@ def _exact(per_split, found, m, limit, split, *, time_limit, deterministic, note
         notes.append(f"exact search skipped where a step has more than {EXACT_ACTIONS} actions")
     proved = {}
     for key, seed in sorted(small.items(), key=lambda kv: kv[1].key):
+        hint = _hint_for(seed, found, split)
         try:
             res = solve(
                 seed.placement,
@@ -300,7 +290,7 @@ def _exact(per_split, found, m, limit, split, *, time_limit, deterministic, note
                 limit=budgets(seed.placement, limit),
                 split=split,
                 time_limit=time_limit / len(small),
-                hint=seed.lists,
+                hint=hint.lists,
                 deterministic=deterministic,
             )
         except SolverMissing as exc:
@@ -315,6 +305,20 @@ def _exact(per_split, found, m, limit, split, *, time_limit, deterministic, note
             )
             proved[key] = (res.status, res.bound)
     return proved
+
+
+def _hint_for(seed: Candidate, found: list[Candidate], split: bool) -> Candidate:
+    """The best order of seed's placement and split that the exact model can take whole: every
+    backward split where the model splits them (dualpipev's whole ones leave it a partial
+    hint); seed itself where none is."""
+    from mpihybrid.pipeline.actions import split_backwards
+
+    def whole(c: Candidate) -> bool:
+        bs = sum(a.kind == "B" for acts in c.lists.values() for a in acts)
+        return not split or len(split_backwards(c.lists)) == bs
+
+    same = [c for c in found if c.placement == seed.placement and c.ranges == seed.ranges]
+    return min((c for c in same if whole(c)), key=lambda c: c.key, default=seed)
 
 
 def builtin_rows(costs: SearchCosts, pp: int, m: int) -> list[dict]:

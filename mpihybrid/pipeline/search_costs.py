@@ -125,7 +125,7 @@ def job_costs(job, repeats: int = 3, link: tuple[float, float] = (0.0, 0.0)) -> 
     """The job's blocks timed on this machine, F, B and W apart (nn.profile: the whole model as
     one stage on the job's own micro-batches; the loss rides with the head's F and B), each
     block's optimizer update (the tail its stage's last W carries), and link = (send, gap) as
-    train.link_probe measured them (0: not measured, one process)."""
+    cli.link_probe measured them (0: not measured, one process)."""
     from mpihybrid.nn.profile import block_pass_costs, block_update_costs
 
     forward, backward, weight = block_pass_costs(job.workload, repeats)

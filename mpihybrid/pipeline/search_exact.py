@@ -137,7 +137,7 @@ def solve(
     model.Add(makespan >= _fill_ticks(placement, m, dur, hop, kinds))  # implied: helps the proof
     model.Minimize(makespan)
     if hint is not None:
-        _add_hint(model, start, hint, placement, costs, tick=tick)
+        _add_hint(model, start, makespan, hint, placement, dur=dur, hop=hop)
     solver, status, seconds = _run(
         cp_model, model, time_limit=time_limit, deterministic=deterministic, workers=workers
     )
@@ -201,13 +201,22 @@ def _solve_ticking(solver, model) -> int:
     return codes[0]
 
 
-def _add_hint(model, start, hint, placement, costs, *, tick) -> None:
-    """The hint's simulated start times, in ticks."""
-    result = simulate(hint, placement, costs)
+def _add_hint(model, start, makespan, hint, placement, *, dur, hop) -> None:
+    """The hint's start times as the model counts them (its own durations in ticks, a gap
+    inside each, no tail), so a hint whose order the model allows is a solution to start from."""
+    n = placement.num_stages
+    ticks = Costs(
+        forward=[dur[("F", s)] for s in range(n)],
+        backward=[dur[("B", s)] for s in range(n)],
+        weight=[dur.get(("W", s), 0) for s in range(n)],
+        send=hop,
+    )
+    result = simulate(hint, placement, ticks)
     for a, t in result.start.items():
         key = (a.kind, a.stage, a.microbatch)
         if key in start:
-            model.AddHint(start[key], round(t / tick))
+            model.AddHint(start[key], round(t))
+    model.AddHint(makespan, round(result.makespan))
 
 
 def _lists(placement: Placement, starts: dict[tuple[str, int, int], int]) -> dict:
