@@ -17,6 +17,7 @@ pytestmark = pytest.mark.mpi
     "pp, dp, m, model, placements",
     [(2, 2, 4, "mlp", []), (3, 1, 6, "mlp", ["v"]), (4, 1, 8, "mlp", ["loop"]),
      (2, 1, 4, "gpt", ["v", "loop"])],
+    ids=["2-2-4-mlp", "3-1-6-mlp", "4-1-8-mlp", "2-1-4-gpt"],  # tests/conftest.py names one
 )  # fmt: skip
 def test_auto_equals_serial(pp, dp, m, model, placements):
     """placements: train.schedule_placement of the run, then of each --also run (one launch)."""
