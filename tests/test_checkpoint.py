@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -64,11 +65,24 @@ def test_resume_is_bit_identical(tmp_path, reference, codec, opt, stop):
     np.testing.assert_array_equal(resumed, reference[codec])
 
 
-def test_resume_with_another_dp(tmp_path, reference):
+@pytest.fixture(scope="module")
+def step5_once(tmp_path_factory) -> Path:
+    ckpt = tmp_path_factory.mktemp("step5") / "ckpt"
+    proc = train(4, 5, "fp32", "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every=5",
+                 opt="adamw")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return ckpt
+
+
+@pytest.fixture
+def step5(tmp_path, step5_once) -> Path:
+    """A copy of one fp32 AdamW checkpoint at step 5 (pp = 2, dp = 2), this test's to resume."""
+    return Path(shutil.copytree(step5_once, tmp_path / "ckpt"))
+
+
+def test_resume_with_another_dp(tmp_path, reference, step5):
     """Replicas are identical, so a checkpoint taken at dp=2 continues at dp=1 (same pp)."""
-    ckpt = tmp_path / "ckpt"
-    assert train(4, 5, "fp32", "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every=5",
-                 opt="adamw").returncode == 0  # fmt: skip
+    ckpt = step5
     trace = tmp_path / "dp1.h5"
     proc = train(2, STEPS, "fp32", "--set", f"checkpoint.dir={ckpt}", "--set", "grid.dp=1",
                  "--set", "train.global_batch=64", "--trace", str(trace), opt="adamw")  # fmt: skip
@@ -76,13 +90,11 @@ def test_resume_with_another_dp(tmp_path, reference):
     np.testing.assert_allclose(losses(trace), reference["fp32"], rtol=1e-4)
 
 
-def test_resume_at_another_dp_keeps_the_default_global_batch(tmp_path, reference):
+def test_resume_at_another_dp_keeps_the_default_global_batch(tmp_path, reference, step5):
     """The default global batch follows dp (32 a replica); the resume keeps the checkpoint's
     64 at dp=1 (one line says so) instead of refusing a 'train.global_batch = 64 there, 32
     here' checkpoint."""
-    ckpt = tmp_path / "ckpt"
-    assert train(4, 5, "fp32", "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every=5",
-                 opt="adamw").returncode == 0  # fmt: skip
+    ckpt = step5
     trace = tmp_path / "dp1.h5"
     proc = run_mpi(2, "-m", "mpihybrid", "train", "--set", f"train.steps={STEPS}",
                    "--set", "train.optimizer=adamw", "--set", f"checkpoint.dir={ckpt}",
@@ -98,11 +110,9 @@ def test_resume_at_another_dp_keeps_the_default_global_batch(tmp_path, reference
     assert "train.global_batch = 64 is the checkpoint's" in bad.stderr
 
 
-def test_resume_switching_sharding_and_recompute_is_bit_identical(tmp_path, reference):
+def test_resume_switching_sharding_and_recompute_is_bit_identical(tmp_path, reference, step5):
     """Neither changes a bit with fp32, so a resume may switch both without --force."""
-    ckpt = tmp_path / "ckpt"
-    assert train(4, 4, "fp32", "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every=4",
-                 opt="adamw").returncode == 0  # fmt: skip
+    ckpt = step5
     trace = tmp_path / "switched.h5"
     proc = train(4, STEPS, "fp32", "--set", f"checkpoint.dir={ckpt}", "--set",
                  "train.shard_optimizer=true", "--set", "train.recompute=full", "--trace",
@@ -153,12 +163,18 @@ def test_kill_9_during_a_checkpoint_leaves_the_previous_one(tmp_path, reference)
     np.testing.assert_array_equal(losses(trace), reference["int8"])
 
 
-@pytest.fixture
-def saved(tmp_path) -> Path:
-    ckpt = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory) -> Path:
+    ckpt = tmp_path_factory.mktemp("saved") / "ckpt"
     proc = train(4, 2, "int8", "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every=2")
     assert proc.returncode == 0, proc.stderr
     return ckpt
+
+
+@pytest.fixture
+def saved(tmp_path, saved_once) -> Path:
+    """A copy of one int8 checkpoint at step 2 (pp = 2, dp = 2), this test's to change."""
+    return Path(shutil.copytree(saved_once, tmp_path / "ckpt"))
 
 
 def _refused(ckpt, *extra, message):
