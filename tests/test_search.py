@@ -4,12 +4,14 @@ schedules are valid and dry-run, bad costs and limits are one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import math
 
 import pytest
 
+from mpihybrid.config import build_job
 from mpihybrid.pipeline import search_exact
 from mpihybrid.pipeline.csv_schedule import parse_csv
 from mpihybrid.pipeline.placement import Placement
@@ -284,3 +286,22 @@ def test_schedule_placement_is_checked():
     with pytest.raises(ConfigError, match="a list of 4 counts"):
         _load_job("jobs/gpt_bench.toml", ["train.schedule=auto", "train.schedule_placement=v",
                                           "model.partition=[2, 2]"])  # fmt: skip
+
+
+def test_bench_names_what_auto_chose():
+    """bench train's header says which placement, finder and split auto's search chose."""
+    import json
+
+    from mpihybrid.cli.bench_train import _schedule_name
+    from mpihybrid.pipeline.search import SEARCHES
+
+    job = build_job({"grid": {"pp": 2}, "model": {"depth": 4}})
+    assert _schedule_name(job) == job.train.schedule  # not searched: as it is
+    name = "csv:auto@0123456789ab"
+    SEARCHES[name] = json.dumps({"placement": "v", "found_by": "zb-v"})
+    try:
+        searched = dataclasses.replace(job, train=dataclasses.replace(job.train, schedule=name))
+        split = job.model.partition
+        assert _schedule_name(searched) == f"{name} (auto: v by zb-v, split {split})"
+    finally:
+        del SEARCHES[name]

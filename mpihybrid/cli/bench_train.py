@@ -193,11 +193,26 @@ def blas_in_use() -> str:
     )
 
 
+def _schedule_name(job: Job) -> str:
+    """The schedule, and for train.schedule = "auto" what the search chose: the placement, who
+    found it (the exact search, the greedy, or a built-in kept on a tie) and the split."""
+    import json
+
+    from mpihybrid.pipeline.search import SEARCHES
+
+    name = job.train.schedule
+    if name not in SEARCHES:
+        return name
+    info = json.loads(SEARCHES[name])
+    split = job.model.partition or "uniform"
+    return f"{name} (auto: {info['placement']} by {info['found_by']}, split {split})"
+
+
 def _job_summary(job: Job, per_step: int) -> dict:
     return {
         "pp": job.grid.pp,
         "dp": job.grid.dp,
-        "schedule": job.train.schedule,
+        "schedule": _schedule_name(job),
         "microbatches": job.train.microbatches,
         "early_grad_send": job.train.early_grad_send,
         "model": job.model.kind,
