@@ -204,8 +204,7 @@ def _schedule_name(job: Job) -> str:
     if name not in SEARCHES:
         return name
     info = json.loads(SEARCHES[name])
-    split = job.model.partition or "uniform"
-    return f"{name} (auto: {info['placement']} by {info['found_by']}, split {split})"
+    return f"{name} (auto: {info['placement']} by {info['found_by']}, split {job.model.partition})"
 
 
 def _job_summary(job: Job, per_step: int) -> dict:
