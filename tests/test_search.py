@@ -277,6 +277,20 @@ def test_schedule_placement_forces_the_placement(placement):
     assert result.best.placement.style == placement
 
 
+def test_a_forced_loop_keeps_pp_stages_where_interleaved_is_the_fastest_builtin():
+    # unequal blocks on which interleaved-1f1b (a loop of 2 pp stages) is the fastest built-in
+    # and the searched loop is within the tie margin: the pp-stage loop asked for still runs
+    f = (1.02, 1.52, 1.64, 1.93, 1.89, 1.12, 1.87, 1.88, 0.65, 1.44)
+    b = (1.11, 1.39, 1.80, 2.23, 2.25, 1.12, 2.22, 1.89, 0.76, 1.26)
+    w = (0.71, 1.79, 1.39, 2.23, 1.47, 1.23, 1.57, 1.92, 0.51, 1.39)
+    costs = SearchCosts(f, b, w, send=0.1, gap=0.05)
+    free = search(costs, 2, 4, time_limit=2, deterministic=True)
+    assert free.best.how == "interleaved-1f1b"  # asked nothing: the fastest built-in is kept
+    loop = search(costs, 2, 4, placements=("loop",), time_limit=2, deterministic=True)
+    assert loop.best.placement == Placement.loop(2)
+    assert search(costs, 2, 4, placements=("v",), time_limit=2).best.placement == Placement.v(2)
+
+
 def test_schedule_placement_is_checked():
     from mpihybrid.cli.predict import _load_job
     from mpihybrid.config import ConfigError

@@ -231,18 +231,25 @@ def search(
 def _keep_builtin(best: Candidate, rows, costs, m, limit, *, placements, notes) -> Candidate:
     """The fastest built-in within the limit (its placement, split and order, as builtin_rows
     simulated it) unless `best` beats its step by TIE_MARGIN (a note says what was kept);
-    `best` where none qualifies."""
+    `best` where none qualifies. One placement asked (train.schedule_placement): only built-ins
+    of that placement's pp or 2 pp stages qualify (not interleaved's 2 pp stages of a loop)."""
     from mpihybrid.pipeline.schedules import build_schedule, placement_of
 
-    fits = [r for r in rows if "makespan" in r and r["peak"] <= limit + 1e-9]
+    pp = best.placement.pp
+    asked = make_placement(placements[0], pp) if len(placements) == 1 else None
+    fits = [
+        r
+        for r in rows
+        if "makespan" in r
+        and r["peak"] <= limit + 1e-9
+        and asked in (None, placement_of(r["schedule"], pp, r["v"]))
+    ]
     if not fits:
         return best
     row = min(fits, key=lambda r: (round(r["makespan"], 12), r["peak"]))
     if best.how == row["schedule"] or best.sim.makespan < (1 - TIE_MARGIN) * row["makespan"]:
         return best
-    placement = placement_of(row["schedule"], best.placement.pp, row["v"])
-    if placement.style not in placements:
-        return best
+    placement = placement_of(row["schedule"], pp, row["v"])
     ranges = splits(costs, placement, 1)[0]
     lists = build_schedule(row["schedule"], placement.pp, m, row["v"], early_grad_send=True)
     sim_costs = costs.split(ranges)
