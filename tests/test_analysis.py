@@ -342,6 +342,22 @@ def test_message_latency_median_and_mean():
     assert message_latency(events, mean=True) == 0.25  # what the three cost, each
 
 
+def test_a_hop_and_a_tail_below_zero_read_as_zero():
+    # the ranks' clocks offset by a little more than the hop: the consumer seems to start
+    # before its producer ended; and a stage's last W quicker than its others
+    spec = [
+        (0, 0, 0, "forward", 1, 0, 0.0, 1.0),
+        (0, 0, 0, "send", 1, 0, 1.0, 1.0),
+        (1, 1, 0, "recv", 1, 0, 0.5, 0.9),
+        (1, 1, 0, "forward", 1, 0, 0.9, 1.9),
+        (0, 0, 0, "weight", 1, 0, 2.0, 3.0),
+        (0, 0, 0, "weight", 1, 1, 3.0, 3.5),  # the last W: 0.5 below the other
+    ]
+    events = rows(spec)
+    assert message_latency(events) == 0.0 and message_latency(events, mean=True) == 0.0
+    assert stage_costs(events, 2, 0.0)["tail"][0] == 0.0
+
+
 def test_idle_gap_leaves_out_waits_for_a_message():
     def gap(f1_end: float, send: float = 0.0) -> float:
         spec = [

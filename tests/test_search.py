@@ -291,6 +291,34 @@ def test_a_forced_loop_keeps_pp_stages_where_interleaved_is_the_fastest_builtin(
     assert search(costs, 2, 4, placements=("v",), time_limit=2).best.placement == Placement.v(2)
 
 
+def test_calibrated_costs_sum_to_what_the_run_measured_stage_by_stage():
+    from mpihybrid.pipeline.search_costs import calibrated
+
+    blocks = SearchCosts((1.0, 2.0, 3.0, 4.0), (2.0, 2.0, 2.0, 2.0), (1.0, 1.0, 1.0, 1.0),
+                         send=1e-3, tail=(0.5, 0.0, 0.25, 0.25))  # fmt: skip
+    ranges = [range(0, 2), range(2, 4)]
+    run = SearchCosts((6.0, 14.0), (2.0, 8.0), (4.0, 2.0), send=2e-3, gap=1e-4,
+                      tail=(1.0, 2.0), fixed=True, source="a run")  # fmt: skip
+    out = calibrated(blocks, ranges, run)
+    stages = out.split(ranges)
+    assert stages.forward == pytest.approx([6.0, 14.0])
+    assert stages.backward == pytest.approx([2.0, 8.0])
+    assert stages.weight == pytest.approx([4.0, 2.0])
+    assert stages.tail == pytest.approx([1.0, 2.0])
+    assert out.forward == pytest.approx((2.0, 4.0, 6.0, 8.0))  # each keeps its share
+    assert out.tail[:2] == pytest.approx((1.0, 0.0))
+    assert (out.send, out.gap) == (2e-3, 1e-4) and "calibrated on a run" in out.source
+    # another split of the same blocks carries each stage's factor with its blocks
+    assert out.split([range(0, 1), range(1, 4)]).forward == pytest.approx([2.0, 18.0])
+    # a run of whole backwards: B and W together, in their timed shares
+    whole = dataclasses.replace(run, backward=(6.0, 9.0), weight=(0.0, 0.0), can_split=False)
+    out = calibrated(blocks, ranges, whole)
+    assert out.backward[:2] == pytest.approx((2.0, 2.0)) and out.weight[:2] == (1.0, 1.0)
+    assert out.split(ranges).backward[1] + out.split(ranges).weight[1] == pytest.approx(9.0)
+    with pytest.raises(CostsError, match="2 stages, the split has 3"):
+        calibrated(blocks, [range(0, 1), range(1, 2), range(2, 4)], run)
+
+
 def test_schedule_placement_is_checked():
     from mpihybrid.cli.predict import _load_job
     from mpihybrid.config import ConfigError
@@ -300,6 +328,8 @@ def test_schedule_placement_is_checked():
     with pytest.raises(ConfigError, match="a list of 4 counts"):
         _load_job("jobs/gpt_bench.toml", ["train.schedule=auto", "train.schedule_placement=v",
                                           "model.partition=[2, 2]"])  # fmt: skip
+    with pytest.raises(ConfigError, match="train.schedule_calibrate = 1: 0"):
+        _load_job("jobs/gpt_bench.toml", ["train.schedule=auto", "train.schedule_calibrate=1"])
 
 
 def test_bench_names_what_auto_chose():

@@ -3,6 +3,11 @@ the same schedule from the same costs, resume bit for bit, another model's costs
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+import tempfile
+
 import numpy as np
 import pytest
 
@@ -53,6 +58,16 @@ def test_auto_from_a_trace_resumes_bit_for_bit_and_refuses_another_model(tmp_pat
         assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
         return proc
 
+    # on the job's timed blocks: 4 steps of the first search's schedule calibrate them (a
+    # temporary trace, removed), then the search runs again; the trace is the run's 3 steps
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "mpihybrid-auto-*")))
+    train(3, "--set", "train.schedule=auto", "--trace", str(tmp_path / "calibrated.h5"))
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "mpihybrid-auto-*"))) <= before
+    calibrated = load(tmp_path / "calibrated.h5")
+    info = json.loads(str(calibrated.attrs["schedule_search"]))
+    assert info["calibration"]["steps"] == 4 and info["expected"]["steps"] == 3
+    assert "calibrated on 4 steps" in info["costs"]["source"]
+    assert sorted(set(calibrated.steps["step"].tolist())) == [0, 1, 2]
     costs = tmp_path / "costs.h5"
     train(2, "--set", "train.schedule=zb-v", "--trace", str(costs))
     auto = ["--set", "train.schedule=auto", "--set", f"train.schedule_costs={costs}"]

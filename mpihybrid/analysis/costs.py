@@ -89,7 +89,8 @@ def stage_costs(events: np.ndarray, num_stages: int, send: float = 0.0) -> dict:
     for mask, base in ((is_w, weight), (whole, whole_b)):
         ends = rows[mask & last]
         extra = _mean_per_stage(ends, num_stages) - base
-        tail = np.where(np.isnan(extra), tail, extra)
+        # never below 0: a last action quicker than the mean of a few others is their spread
+        tail = np.where(np.isnan(extra), tail, np.maximum(extra, 0.0))
     return {
         "forward": forward.tolist(),
         "backward": backward.tolist(),

@@ -110,7 +110,8 @@ def message_latency(
     rank, over the messages whose receiver was already waiting (so the gap is the hop itself:
     send post, transfer, wake-up); 0.0 when no receiver ever waited. mean: the mean instead, what
     the hops cost in total (a rank waiting for a core makes a few hops long: the median is a
-    typical hop, the mean what the bubble pays)."""
+    typical hop, the mean what the bubble pays). Never below 0: a negative figure is the error
+    of the ranks' clock offsets (trace.recorder.clock_offset) over a few hops, not a hop."""
     messages = messages if messages is not None else match_messages(events)
     if not len(messages):
         return 0.0
@@ -118,4 +119,4 @@ def message_latency(
     hops = (messages.consumer_start - messages.producer_end)[waited]
     if not len(hops):
         return 0.0
-    return float(np.mean(hops) if mean else np.median(hops))
+    return max(0.0, float(np.mean(hops) if mean else np.median(hops)))

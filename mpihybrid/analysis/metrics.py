@@ -248,7 +248,8 @@ def _window(steps: np.ndarray, step_time: dict) -> dict:
 
 def _search_info(attrs: dict) -> dict | None:
     """A searched schedule's prediction (train.schedule = "auto": the schedule_search
-    attribute): placement, how it was found, predicted pipeline phase and bubble; else None."""
+    attribute): placement, how it was found, predicted pipeline phase and bubble (at the mean
+    costs; "expected": over the calibration run's steps, cli/auto.py); else None."""
     import json
 
     text = attrs.get("schedule_search")
@@ -258,7 +259,7 @@ def _search_info(attrs: dict) -> dict | None:
         doc = json.loads(str(text))
     except ValueError:
         return None
-    keys = ("placement", "found_by", "status", "makespan", "bubble", "step_bound")
+    keys = ("placement", "found_by", "status", "makespan", "bubble", "step_bound", "expected")
     return {k: doc.get(k) for k in keys}
 
 

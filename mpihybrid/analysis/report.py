@@ -166,11 +166,18 @@ def _summary_lines(result: dict, ms) -> list[str]:
     )
     search = run.get("search")
     if search and search.get("makespan") is not None:
+        expected = search.get("expected") or {}
+        over = (
+            f" ({expected['bubble']:.3f} and {1e3 * expected['makespan']:.1f} ms over the "
+            f"{expected['steps']} calibration steps apart)"
+            if expected
+            else ""
+        )
         lines.append(
             f"searched        {search['placement']} placement by {search['found_by']} "
             f"({search['status']}): predicted bubble {search['bubble']:.3f} and pipeline phase "
-            f"{1e3 * search['makespan']:.1f} ms from the costs it was searched on; measured "
-            f"bubble {bubble['measured']:.3f}"
+            f"{1e3 * search['makespan']:.1f} ms from the costs it was searched on{over}; "
+            f"measured bubble {bubble['measured']:.3f}"
         )
     q = result["quality"]
     if q["final_loss"] is not None:

@@ -2,6 +2,7 @@
 costs, whether a trace is of the job in front of it, a memory limit in bytes as micro-batches.
 
     costs = trace_costs(trace, "runs/zbv.h5")     # pipeline.search_costs.SearchCosts, checked
+    each = [trace_costs(trace, step=s) for s in measured_steps(trace)]   # step by step
     check_job(costs, trace, job, "runs/zbv.h5")   # CostsError unless the same model and pp
     k = inflight_for_bytes(job, 2 * 1024**3)       # micro-batches of a rank's share
 """
@@ -13,9 +14,11 @@ import math
 from mpihybrid.pipeline.search_costs import CostsError, SearchCosts, check_values
 
 
-def trace_costs(trace, path: str = "the trace", skip_steps: int = 1) -> SearchCosts:
-    """A run's measured per-stage costs (analysis.costs.stage_costs over its measured steps, the
-    mean message hop): the split it ran with, fixed."""
+def trace_costs(
+    trace, path: str = "the trace", skip_steps: int = 1, step: int | None = None
+) -> SearchCosts:
+    """A run's measured per-stage costs (analysis.costs.stage_costs over its measured steps, or
+    that one step (0-based), the mean message hop): the split it ran with, fixed."""
     import numpy as np
 
     from mpihybrid.analysis.costs import stage_costs
@@ -29,7 +32,7 @@ def trace_costs(trace, path: str = "the trace", skip_steps: int = 1) -> SearchCo
     placement = Placement.from_attrs(trace.attrs)
     events = trace.events
     compute = events[np.isin(events["kind"], list(COMPUTE))]
-    steps = _measured_steps(compute, skip_steps)
+    steps = _measured_steps(compute, skip_steps) if step is None else [step]
     compute = compute[np.isin(compute["step"], steps)]
     send = message_latency(events[np.isin(events["step"], steps)], mean=True)
     measured = stage_costs(compute, placement.num_stages, send)
@@ -53,6 +56,18 @@ def trace_costs(trace, path: str = "the trace", skip_steps: int = 1) -> SearchCo
             partition=_trace_partition(trace),
         )
     )
+
+
+def measured_steps(trace, skip_steps: int = 1) -> list[int]:
+    """The steps (0-based) trace_costs averages over: each one's own costs, trace_costs(step=)."""
+    import numpy as np
+
+    from mpihybrid.analysis.metrics import _measured_steps
+    from mpihybrid.trace.recorder import COMPUTE
+
+    events = trace.events
+    compute = events[np.isin(events["kind"], list(COMPUTE))]
+    return [int(s) for s in _measured_steps(compute, skip_steps)]
 
 
 def _trace_partition(trace) -> tuple[int, ...]:

@@ -13,45 +13,67 @@ broadcasts torch's CSV of the lists and the split. Every rank then runs the job 
 (csv_schedule.register), so the trace keeps it (`schedule_csv`) like any csv: schedule, and the
 costs and the prediction go with it (`schedule_search`, JSON; `analyze` prints measured against
 predicted). A resumed run keeps the split of its newest checkpoint and searches only the order.
+
+Blocks timed one after another in one process are not what a run pays: the ranks share the
+machine's caches and memory bandwidth, and a stage's passes interleave with another's (on
+jobs/gpt_bench.toml the head's backward ran 21 % faster in the run, the layers' 15-30 % slower;
+docs/schedules.md). So, on the job's timed blocks, the first search's schedule runs
+`train.schedule_calibrate` steps (every rank, traced to a temporary file, no checkpoint), each
+block's F, B, W and tail are rescaled so that its stage sums to what the run measured
+(search_costs.calibrated), and the search runs again on them: its prediction is what the trace
+keeps, the first search's beside it (`calibration`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 
 from mpihybrid.config.searched import AUTO_TIME, apply, auto_placements
 
 
-def decide(job, tick=None, link: tuple[float, float] = (0.0, 0.0)) -> dict:
-    """Rank 0's search: {"csv", "partition", "chunks", "info"} (raises CostsError, ScheduleError,
-    TraceError, OSError with one line). link: (send, gap) cli.link_probe measured, added to
-    the job's timed blocks (a trace's costs carry their own)."""
+def costs_of(job, link: tuple[float, float] = (0.0, 0.0)):
+    """(SearchCosts, the partition setting to keep or None, the block ranges a kept split
+    fixes or None): a trace's measured per-stage costs (train.schedule_costs), or the job's
+    blocks timed here with `link` = (send, gap) cli.link_probe measured."""
     from mpihybrid.analysis.search_inputs import check_job, trace_costs
-    from mpihybrid.nn.model import layer_counts
-    from mpihybrid.pipeline.search import csv_of, search
     from mpihybrid.pipeline.search_costs import job_costs
     from mpihybrid.train.partition import stored_counts
 
     t, m = job.train, job.model
-    ranges, partition = None, None
     if t.schedule_costs:
         from mpihybrid.trace.read import load
 
         trace = load(t.schedule_costs)
         costs = trace_costs(trace, t.schedule_costs)
         check_job(costs, trace, job, t.schedule_costs)
-        partition = list(costs.partition) or trace_partition_setting(trace)
-    else:
-        costs = job_costs(job, link=link)
-        counts = stored_counts(job) or (m.partition if isinstance(m.partition, list) else None)
-        if counts is not None:
-            ranges = block_ranges(job.model, counts)
-    limit = t.schedule_inflight or None
+        return costs, list(costs.partition) or trace_partition_setting(trace), None
+    counts = stored_counts(job) or (m.partition if isinstance(m.partition, list) else None)
+    return job_costs(job, link=link), None, block_ranges(m, counts) if counts else None
+
+
+def decide(
+    job, costs, partition=None, ranges=None, tick=None, calibration=None, steps_costs=()
+) -> dict:
+    """Rank 0's search on `costs` (costs_of): {"csv", "partition", "chunks", "info"} (raises
+    CostsError, ScheduleError with one line). calibration: what the costs were calibrated on,
+    kept in the info; steps_costs: the costs of each calibration step apart, on which the
+    schedule found is simulated once each for its expected bubble and pipeline phase (the
+    run's steps differ, and a rank slower in one step than its mean idles the others: one
+    simulation of mean costs predicts less idle time than the steps have, as analyze's
+    per-step prediction says)."""
+    from mpihybrid.nn.model import layer_counts
+    from mpihybrid.pipeline.search import csv_of, search
+    from mpihybrid.pipeline.simulate import simulate
+
+    t = job.train
     result = search(
         costs,
         job.grid.pp,
         t.microbatches,
-        max_inflight=limit,
+        max_inflight=t.schedule_inflight or None,
         placements=auto_placements(t),
         ranges=ranges,
         time_limit=AUTO_TIME,
@@ -75,6 +97,15 @@ def decide(job, tick=None, link: tuple[float, float] = (0.0, 0.0)) -> dict:
         "costs": costs.as_dict(),
         "builtins": [{k: v for k, v in r.items()} for r in result.table],
     }
+    if calibration:
+        info["calibration"] = calibration
+    if steps_costs:
+        sims = [simulate(best.lists, best.placement, c.split(best.ranges)) for c in steps_costs]
+        info["expected"] = {
+            "steps": len(sims),
+            "bubble": sum(x.bubble_fraction for x in sims) / len(sims),
+            "makespan": sum(x.makespan for x in sims) / len(sims),
+        }
     return {
         "csv": csv_of(result),
         "partition": partition,
@@ -109,29 +140,104 @@ def resolve_auto(job, world=None, tick=None):
     """The job with "auto" replaced by the searched schedule (any other: as it is). Collective
     over `world` (None: this process alone). ConfigError, the same on every rank, when the
     costs are bad or no schedule meets the limit."""
-    from mpihybrid.config import AUTO, ConfigError
+    from mpihybrid.config import AUTO
 
     if job.train.schedule != AUTO:
         return job
     from mpihybrid.cli.link_probe import probe_link
 
-    error, payload = None, None
+    size = world.Get_size() if world is not None else job.grid.pp * job.grid.dp
     # the hop and the gap as the runtime pays them (collective; a trace's costs have their own)
     link = probe_link(world, job) if not job.train.schedule_costs else (0.0, 0.0)
+    mine = {}  # rank 0's: the costs and the split the first search ran on
+
+    def first():
+        costs, partition, ranges = costs_of(job, link)
+        mine.update(costs=costs, ranges=ranges)
+        return decide(job, costs, partition, ranges, tick)
+
+    payload = _agreed(world, first)
+    steps = job.train.schedule_calibrate
+    if not steps or job.train.schedule_costs or world is None or job.grid.pp < 2:
+        return apply(job, payload, size)
+    # the searched schedule runs a few steps; what its stages paid rescales the blocks' costs
+    # (search_costs.calibrated) and the search runs again on them
+    path = calibration_run(apply(job, payload, size), world, steps)
+
+    def again():
+        from mpihybrid.analysis.search_inputs import measured_steps, trace_costs
+        from mpihybrid.pipeline.search_costs import calibrated
+        from mpihybrid.trace.read import load
+
+        source = f"{steps} steps of the first search's schedule"
+        try:
+            trace = load(path)
+            run = trace_costs(trace, source)
+            each = [trace_costs(trace, source, step=s) for s in measured_steps(trace)]
+        finally:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        searched = block_ranges(job.model, payload["partition"])
+        first_info = json.loads(payload["info"])
+        note = {
+            "steps": steps,
+            "split": [len(r) for r in searched],
+            "placement": first_info["placement"],
+            "found_by": first_info["found_by"],
+            "makespan": first_info["makespan"],
+            "bubble": first_info["bubble"],
+        }
+        costs = calibrated(mine["costs"], searched, run)
+        steps_costs = [calibrated(mine["costs"], searched, one) for one in each]
+        return decide(job, costs, None, mine["ranges"], tick, note, steps_costs)
+
+    return apply(job, _agreed(world, again), size)
+
+
+def calibration_run(job, world, steps: int) -> str:
+    """`steps` steps of the job as resolved (no checkpoint, evaluation or step lines), traced to
+    a temporary file rank 0 writes: its path (rank 0's; "" elsewhere). Collective."""
+    import dataclasses
+
+    from mpihybrid.config import CheckpointConfig, TraceConfig
+    from mpihybrid.train.loop import train
+
+    path = ""
+    if world.rank == 0:
+        path = os.path.join(tempfile.mkdtemp(prefix="mpihybrid-auto-"), "calibration.h5")
+    path = world.bcast(path, root=0)
+    t = dataclasses.replace(job.train, steps=steps, eval_every=0, log_every=0)
+    run = dataclasses.replace(
+        job, train=t, trace=TraceConfig(path=path), checkpoint=CheckpointConfig()
+    )
+    try:
+        train(run, world, quiet=True)
+    except BaseException:
+        if path:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        raise
+    return path if world.rank == 0 else ""
+
+
+def _agreed(world, decide_on_rank0):
+    """decide_on_rank0() on rank 0, its payload on every rank; its one-line error raised as a
+    ConfigError on every rank alike."""
+    from mpihybrid.config import ConfigError
+
+    error, payload = None, None
     if world is None or world.rank == 0:
-        error, payload = _decide_one_line(job, tick, link)
+        error, payload = _one_line(decide_on_rank0)
     if world is not None:
         error, payload = world.bcast((error, payload), root=0)
     if error:
         raise ConfigError(f"train.schedule = 'auto': {error}")
-    return apply(job, payload, world.Get_size() if world is not None else job.grid.pp * job.grid.dp)
+    return payload
 
 
-def _decide_one_line(job, tick, link) -> tuple[str | None, dict | None]:
+def _one_line(fn) -> tuple[str | None, dict | None]:
     from mpihybrid.pipeline.actions import ScheduleError
     from mpihybrid.trace.read import TraceError
 
     try:
-        return None, decide(job, tick, link)
+        return None, fn()
     except (ScheduleError, TraceError, OSError, ValueError) as exc:
         return str(exc).splitlines()[0], None

@@ -100,11 +100,13 @@ class TrainConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b; a V schedule sets its 2)
     # schedule = "auto" (cli/auto.py): costs from this trace instead of timing the blocks,
-    # the memory limit in micro-batches of a rank's share (0: pp, 1F1B's), and the placements
-    # searched ("": loop and V; "loop" or "v": that one alone)
+    # the memory limit in micro-batches of a rank's share (0: pp, 1F1B's), the placements
+    # searched ("": loop and V; "loop" or "v": that one alone), and the steps the first search's
+    # schedule runs so its measured stage costs calibrate the timed blocks' (0 or >= 2)
     schedule_costs: str = ""
     schedule_inflight: float = 0.0
     schedule_placement: str = ""
+    schedule_calibrate: int = 4  # steps the first search's schedule runs to calibrate (0: none)
     early_grad_send: bool = True  # a backward sends its input gradient before the weight gradient
     optimizer: str = "sgd"
     lr: float = 0.01  # the peak rate (lr_schedule: the rate after the warmup)

@@ -209,6 +209,11 @@ def _check_auto(job: Job) -> None:
             f"train.schedule_inflight = {t.schedule_inflight}: at least 1 "
             "micro-batch of a rank's share (0: pp)"
         )
+    if t.schedule_calibrate < 0 or t.schedule_calibrate == 1:
+        raise ConfigError(
+            f"train.schedule_calibrate = {t.schedule_calibrate}: 0 (no calibration) or at least "
+            "2 steps (the first is a warm-up)"
+        )
     if t.schedule_placement not in PLACEMENTS:
         raise ConfigError(
             f"train.schedule_placement = {t.schedule_placement!r}: one of "

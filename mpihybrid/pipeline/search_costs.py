@@ -5,6 +5,7 @@ searched) or per stage (a trace's split, fixed), the message hop, a rank's gap b
     costs = job_costs(job)                 # the job's blocks timed on this machine (F, B, W each)
     costs = trace_costs(trace)             # a run's measured per-stage costs, as analyze uses them
     sim_costs = costs.split(ranges)        # simulate.Costs of the stages these block ranges make
+    costs = calibrated(costs, ranges, run) # blocks rescaled to what a run of that split measured
 
 Every way in is checked here (check_values): a NaN, infinite, zero or negative F or B, a negative
 W, hop or gap is one line naming the block or stage. check_job says whether a trace's costs are
@@ -81,6 +82,48 @@ class SearchCosts:
         return cls(
             **{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
         )
+
+
+def calibrated(blocks: SearchCosts, ranges: Sequence[range], run: SearchCosts) -> SearchCosts:
+    """The blocks' costs rescaled stage by stage so that each stage of `ranges` sums to what
+    `run` (a run of that split: trace_costs) measured: its F, its B and its W apart (the whole
+    backward where the run's were whole), its tail; the run's message hop and gap. Blocks timed
+    alone are not what a run pays (the ranks share the machine's caches and memory, a stage's
+    passes interleave with another's), and the factor of a stage carries that to every split."""
+    if run.units != len(ranges) or sum(len(r) for r in ranges) != blocks.units:
+        raise CostsError(
+            f"costs from {run.source}: {run.units} stages, the split has {len(ranges)} of "
+            f"{blocks.units} blocks"
+        )
+    out = {k: list(getattr(blocks, k)) for k in ("forward", "backward", "weight", "tail")}
+
+    def scale(names: tuple[str, ...], want: float, r: range) -> None:
+        have = sum(out[k][i] for k in names for i in r)
+        if have <= 0:  # nothing timed there (a block with no parameters has no update)
+            out[names[0]][r[-1]] = want
+            return
+        for k in names:
+            for i in r:
+                out[k][i] *= want / have
+
+    for s, r in enumerate(ranges):
+        scale(("forward",), run.forward[s], r)
+        if run.can_split:
+            scale(("backward",), run.backward[s], r)
+            scale(("weight",), run.weight[s], r)
+        else:  # the run's backwards ran whole: B and W keep their timed shares of it
+            scale(("backward", "weight"), run.backward[s], r)
+        if blocks.tail and run.tail:
+            scale(("tail",), run.tail[s], r)
+    return check_values(
+        dataclasses.replace(
+            blocks,
+            **{k: tuple(v) for k, v in out.items()},
+            send=run.send,
+            gap=run.gap,
+            source=f"{blocks.source}, calibrated on {run.source}",
+        )
+    )
 
 
 def check_values(costs: SearchCosts) -> SearchCosts:
