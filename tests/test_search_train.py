@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -69,7 +70,19 @@ def test_auto_from_a_trace_resumes_bit_for_bit_and_refuses_another_model(tmp_pat
     assert "calibrated on 4 steps" in info["costs"]["source"]
     assert sorted(set(calibrated.steps["step"].tolist())) == [0, 1, 2]
     costs = tmp_path / "costs.h5"
-    train(2, "--set", "train.schedule=zb-v", "--trace", str(costs))
+    train(3, "--set", "train.schedule=zb-v", "--trace", str(costs))
+    # a schedule the second search changed runs its own steps, and they predict it
+    from mpihybrid.cli.auto import expected_of_run
+    from mpihybrid.config import build_job, resolve
+
+    own = tmp_path / "own" / "run.h5"
+    own.parent.mkdir()
+    shutil.copy(costs, own)
+    settings = [a for a in base if a.startswith(("grid", "model", "train"))]
+    zbv = resolve(build_job({}, [*settings, "train.schedule=zb-v", "train.steps=3"]), 2)
+    expected = expected_of_run(zbv, str(own), "a zb-v run")
+    assert expected["steps"] == 2 and 0 < expected["bubble"] < 1 and expected["makespan"] > 0
+    assert expected["on"] == "its own calibration run" and not own.parent.exists()
     auto = ["--set", "train.schedule=auto", "--set", f"train.schedule_costs={costs}"]
     train(6, *auto, "--trace", str(tmp_path / "whole.h5"))
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"

@@ -168,8 +168,9 @@ def _summary_lines(result: dict, ms) -> list[str]:
     if search and search.get("makespan") is not None:
         expected = search.get("expected") or {}
         over = (
-            f" ({expected['bubble']:.3f} and {1e3 * expected['makespan']:.1f} ms over the "
-            f"{expected['steps']} calibration steps apart)"
+            f" ({expected['bubble']:.3f} and {1e3 * expected['makespan']:.1f} ms simulated on "
+            f"each of the {expected['steps']} measured steps of "
+            f"{expected.get('on', 'a calibration run')})"
             if expected
             else ""
         )

@@ -101,11 +101,7 @@ def decide(
         info["calibration"] = calibration
     if steps_costs:
         sims = [simulate(best.lists, best.placement, c.split(best.ranges)) for c in steps_costs]
-        info["expected"] = {
-            "steps": len(sims),
-            "bubble": sum(x.bubble_fraction for x in sims) / len(sims),
-            "makespan": sum(x.makespan for x in sims) / len(sims),
-        }
+        info["expected"] = _expected(sims, "the first schedule's calibration run")
     return {
         "csv": csv_of(result),
         "partition": partition,
@@ -165,17 +161,10 @@ def resolve_auto(job, world=None, tick=None):
     path = calibration_run(apply(job, payload, size), world, steps)
 
     def again():
-        from mpihybrid.analysis.search_inputs import measured_steps, trace_costs
         from mpihybrid.pipeline.search_costs import calibrated
-        from mpihybrid.trace.read import load
 
         source = f"{steps} steps of the first search's schedule"
-        try:
-            trace = load(path)
-            run = trace_costs(trace, source)
-            each = [trace_costs(trace, source, step=s) for s in measured_steps(trace)]
-        finally:
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        run, each = _measured(path, source)
         searched = block_ranges(job.model, payload["partition"])
         first_info = json.loads(payload["info"])
         note = {
@@ -190,7 +179,60 @@ def resolve_auto(job, world=None, tick=None):
         steps_costs = [calibrated(mine["costs"], searched, one) for one in each]
         return decide(job, costs, None, mine["ranges"], tick, note, steps_costs)
 
-    return apply(job, _agreed(world, again), size)
+    found = _agreed(world, again)
+    if (found["csv"], found["partition"]) == (payload["csv"], payload["partition"]):
+        return apply(job, found, size)
+    # another schedule or split: it runs its own steps, and they predict it (its costs move with
+    # the order too: a stage's W beside another stage's passes is not the same W)
+    resolved = apply(job, found, size)
+    path = calibration_run(resolved, world, steps)
+
+    def own():
+        info = json.loads(found["info"])
+        info["expected"] = expected_of_run(resolved, path, f"{steps} steps of the schedule found")
+        return {**found, "info": json.dumps(info)}
+
+    return apply(job, _agreed(world, own), size)
+
+
+def expected_of_run(job, path: str, source: str) -> dict:
+    """The job's schedule simulated on each measured step of its own traced run at `path`
+    (removed after): the bubble and pipeline phase that run's steps predict (_expected)."""
+    from mpihybrid.pipeline.schedules import build_schedule, placement_of
+    from mpihybrid.pipeline.simulate import simulate
+
+    _, each = _measured(path, source)
+    t, pp = job.train, job.grid.pp
+    lists = build_schedule(t.schedule, pp, t.microbatches, t.virtual_stages, t.early_grad_send)
+    placement = placement_of(t.schedule, pp, t.virtual_stages)
+    sims = [simulate(lists, placement, c.split([range(i, i + 1) for i in range(c.units)]))
+            for c in each]  # fmt: skip
+    return _expected(sims, "its own calibration run")
+
+
+def _measured(path: str, source: str):
+    """(the mean per-stage costs, each measured step's) of the calibration trace at `path`,
+    which is then removed with its directory."""
+    from mpihybrid.analysis.search_inputs import measured_steps, trace_costs
+    from mpihybrid.trace.read import load
+
+    try:
+        trace = load(path)
+        return trace_costs(trace, source), [
+            trace_costs(trace, source, step=s) for s in measured_steps(trace)
+        ]
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def _expected(sims, on: str) -> dict:
+    """The mean bubble and pipeline phase of one simulation per measured step."""
+    return {
+        "steps": len(sims),
+        "bubble": sum(x.bubble_fraction for x in sims) / len(sims),
+        "makespan": sum(x.makespan for x in sims) / len(sims),
+        "on": on,
+    }
 
 
 def calibration_run(job, world, steps: int) -> str:
