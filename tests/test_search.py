@@ -328,8 +328,8 @@ def test_schedule_placement_is_checked():
     with pytest.raises(ConfigError, match="a list of 4 counts"):
         _load_job("jobs/gpt_bench.toml", ["train.schedule=auto", "train.schedule_placement=v",
                                           "model.partition=[2, 2]"])  # fmt: skip
-    with pytest.raises(ConfigError, match="train.schedule_calibrate = 1: 0"):
-        _load_job("jobs/gpt_bench.toml", ["train.schedule=auto", "train.schedule_calibrate=1"])
+    with pytest.raises(ConfigError, match="train.schedule_calibrate = 2: 0"):
+        _load_job("jobs/gpt_bench.toml", ["train.schedule=auto", "train.schedule_calibrate=2"])
 
 
 def test_bench_names_what_auto_chose():

@@ -59,15 +59,15 @@ def test_auto_from_a_trace_resumes_bit_for_bit_and_refuses_another_model(tmp_pat
         assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
         return proc
 
-    # on the job's timed blocks: 4 steps of the first search's schedule calibrate them (a
+    # on the job's timed blocks: 5 steps of the first search's schedule calibrate them (a
     # temporary trace, removed), then the search runs again; the trace is the run's 3 steps
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "mpihybrid-auto-*")))
     train(3, "--set", "train.schedule=auto", "--trace", str(tmp_path / "calibrated.h5"))
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "mpihybrid-auto-*"))) <= before
     calibrated = load(tmp_path / "calibrated.h5")
     info = json.loads(str(calibrated.attrs["schedule_search"]))
-    assert info["calibration"]["steps"] == 4 and info["expected"]["steps"] == 3
-    assert "calibrated on 4 steps" in info["costs"]["source"]
+    assert info["calibration"]["steps"] == 5 and info["expected"]["steps"] == 3
+    assert "calibrated on 5 steps" in info["costs"]["source"]
     assert sorted(set(calibrated.steps["step"].tolist())) == [0, 1, 2]
     costs = tmp_path / "costs.h5"
     train(3, "--set", "train.schedule=zb-v", "--trace", str(costs))
@@ -81,7 +81,7 @@ def test_auto_from_a_trace_resumes_bit_for_bit_and_refuses_another_model(tmp_pat
     settings = [a for a in base if a.startswith(("grid", "model", "train"))]
     zbv = resolve(build_job({}, [*settings, "train.schedule=zb-v", "train.steps=3"]), 2)
     expected = expected_of_run(zbv, str(own), "a zb-v run")
-    assert expected["steps"] == 2 and 0 < expected["bubble"] < 1 and expected["makespan"] > 0
+    assert expected["steps"] == 1 and 0 < expected["bubble"] < 1 and expected["makespan"] > 0
     assert expected["on"] == "its own calibration run" and not own.parent.exists()
     auto = ["--set", "train.schedule=auto", "--set", f"train.schedule_costs={costs}"]
     train(6, *auto, "--trace", str(tmp_path / "whole.h5"))

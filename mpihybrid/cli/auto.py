@@ -20,8 +20,12 @@ jobs/gpt_bench.toml the head's backward ran 21 % faster in the run, the layers' 
 docs/schedules.md). So, on the job's timed blocks, the first search's schedule runs
 `train.schedule_calibrate` steps (every rank, traced to a temporary file, no checkpoint), each
 block's F, B, W and tail are rescaled so that its stage sums to what the run measured
-(search_costs.calibrated), and the search runs again on them: its prediction is what the trace
-keeps, the first search's beside it (`calibration`).
+(search_costs.calibrated), and the order is searched again on them at the same split and
+placement (carried to another split, a run's costs decided by less than two runs of one schedule
+differ here). The schedule found is simulated on each measured step apart (`expected`: one
+simulation of mean costs idles less than steps that differ from each other); where the order
+changed, it runs its own calibration steps first, which predict it. The trace keeps both
+predictions and the first search (`calibration`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import os
 import shutil
 import tempfile
 
-from mpihybrid.config.searched import AUTO_TIME, apply, auto_placements
+from mpihybrid.config.searched import AUTO_TIME, WARM, apply, auto_placements
 
 
 def costs_of(job, link: tuple[float, float] = (0.0, 0.0)):
@@ -55,7 +59,14 @@ def costs_of(job, link: tuple[float, float] = (0.0, 0.0)):
 
 
 def decide(
-    job, costs, partition=None, ranges=None, tick=None, calibration=None, steps_costs=()
+    job,
+    costs,
+    partition=None,
+    ranges=None,
+    tick=None,
+    calibration=None,
+    steps_costs=(),
+    placements=None,
 ) -> dict:
     """Rank 0's search on `costs` (costs_of): {"csv", "partition", "chunks", "info"} (raises
     CostsError, ScheduleError with one line). calibration: what the costs were calibrated on,
@@ -63,7 +74,7 @@ def decide(
     schedule found is simulated once each for its expected bubble and pipeline phase (the
     run's steps differ, and a rank slower in one step than its mean idles the others: one
     simulation of mean costs predicts less idle time than the steps have, as analyze's
-    per-step prediction says)."""
+    per-step prediction says). placements: those searched (default: auto_placements')."""
     from mpihybrid.nn.model import layer_counts
     from mpihybrid.pipeline.search import csv_of, search
     from mpihybrid.pipeline.simulate import simulate
@@ -74,7 +85,7 @@ def decide(
         job.grid.pp,
         t.microbatches,
         max_inflight=t.schedule_inflight or None,
-        placements=auto_placements(t),
+        placements=placements or auto_placements(t),
         ranges=ranges,
         time_limit=AUTO_TIME,
         deterministic=True,
@@ -101,7 +112,7 @@ def decide(
         info["calibration"] = calibration
     if steps_costs:
         sims = [simulate(best.lists, best.placement, c.split(best.ranges)) for c in steps_costs]
-        info["expected"] = _expected(sims, "the first schedule's calibration run")
+        info["expected"] = _expected(sims, "the calibration run's steps, each at this split")
     return {
         "csv": csv_of(result),
         "partition": partition,
@@ -145,11 +156,11 @@ def resolve_auto(job, world=None, tick=None):
     size = world.Get_size() if world is not None else job.grid.pp * job.grid.dp
     # the hop and the gap as the runtime pays them (collective; a trace's costs have their own)
     link = probe_link(world, job) if not job.train.schedule_costs else (0.0, 0.0)
-    mine = {}  # rank 0's: the costs and the split the first search ran on
+    mine = {}  # rank 0's: the costs the first search ran on
 
     def first():
         costs, partition, ranges = costs_of(job, link)
-        mine.update(costs=costs, ranges=ranges)
+        mine.update(costs=costs)
         return decide(job, costs, partition, ranges, tick)
 
     payload = _agreed(world, first)
@@ -157,8 +168,11 @@ def resolve_auto(job, world=None, tick=None):
     if not steps or job.train.schedule_costs or world is None or job.grid.pp < 2:
         return apply(job, payload, size)
     # the searched schedule runs a few steps; what its stages paid rescales the blocks' costs
-    # (search_costs.calibrated) and the search runs again on them
-    path = calibration_run(apply(job, payload, size), world, steps)
+    # (search_costs.calibrated) and the order is searched again on them, at the same split and
+    # placement (a run's costs are of its split: carried to another, they decide by less than
+    # the runs differ from each other)
+    searched_job = apply(job, payload, size)
+    path = calibration_run(searched_job, world, steps)
 
     def again():
         from mpihybrid.pipeline.search_costs import calibrated
@@ -175,12 +189,18 @@ def resolve_auto(job, world=None, tick=None):
             "makespan": first_info["makespan"],
             "bubble": first_info["bubble"],
         }
+        style = first_info["placement"]
+        if len(searched) != job.grid.pp * (2 if style == "v" else 1):
+            # interleaved's loop of 2 pp stages: no order is searched for it; its steps predict it
+            expected = _expected_on(searched_job, each, "its own calibration run")
+            return {**payload, "info": json.dumps(first_info | {"calibration": note,
+                                                                "expected": expected})}  # fmt: skip
         costs = calibrated(mine["costs"], searched, run)
         steps_costs = [calibrated(mine["costs"], searched, one) for one in each]
-        return decide(job, costs, None, mine["ranges"], tick, note, steps_costs)
+        return decide(job, costs, None, searched, tick, note, steps_costs, (style,))
 
     found = _agreed(world, again)
-    if (found["csv"], found["partition"]) == (payload["csv"], payload["partition"]):
+    if found["csv"] == payload["csv"]:  # the same lists: its own steps predicted it
         return apply(job, found, size)
     # another schedule or split: it runs its own steps, and they predict it (its costs move with
     # the order too: a stage's W beside another stage's passes is not the same W)
@@ -198,28 +218,33 @@ def resolve_auto(job, world=None, tick=None):
 def expected_of_run(job, path: str, source: str) -> dict:
     """The job's schedule simulated on each measured step of its own traced run at `path`
     (removed after): the bubble and pipeline phase that run's steps predict (_expected)."""
+
+    return _expected_on(job, _measured(path, source)[1], "its own calibration run")
+
+
+def _expected_on(job, each, on: str) -> dict:
+    """The job's schedule simulated on each of `each` (per-stage costs, trace_costs)."""
     from mpihybrid.pipeline.schedules import build_schedule, placement_of
     from mpihybrid.pipeline.simulate import simulate
 
-    _, each = _measured(path, source)
     t, pp = job.train, job.grid.pp
     lists = build_schedule(t.schedule, pp, t.microbatches, t.virtual_stages, t.early_grad_send)
     placement = placement_of(t.schedule, pp, t.virtual_stages)
     sims = [simulate(lists, placement, c.split([range(i, i + 1) for i in range(c.units)]))
             for c in each]  # fmt: skip
-    return _expected(sims, "its own calibration run")
+    return _expected(sims, on)
 
 
 def _measured(path: str, source: str):
-    """(the mean per-stage costs, each measured step's) of the calibration trace at `path`,
-    which is then removed with its directory."""
+    """(the mean per-stage costs, each measured step's) of the calibration trace at `path` past
+    its WARM first steps, which is then removed with its directory."""
     from mpihybrid.analysis.search_inputs import measured_steps, trace_costs
     from mpihybrid.trace.read import load
 
     try:
         trace = load(path)
-        return trace_costs(trace, source), [
-            trace_costs(trace, source, step=s) for s in measured_steps(trace)
+        return trace_costs(trace, source, WARM), [
+            trace_costs(trace, source, step=s) for s in measured_steps(trace, WARM)
         ]
     finally:
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)

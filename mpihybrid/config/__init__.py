@@ -102,11 +102,11 @@ class TrainConfig:
     # schedule = "auto" (cli/auto.py): costs from this trace instead of timing the blocks,
     # the memory limit in micro-batches of a rank's share (0: pp, 1F1B's), the placements
     # searched ("": loop and V; "loop" or "v": that one alone), and the steps the first search's
-    # schedule runs so its measured stage costs calibrate the timed blocks' (0 or >= 2)
+    # schedule runs so its measured stage costs calibrate the timed blocks' (0 or >= 3)
     schedule_costs: str = ""
     schedule_inflight: float = 0.0
     schedule_placement: str = ""
-    schedule_calibrate: int = 4  # steps the first search's schedule runs to calibrate (0: none)
+    schedule_calibrate: int = 5  # steps the first search's schedule runs to calibrate (0: none)
     early_grad_send: bool = True  # a backward sends its input gradient before the weight gradient
     optimizer: str = "sgd"
     lr: float = 0.01  # the peak rate (lr_schedule: the rate after the warmup)

@@ -22,6 +22,7 @@ from mpihybrid.config import (
     Job,
     ModelConfig,
 )
+from mpihybrid.config.searched import WARM
 from mpihybrid.nn.kinds import KINDS, model_kind
 from mpihybrid.nn.optim import check_settings
 from mpihybrid.nn.weights import init_problem
@@ -209,10 +210,10 @@ def _check_auto(job: Job) -> None:
             f"train.schedule_inflight = {t.schedule_inflight}: at least 1 "
             "micro-batch of a rank's share (0: pp)"
         )
-    if t.schedule_calibrate < 0 or t.schedule_calibrate == 1:
+    if t.schedule_calibrate < 0 or 0 < t.schedule_calibrate <= WARM:
         raise ConfigError(
             f"train.schedule_calibrate = {t.schedule_calibrate}: 0 (no calibration) or at least "
-            "2 steps (the first is a warm-up)"
+            f"{WARM + 1} steps (the first {WARM} are a warm-up)"
         )
     if t.schedule_placement not in PLACEMENTS:
         raise ConfigError(

@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+# a calibration run's first steps left out (cli/auto.py): a fresh process's first step is
+# 1.5x, its second 1.1x the later ones (gpt_bench, zb-h1: 398, 301, then 272-287 ms)
+WARM = 2
 AUTO_TIME = 4.0  # the exact search's deterministic time limit, over every split it solves (~ s)
 
 
