@@ -282,7 +282,21 @@ def calibration_run(job, world, steps: int) -> str:
         if path:
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         raise
+    _give_back()
     return path if world.rank == 0 else ""
+
+
+def _give_back() -> None:
+    """The calibration run's freed memory back to the system (glibc keeps the heap it grew:
+    without this a gpt_bench rank's peak grew from 454 to 640 MiB); elsewhere nothing."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _agreed(world, decide_on_rank0):
