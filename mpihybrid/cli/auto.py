@@ -200,6 +200,7 @@ def resolve_auto(job, world=None, tick=None):
         return decide(job, costs, None, searched, tick, note, steps_costs, (style,))
 
     found = _agreed(world, again)
+    _give_back()  # the solver's heap too, before the run builds its model
     if found["csv"] == payload["csv"]:  # the same lists: its own steps predicted it
         return apply(job, found, size)
     # another schedule or split: it runs its own steps, and they predict it (its costs move with
@@ -287,7 +288,7 @@ def calibration_run(job, world, steps: int) -> str:
 
 
 def _give_back() -> None:
-    """The calibration run's freed memory back to the system (glibc keeps the heap it grew:
+    """Freed memory back to the system (glibc keeps the heap a calibration run or a solve grew:
     without this a gpt_bench rank's peak grew from 454 to 640 MiB); elsewhere nothing."""
     import ctypes
     import gc
