@@ -59,7 +59,7 @@ GATHER_CODECS = {
 # and activation gradients a stage sends; run at --pp 2 or more (wire-fp32 has fp32's bits)
 WIRE_CODECS = {
     f"wire-{name}": ["comm.codec=fp32", f"comm.p2p_codec={name}", "comm.p2p_codec_scope=all"]
-    for name in ("fp32", "bf16", "int8")
+    for name in ("fp32", "fp16", "bf16", "int8")
 }
 CODECS = {**GRADIENT_CODECS, **GATHER_CODECS, **WIRE_CODECS}
 # the benchmark's model: small enough that 30 runs fit a sitting or two on 2 cores
