@@ -61,6 +61,7 @@ def costs_of(job, link: tuple[float, float] = (0.0, 0.0)):
 def decide(
     job,
     costs,
+    *,
     partition=None,
     ranges=None,
     tick=None,
@@ -161,7 +162,7 @@ def resolve_auto(job, world=None, tick=None):
     def first():
         costs, partition, ranges = costs_of(job, link)
         mine.update(costs=costs)
-        return decide(job, costs, partition, ranges, tick)
+        return decide(job, costs, partition=partition, ranges=ranges, tick=tick)
 
     payload = _agreed(world, first)
     steps = job.train.schedule_calibrate
@@ -197,7 +198,8 @@ def resolve_auto(job, world=None, tick=None):
                                                                 "expected": expected})}  # fmt: skip
         costs = calibrated(mine["costs"], searched, run)
         steps_costs = [calibrated(mine["costs"], searched, one) for one in each]
-        return decide(job, costs, None, searched, tick, note, steps_costs, (style,))
+        return decide(job, costs, ranges=searched, tick=tick, calibration=note,
+                      steps_costs=steps_costs, placements=(style,))  # fmt: skip
 
     found = _agreed(world, again)
     _give_back()  # the solver's heap too, before the run builds its model
