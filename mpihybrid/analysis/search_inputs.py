@@ -23,7 +23,6 @@ def trace_costs(
 
     from mpihybrid.analysis.costs import stage_costs
     from mpihybrid.analysis.messages import message_latency
-    from mpihybrid.analysis.metrics import _measured_steps
     from mpihybrid.pipeline.placement import Placement
     from mpihybrid.trace.recorder import COMPUTE
 
@@ -32,7 +31,7 @@ def trace_costs(
     placement = Placement.from_attrs(trace.attrs)
     events = trace.events
     compute = events[np.isin(events["kind"], list(COMPUTE))]
-    steps = _measured_steps(compute, skip_steps) if step is None else [step]
+    steps = measured_steps(trace, skip_steps) if step is None else [step]
     compute = compute[np.isin(compute["step"], steps)]
     send = message_latency(events[np.isin(events["step"], steps)], mean=True)
     measured = stage_costs(compute, placement.num_stages, send)

@@ -66,19 +66,16 @@ def decide(
     ranges=None,
     tick=None,
     calibration=None,
-    steps_costs=(),
+    each=(),
     placements=None,
 ) -> dict:
     """Rank 0's search on `costs` (costs_of): {"csv", "partition", "chunks", "info"} (raises
     CostsError, ScheduleError with one line). calibration: what the costs were calibrated on,
-    kept in the info; steps_costs: the costs of each calibration step apart, on which the
-    schedule found is simulated once each for its expected bubble and pipeline phase (the
-    run's steps differ, and a rank slower in one step than its mean idles the others: one
-    simulation of mean costs predicts less idle time than the steps have, as analyze's
-    per-step prediction says). placements: those searched (default: auto_placements')."""
+    kept in the info; each: the per-stage costs of each calibration step at the split kept
+    (`ranges`), on which the schedule found is simulated for its expected bubble and pipeline
+    phase (_expected). placements: those searched (default: auto_placements')."""
     from mpihybrid.nn.model import layer_counts
     from mpihybrid.pipeline.search import csv_of, search
-    from mpihybrid.pipeline.simulate import simulate
 
     t = job.train
     result = search(
@@ -111,9 +108,9 @@ def decide(
     }
     if calibration:
         info["calibration"] = calibration
-    if steps_costs:
-        sims = [simulate(best.lists, best.placement, c.split(best.ranges)) for c in steps_costs]
-        info["expected"] = _expected(sims, "the calibration run's steps, each at this split")
+    if each:
+        on = "the calibration run's steps, each at this split"
+        info["expected"] = _expected(best.lists, best.placement, each, on)
     return {
         "csv": csv_of(result),
         "partition": partition,
@@ -176,6 +173,7 @@ def resolve_auto(job, world=None, tick=None):
     path = calibration_run(searched_job, world, steps)
 
     def again():
+        from mpihybrid.pipeline.search import make_placement
         from mpihybrid.pipeline.search_costs import calibrated
 
         source = f"{steps} steps of the first search's schedule"
@@ -191,15 +189,14 @@ def resolve_auto(job, world=None, tick=None):
             "bubble": first_info["bubble"],
         }
         style = first_info["placement"]
-        if len(searched) != job.grid.pp * (2 if style == "v" else 1):
+        if len(searched) != make_placement(style, job.grid.pp).num_stages:
             # interleaved's loop of 2 pp stages: no order is searched for it; its steps predict it
-            expected = _expected_on(searched_job, each, "its own calibration run")
+            expected = _expected_of_job(searched_job, each)
             return {**payload, "info": json.dumps(first_info | {"calibration": note,
                                                                 "expected": expected})}  # fmt: skip
         costs = calibrated(mine["costs"], searched, run)
-        steps_costs = [calibrated(mine["costs"], searched, one) for one in each]
-        return decide(job, costs, ranges=searched, tick=tick, calibration=note,
-                      steps_costs=steps_costs, placements=(style,))  # fmt: skip
+        return decide(job, costs, ranges=searched, tick=tick, calibration=note, each=each,
+                      placements=(style,))  # fmt: skip
 
     found = _agreed(world, again)
     _give_back()  # the solver's heap too, before the run builds its model
@@ -221,21 +218,17 @@ def resolve_auto(job, world=None, tick=None):
 def expected_of_run(job, path: str, source: str) -> dict:
     """The job's schedule simulated on each measured step of its own traced run at `path`
     (removed after): the bubble and pipeline phase that run's steps predict (_expected)."""
+    return _expected_of_job(job, _measured(path, source)[1])
 
-    return _expected_on(job, _measured(path, source)[1], "its own calibration run")
 
-
-def _expected_on(job, each, on: str) -> dict:
-    """The job's schedule simulated on each of `each` (per-stage costs, trace_costs)."""
+def _expected_of_job(job, each) -> dict:
+    """_expected of the job's own schedule (as resolved) on a run of it."""
     from mpihybrid.pipeline.schedules import build_schedule, placement_of
-    from mpihybrid.pipeline.simulate import simulate
 
     t, pp = job.train, job.grid.pp
     lists = build_schedule(t.schedule, pp, t.microbatches, t.virtual_stages, t.early_grad_send)
     placement = placement_of(t.schedule, pp, t.virtual_stages)
-    sims = [simulate(lists, placement, c.split([range(i, i + 1) for i in range(c.units)]))
-            for c in each]  # fmt: skip
-    return _expected(sims, on)
+    return _expected(lists, placement, each, "its own calibration run")
 
 
 def _measured(path: str, source: str):
@@ -253,8 +246,15 @@ def _measured(path: str, source: str):
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
-def _expected(sims, on: str) -> dict:
-    """The mean bubble and pipeline phase of one simulation per measured step."""
+def _expected(lists, placement, each, on: str) -> dict:
+    """The mean bubble and pipeline phase of the lists simulated once on each of `each`
+    (per-stage costs of one measured step, trace_costs(step=)): a run's steps differ, and a rank
+    slower in one step than its mean idles the others, so one simulation of mean costs predicts
+    less idle time than the steps have (analyze's per-step prediction says the same)."""
+    from mpihybrid.pipeline.simulate import simulate
+
+    sims = [simulate(lists, placement, c.split([range(i, i + 1) for i in range(c.units)]))
+            for c in each]  # fmt: skip
     return {
         "steps": len(sims),
         "bubble": sum(x.bubble_fraction for x in sims) / len(sims),
