@@ -19,6 +19,7 @@ import functools
 
 import numpy as np
 
+ENABLED = True  # False: always numpy's expression (benchmarks/gemm_ab.py times the two paths)
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS's enums
 # the sgemm symbol and its integer width: numpy's wheels bundle scipy-openblas (64-bit ints,
 # prefixed names); a system OpenBLAS has the plain 32-bit one
@@ -72,7 +73,7 @@ def _rows_ok(a) -> bool:
 def accumulate_xt_dy(g: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
     """g += x^T @ dy for x (rows, in), dy (rows, out), g (in, out), in place. g may be a
     transposed view (a tied head's gradient is the embedding's, transposed): then g^T += dy^T x."""
-    sgemm = _sgemm()
+    sgemm = _sgemm() if ENABLED else None
     if sgemm is None or len(x) == 0 or not (_rows_ok(x) and _rows_ok(dy)):
         g += x.T @ dy
     elif _rows_ok(g) and g.strides[0] == 4 * g.shape[1]:
