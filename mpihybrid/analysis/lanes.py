@@ -45,7 +45,13 @@ class Lanes:
         if not np.any(np.isin(kind, COMPUTE_CODES)):
             raise LanesError("the trace has no per-action events (trace.events = false?)")
         main = np.flatnonzero(np.isin(kind, [KIND[k] for k in MAIN]))
-        by = (events["start"][main], events["rank"][main], events["step"][main])
+        # ties in start (a zero-length row beside an action): the longer one last
+        by = (
+            events["end"][main],
+            events["start"][main],
+            events["rank"][main],
+            events["step"][main],
+        )
         order = main[np.lexsort(by)]
         step, rank = events["step"][order], events["rank"][order]
         cut = np.flatnonzero((np.diff(step) != 0) | (np.diff(rank) != 0)) + 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mpihybrid.analysis.cause import why_lines
 from mpihybrid.analysis.metrics import SPLIT, STEPS_ONLY
 from mpihybrid.analysis.oversubscription import oversubscription_text
 from mpihybrid.analysis.plain import plain_lines
@@ -32,6 +33,8 @@ def format_analysis(result: dict) -> str:
     ]
     lines += ["", "activations in flight per stage (peak over steps and replicas)"]
     lines += table(["stage", "peak", "schedule", "peak bytes"], rows)
+    if "why" in result:
+        lines += why_lines(result["why"])
     return "\n".join(lines)
 
 

@@ -70,9 +70,14 @@ def analyze(run, as_json) -> None:
     bubble measured vs predicted, bytes, all-reduce algbw/busbw, throughput, activation memory."""
     import json
 
+    from mpihybrid.analysis.cause import why
+    from mpihybrid.analysis.metrics import STEPS_ONLY
     from mpihybrid.analysis.report import format_analysis
 
-    result = _analyze(_load(run), run)
+    trace = _load(run)
+    result = _analyze(trace, run)
+    if result.get("events") != STEPS_ONLY:
+        result["why"] = why(trace, result["bubble"]["steps"], run)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
