@@ -80,6 +80,7 @@ def simulated_trace(name: str, pp: int, m: int, costs: Costs, steps: int = 3) ->
     actions, placement = build_schedule(name, pp, m, 1, True), placement_of(name, pp)
     sim = simulate(actions, placement, costs)
     code = {"F": "forward", "B": "backward", "W": "weight"}
+    end_of = {(b.kind, b.stage, b.microbatch): t for b, t in sim.end.items()}
     spec = []
     for step in range(steps):
         origin = 100.0 * step
@@ -93,8 +94,7 @@ def simulated_trace(name: str, pp: int, m: int, costs: Costs, steps: int = 3) ->
             if a.kind in "FB" and 0 <= src < placement.num_stages:
                 peer = placement.rank_of(src)
                 if peer != rank:
-                    t = origin + sim.end[[b for b in sim.end if
-                                          (b.kind, b.stage, b.microbatch) == (a.kind, src, a.microbatch)][0]]  # fmt: skip
+                    t = origin + end_of[(a.kind, src, a.microbatch)]
                     spec.append((peer, src, "send", step, a.microbatch, t, t, rank))
                     spec.append((rank, a.stage, "recv", step, a.microbatch,
                                  last_end.get(rank, origin), t0, peer))  # fmt: skip

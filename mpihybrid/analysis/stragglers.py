@@ -9,8 +9,8 @@ THRESHOLD times the fastest replica of its stage in that step (the relative scor
 dp > 1). It is chronic when slow in at least CHRONIC of the measured steps, one-off when slow
 in fewer; analyze names only the chronic ones. The individual score (a step against its own
 best steps: the 10th percentile of its per-step medians) is reported, never named on: with
-one replica a loaded machine slows every rank's steps together, which is no rank's fault. A median is not moved by the one
-action of a step that carries the optimizer's update.
+one replica a loaded machine slows every rank's steps together, which is no rank's fault. A
+median is not moved by the one action of a step that carries the optimizer's update.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def stragglers(events: np.ndarray, steps: list[int], dp: int) -> dict:
         cells.setdefault((rank, stage, kind), {})[step] = value
     # the fastest replica of each (stage, kind, step)
     fastest: dict[tuple[int, int, int], float] = {}
-    for (rank, stage, kind), per in cells.items():
+    for (_, stage, kind), per in cells.items():
         for step, value in per.items():
             key = (stage, kind, step)
             fastest[key] = min(fastest.get(key, np.inf), value)
