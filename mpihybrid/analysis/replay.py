@@ -37,7 +37,8 @@ class ReplayError(ValueError):
 class Change:
     schedule: str | None = None  # None: the run's
     microbatches: int | None = None
-    # (("stage", s) | ("rank", r) | ("all", -1), kind "F"/"B"/"W"/"*") -> factor; "hop" -> factor
+    # ("stage", s, kind) | ("rank", r, kind) | ("all", -1, kind) -> factor (kind "F", "B", "W"
+    # or "*"); "hop", "gap", "tail" -> factor
     scales: dict = field(default_factory=dict)
 
     def text(self) -> str:
@@ -49,8 +50,8 @@ class Change:
 
 
 def scale_name(key) -> str:
-    if key == "hop":
-        return "hop"
+    if isinstance(key, str):
+        return key
     (where, i), kind = key[:2], key[2]
     head = "" if where == "all" else f"{where}{i}"
     tail = "" if kind == "*" else kind
@@ -240,16 +241,17 @@ def sim_costs(base: Measured, costs, change: Change, replica: int, m: int) -> Co
     n = costs.units
     f, b, w = list(costs.forward), list(costs.backward), list(costs.weight)
     whole = list(costs.whole) if costs.whole else [b[i] + w[i] for i in range(n)]
-    if not costs.can_split or any(x == 0 for x in w):
+    unsplit = [x == 0 for x in w]  # its backwards ran whole: "B" scales the whole one
+    if any(unsplit):
         f, b, w, whole = _split_unknown(costs, f, b, w, whole)
     size = base.m / m  # a micro-batch's rows, relative to the run's
     factor = {k: [size] * n for k in KINDS}
     ranks = base.replica_ranks[replica]
     placement_ranks = costs.stage_ranks or tuple(range(n))
-    hop = 1.0
+    plain = {"hop": 1.0, "gap": 1.0, "tail": 1.0}  # the costs not of one stage's kind
     for key, x in change.scales.items():
-        if key == "hop":
-            hop *= x
+        if key in plain:
+            plain[key] *= x
             continue
         where, i, kind = key
         for s in range(n):
@@ -265,17 +267,22 @@ def sim_costs(base: Measured, costs, change: Change, replica: int, m: int) -> Co
     new_b = [b[s] * fb[s] for s in range(n)]
     new_w = [w[s] * fw[s] for s in range(n)]
     new_whole = [
-        whole[s] * (new_b[s] + new_w[s]) / (b[s] + w[s]) if b[s] + w[s] > 0 else whole[s] * fb[s]
+        whole[s] * fb[s]
+        if unsplit[s] or b[s] + w[s] <= 0
+        else whole[s] * (new_b[s] + new_w[s]) / (b[s] + w[s])
         for s in range(n)
     ]
+    for s in range(n):
+        if unsplit[s]:  # its measured B was the whole backward: B x scales both halves
+            new_w[s] = w[s] * fb[s]
     return Costs(
         forward=[f[s] * ff[s] for s in range(n)],
         backward=new_b,
         weight=new_w,
-        send=costs.send * hop,
+        send=costs.send * plain["hop"],
         whole=new_whole,
-        tail=list(costs.tail) if costs.tail else 0.0,
-        gap=costs.gap,
+        tail=[x * plain["tail"] for x in costs.tail] if costs.tail else 0.0,
+        gap=costs.gap * plain["gap"],
     )
 
 

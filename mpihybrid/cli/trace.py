@@ -192,7 +192,12 @@ def compare(runs, as_json) -> None:
     if as_json:
         import json
 
-        click.echo(json.dumps(_compare_json(runs, labels, results, configs, differ), indent=2))
+        doc = _compare_json(runs, labels, results, configs, differ)
+        if len(runs) == 2:
+            from mpihybrid.analysis.diff import diff
+
+            doc["actions"] = diff(*traces, *runs)
+        click.echo(json.dumps(doc, indent=2))
         return
     rows = [[k, *(str(c.get(k, "-")) for c in configs)] for k in differ]
     rows.append(["measured window", *(window_text(r["window"]) for r in results)])
@@ -227,6 +232,10 @@ def compare(runs, as_json) -> None:
     ]
     rows = [r for r in rows if r[0] != "tokens/s" or any(c != "-" for c in r[1:])]
     click.echo("\n".join(table(["", *labels], rows)))
+    if len(runs) == 2:
+        from mpihybrid.analysis.diff import diff, diff_lines
+
+        click.echo("\n".join(diff_lines(diff(*traces, *runs), labels)))
     for label, result in zip(labels, results, strict=True):
         caveat = oversubscription_text(result["run"].get("oversubscribed"))
         if caveat:

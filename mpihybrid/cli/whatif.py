@@ -38,7 +38,8 @@ def parse_set(items: tuple[str, ...]) -> dict:
 
 
 def parse_scale(items: tuple[str, ...]) -> dict:
-    """--scale WHAT=FACTOR: WHAT is hop, F/B/W, stageN[.F], rankN[.B]; FACTOR finite, >= 0."""
+    """--scale WHAT=FACTOR: WHAT is hop, gap (a rank's time between actions), tail (the
+    optimizer's update in a stage's last W), F/B/W, stageN[.F], rankN[.B]; FACTOR finite >= 0."""
     out: dict = {}
     for item in items:
         what, sep, value = item.partition("=")
@@ -54,8 +55,8 @@ def parse_scale(items: tuple[str, ...]) -> dict:
 
 
 def _scale_key(what: str, item: str):
-    if what == "hop":
-        return "hop"
+    if what in ("hop", "gap", "tail"):
+        return what
     head, _, kind = what.partition(".")
     if head in KIND_NAMES and not kind:
         return ("all", -1, head)
@@ -63,7 +64,7 @@ def _scale_key(what: str, item: str):
     for where in ("stage", "rank"):
         if head.startswith(where) and head[len(where) :].isdigit() and kind in (*KIND_NAMES, "*"):
             return (where, int(head[len(where) :]), kind)
-    _fail(f"--scale {item}: WHAT is hop, F, B, W, stageN, rankN, stageN.F, rankN.B, ...")
+    _fail(f"--scale {item}: WHAT is hop, gap, tail, F, B, W, stageN, rankN, stageN.F, ...")
 
 
 @click.command()
@@ -118,7 +119,7 @@ def _check_targets(base, change) -> None:
 
     stages, ranks = base.pp * base.v, base.pp * base.dp
     for key in change.scales:
-        if key == "hop" or key[0] == "all":
+        if isinstance(key, str) or key[0] == "all":
             continue
         where, i, _ = key
         limit = stages if where == "stage" else ranks
