@@ -155,8 +155,8 @@ def schedule_of(base: Measured, change: Change, mean_costs=None):
     mine = placement_of(base.schedule, base.pp, base.v)
     if name == "auto":
         return _searched(base, m, mine, mean_costs), False
-    v = chunks_for(name, base.v) if change.schedule else base.v
     try:
+        v = chunks_for(name, base.v) if change.schedule else base.v
         check_config(name, base.pp, m, v)
         actions = build_schedule(name, base.pp, m, v, base.early)
         placement = placement_of(name, base.pp, v)

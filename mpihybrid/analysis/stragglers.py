@@ -64,7 +64,7 @@ def stragglers(events: np.ndarray, steps: list[int], dp: int) -> dict:
                 "verdict": _verdict(slow, len(values)) if relative is not None else "no peers",
             }
         )
-    named = [s for s in scores if s["verdict"] == "chronic"]
+    named = sorted((s for s in scores if s["verdict"] == "chronic"), key=lambda s: -s["relative"])
     return {"scores": scores, "named": named, "threshold": THRESHOLD, "chronic": CHRONIC}
 
 

@@ -88,6 +88,7 @@ def whatif(run, sets, scales, as_json) -> None:
         measured_figures,
         replay,
     )
+    from mpihybrid.pipeline.schedules import ScheduleError
 
     change = Change(**parse_set(sets), scales=parse_scale(scales))
     trace = _load(run)
@@ -97,7 +98,7 @@ def whatif(run, sets, scales, as_json) -> None:
         own = replay(base, Change())
         asked = replay(base, change)
         gains = gain_table(base)
-    except ReplayError as exc:
+    except (ReplayError, ScheduleError) as exc:
         _fail(str(exc))
     doc = {
         "run": run,
