@@ -64,10 +64,10 @@ def _one(lanes: Lanes, step: int, rank: int, out: dict) -> None:
     for a, b in zip(edges[0::2], edges[1::2], strict=True):
         a, b = max(a, begin), min(b, finish)
         if b > a:
-            _interval(lanes, others, a, b, first, last, out)
+            _interval(lanes, others, a, b, first=first, last=last, out=out)
 
 
-def _interval(lanes, others, a: float, b: float, first: float, last: float, out: dict) -> None:
+def _interval(lanes, others, a: float, b: float, *, first: float, last: float, out: dict) -> None:
     """Cut [a, b] by the rows in it and give each piece to its cause."""
     ev = lanes.events
     causes = out["causes"]

@@ -189,7 +189,7 @@ def _panel(ax, trace: Trace, rows, steps: range, ranks, *, t0, length, scale, la
     y_of = {r: i for i, r in enumerate(ranks)}
     _draw_bars(ax, rows, y_of, t0, scale, min_width=min_width, colours=colours)
     if trace.has_actions:
-        _draw_critical(ax, trace, steps, y_of, t0, scale)
+        _draw_critical(ax, trace, steps, y_of, t0=t0, scale=scale)
     step_rows = ev[ev["kind"] == KIND["step"]]
     for step in steps:  # dashed line where each step starts on its first rank
         starts = step_rows["start"][step_rows["step"] == step]
@@ -226,7 +226,7 @@ def _panel(ax, trace: Trace, rows, steps: range, ranks, *, t0, length, scale, la
 CRITICAL = "#d62728"
 
 
-def _draw_critical(ax, trace: Trace, steps: range, y_of: dict, t0: float, scale: float) -> None:
+def _draw_critical(ax, trace: Trace, steps: range, y_of: dict, *, t0: float, scale: float) -> None:
     """Each drawn step's critical path (analysis/critical.py): a red line along the top of each
     link's row, a red arrow for each message hop from the sender's row to the receiver's."""
     from mpihybrid.analysis.critical import critical_paths
