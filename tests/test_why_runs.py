@@ -17,7 +17,8 @@ SLOW = "3:F:3"  # rank 3 (stage 1 of replica 1) runs each forward three times as
 
 @pytest.fixture(scope="module")
 def slowed(tmp_path_factory):
-    """pp = 2 x dp = 2, 8 steps of a small MLP, rank 3's forwards slowed 3x."""
+    """pp = 2 x dp = 2, 8 steps of a small MLP, rank 3's forwards slowed 3x; the run's live
+    straggler line names it."""
     path = tmp_path_factory.mktemp("why") / "slow.h5"
     proc = run_mpi(
         4,
@@ -27,6 +28,8 @@ def slowed(tmp_path_factory):
         *("--set", "train.steps=8", "--set", f"train.slowdown={SLOW}"),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # the live line, from the step lines' boundaries (quiet hides the step lines, not it)
+    assert "straggler: rank 3 (stage 1) F" in proc.stdout, proc.stdout[-2000:]
     return path
 
 

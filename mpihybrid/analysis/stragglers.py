@@ -18,10 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from mpihybrid.analysis.rows import groups
+from mpihybrid.pipeline.slowdown import CHRONIC, THRESHOLD
 from mpihybrid.trace.recorder import COMPUTE
 
-THRESHOLD = 1.15  # a run's own spread between replicas of one stage stays under this
-CHRONIC = 0.5  # slow in at least half the measured steps
 BEST = 10  # the individual reference: this percentile of its own steps
 
 

@@ -100,6 +100,8 @@ class PipelineRuntime:
         self.recorder = recorder
         slow = settings.slowdown
         self.slow = slow if slow is not None and slow.rank == recorder.rank else None
+        # seconds and count of each compute kind so far (train/live_stragglers reads them)
+        self.kind_seconds = {k: [0.0, 0] for k in "FBW"}
         self.backend = backend
         self.isend = pp_comm.Issend if settings.sync_sends else pp_comm.Isend
         self.loss_fn = SoftmaxCrossEntropy()
@@ -210,8 +212,12 @@ class PipelineRuntime:
     def _done(self, kind: str, a: Action, state: _Step, t0: float, nbytes: int = 0) -> None:
         # a GPU queues kernels: wait for them so the trace times the work, not its launch
         self.backend.synchronize()  # a no-op on the CPU
+        letter = kind[0].upper()
         if self.slow is not None:
-            self.slow.after(kind[0].upper(), Recorder.clock() - t0)
+            self.slow.after(letter, Recorder.clock() - t0)
+        total = self.kind_seconds[letter]
+        total[0] += Recorder.clock() - t0
+        total[1] += 1
         self.recorder.record(
             KIND[kind], state.step, a.stage, a.microbatch, t0, Recorder.clock(), nbytes
         )

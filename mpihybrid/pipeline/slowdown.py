@@ -1,4 +1,6 @@
-"""A straggler made on purpose (train.slowdown, off by default): one rank's F, B or W actions
+"""Stragglers: the rule that names one (THRESHOLD, CHRONIC: analysis/stragglers.py after the
+run, train/live_stragglers.py during it), and one made on purpose (train.slowdown, off by
+default): one rank's F, B or W actions
 take `factor` times as long, by doing real extra work after each (matrix products on the same
 core, as a slower device would), so tests and demonstrations can make a straggler that the
 analysis must find (docs/analysis.md).
@@ -15,6 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 _BLOCK = 64  # a product this size takes microseconds: the clock is read between them
+# slow: an action kind's median (or mean, live) at least this times its stage's fastest
+# replica's; chronic: slow in at least this share of the steps (or step lines) seen
+THRESHOLD = 1.15
+CHRONIC = 0.5
 
 
 @dataclass(frozen=True)
