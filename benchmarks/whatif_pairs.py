@@ -1,7 +1,9 @@
 """whatif measured: the replay of each run itself, and predictions of a change against a real
-run of that change (docs/analysis.md). Reads the traces benchmarks/replay_traces.sh wrote:
+run of that change (docs/analysis.md). Reads the traces benchmarks/replay_traces.sh wrote, one
+folder per round; with several rounds a pair's predicted and measured steps are each the median
+over the rounds (the machine's load drifts between runs):
 
-    python benchmarks/whatif_pairs.py runs/replay
+    python benchmarks/whatif_pairs.py runs/r1 [runs/r2 runs/r3]
 """
 
 from __future__ import annotations
@@ -30,8 +32,32 @@ PAIRS = [
 ]
 
 
-def main(folder: str) -> None:
-    base = {p.stem: Measured.of(load(p), str(p)) for p in sorted(Path(folder).glob("*.h5"))}
+def main(folders: list[str]) -> None:
+    rounds = [
+        {p.stem: Measured.of(load(p), str(p)) for p in sorted(Path(f).glob("*.h5"))}
+        for f in folders
+    ]
+    own = []
+    for base in rounds:
+        own += _own(base)
+    print(f"  median {statistics.median(own):.1%}, worst {max(own):.1%} over {len(own)} traces")
+    errs = []
+    print("whatif against a run of the change (mean step, ms; median over the rounds)")
+    for src, change, real in PAIRS:
+        have = [b for b in rounds if src in b and real in b]
+        if not have:
+            continue
+        got = statistics.median(replay(b[src], change)["step"] for b in have)
+        want = statistics.median(measured_figures(b[real])["step"] for b in have)
+        errs.append(abs(got / want - 1))
+        print(f"  {src:14s} {change.text():24s} -> {real:14s} predicted {1e3 * got:8.2f} "
+              f"measured {1e3 * want:8.2f} {got / want - 1:+.1%}")  # fmt: skip
+    if errs:
+        worst = max(errs)
+        print(f"  median {statistics.median(errs):.1%}, worst {worst:.1%} over {len(errs)} pairs")
+
+
+def _own(base: dict) -> list[float]:
     own = []
     print("replay of the run itself (mean step, ms)")
     for name, b in base.items():
@@ -39,21 +65,8 @@ def main(folder: str) -> None:
         own.append(abs(got / want - 1))
         change = f"{got / want - 1:+.1%}"
         print(f"  {name:22s} measured {1e3 * want:8.2f} replayed {1e3 * got:8.2f} {change}")
-    print(f"  median {statistics.median(own):.1%}, worst {max(own):.1%} over {len(own)} traces")
-    errs = []
-    print("whatif against a run of the change (mean step, ms)")
-    for src, change, real in PAIRS:
-        if src not in base or real not in base:
-            continue
-        got, want = replay(base[src], change)["step"], measured_figures(base[real])["step"]
-        errs.append(abs(got / want - 1))
-        print(f"  {src:14s} {change.text():24s} -> {real:14s} predicted {1e3 * got:8.2f} "
-              f"measured {1e3 * want:8.2f} {got / want - 1:+.1%}")  # fmt: skip
-    if errs:
-        print(
-            f"  median {statistics.median(errs):.1%}, worst {max(errs):.1%} over {len(errs)} pairs"
-        )
+    return own
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
