@@ -167,9 +167,7 @@ def _ring_waited_for(lanes: Lanes, step: int, rank: int, start: float, t: float)
     bucket another replica began after `start`; (-1, 0.0) when it waited for none."""
     ev = lanes.events
     best, began = -1, start
-    for rows in lanes.ring.values():
-        if not rows or int(ev["step"][rows[0]]) != step:
-            continue
+    for rows in lanes.ring.get(step, {}).values():
         mine = [i for i in rows if int(ev["rank"][i]) == rank and ev["end"][i] <= t + 1e-9]
         if not mine:
             continue

@@ -37,7 +37,7 @@ class Lanes:
     steps: dict[tuple[int, int], tuple[float, float]]  # (step, rank) -> its step row's bounds
     sender: dict[int, int]  # recv row -> its matched send row
     carried: dict[int, str]  # send row -> "F" (an activation) or "B" (its gradient)
-    ring: dict[tuple[int, int, int], list[int]]  # (step, stage, bucket) -> allreduce rows
+    ring: dict[int, dict[tuple[int, int], list[int]]]  # step -> (stage, bucket) -> ring rows
 
     @classmethod
     def of(cls, events: np.ndarray) -> Lanes:
@@ -74,10 +74,10 @@ class Lanes:
         messages = match_messages(events)
         sender = dict(zip(messages.recv.tolist(), messages.send.tolist(), strict=True))
         carried = dict(zip(messages.send.tolist(), messages.direction.tolist(), strict=True))
-        ring: dict[tuple[int, int, int], list[int]] = {}
+        ring: dict[int, dict[tuple[int, int], list[int]]] = {}
         for i in np.flatnonzero(kind == KIND["allreduce"]).tolist():
-            key = (int(events["step"][i]), int(events["stage"][i]), int(events["microbatch"][i]))
-            ring.setdefault(key, []).append(i)
+            step = ring.setdefault(int(events["step"][i]), {})
+            step.setdefault((int(events["stage"][i]), int(events["microbatch"][i])), []).append(i)
         return cls(events, order, keys, steps, sender, carried, ring)
 
     def rows(self, step: int, rank: int) -> np.ndarray:
