@@ -136,3 +136,17 @@ def test_replay_of_a_simulated_trace_gives_its_makespan_and_a_change_its_simulat
     assert asked["phase"] == pytest.approx(want.makespan)
     for row in gain_table(base):
         assert row["zero"] <= row["half"] + 1e-12 <= row["now"] + 2e-12
+
+
+def test_compare_puts_a_known_difference_on_its_cost():
+    from mpihybrid.analysis.diff import diff
+
+    costs = Costs(forward=[1.0, 2.0], backward=[1.5, 1.0], weight=[0.5, 0.75], send=0.0)
+    slower = Costs(forward=[1.0, 3.0], backward=[1.5, 1.0], weight=[0.5, 0.75], send=0.0)
+    (a, sim_a), (b, sim_b) = (simulated_trace("zb-h1", 2, 4, c) for c in (costs, slower))
+    att = diff(a, b, "a", "b")["attribution"]
+    assert att["measured"] == pytest.approx(sim_b.makespan - sim_a.makespan)
+    assert att["residual"] == pytest.approx(0.0, abs=1e-9)
+    top = att["items"][0]
+    assert top["what"] == "stage 1 F" and top["ratio"] == pytest.approx(1.5)
+    assert top["seconds"] == pytest.approx(att["measured"])
