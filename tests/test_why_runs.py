@@ -71,13 +71,14 @@ def test_whatif_and_its_bad_input(slowed, tmp_path):
     assert failed(cli_here("whatif", tmp_path / "none.h5"), "no trace")
     trace = load(slowed)
     attrs = {k: v for k, v in trace.attrs.items() if k not in WRITER_ATTRS}
-    for name, events, needle in (
-        ("one_rank.h5", trace.events[trace.events["rank"] == 0], "of 4 ranks"),
-        ("empty.h5", trace.events[:0], "per-action"),
+    for name, events, needle, said in (
+        ("one_rank.h5", trace.events[trace.events["rank"] == 0], "of 4 ranks", "of 4 ranks"),
+        ("empty.h5", trace.events[:0], "per-action", "no events"),
     ):
         write_trace(tmp_path / name, events=events, steps=trace.steps, config=trace.config,
                     attrs=attrs)  # fmt: skip
         assert failed(cli_here("whatif", tmp_path / name), needle), name
+        assert failed(cli_here("analyze", tmp_path / name), said), name
     assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob("*.json"))
 
 

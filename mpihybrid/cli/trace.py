@@ -37,6 +37,12 @@ def _analyze(trace, path: str) -> dict:
     from mpihybrid.analysis.metrics import analyze as run_analysis
     from mpihybrid.pipeline.schedules import ScheduleError
 
+    if not len(trace.events):
+        _fail(f"{path} holds no events (the run stopped before its first flush?)")
+    world = trace.attrs.get("world_size")
+    present = len(set(trace.events["rank"].tolist()))
+    if world is not None and present < int(world):
+        _fail(f"{path} holds the events of {present} of {world} ranks: not a whole run")
     try:
         return run_analysis(trace)
     except (KeyError, ValueError, ScheduleError) as exc:
