@@ -1,6 +1,6 @@
-"""Stragglers found (docs/analysis.md): N runs of the laptop job (pp = 2 x dp = 2) with rank 1's
-forwards slowed 1.3x (train.slowdown = 1:F:1.3) and N healthy runs; for each, whether analyze
-names the slowed rank (and nothing else) and the step of the live straggler line.
+"""Stragglers found (docs/analysis.md): N runs of the laptop job (pp = 2 x dp = 2, or --pp 1:
+1 x 2) with rank 1's forwards slowed 1.3x (train.slowdown = 1:F:1.3) and N healthy runs; for
+each, whether analyze names the slowed rank (and nothing else) and the step of the live line.
 
     flock -x /tmp/mh_heavy.lock python benchmarks/straggler_runs.py runs/strag --runs 10
 """
@@ -16,13 +16,14 @@ import sys
 from pathlib import Path
 
 
-def run(folder: Path, name: str, slow: str, steps: int) -> dict:
+def run(folder: Path, name: str, slow: str, steps: int, pp: int) -> dict:
     path = folder / f"{name}.h5"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     mpiexec = str(Path(sys.executable).with_name("mpiexec"))
-    cmd = [mpiexec, "-n", "4", sys.executable, "-m", "mpihybrid", "train",
+    cmd = [mpiexec, "-n", str(2 * pp), sys.executable, "-m", "mpihybrid", "train",
            "mpihybrid/jobs/laptop.toml", "--set", f"train.steps={steps}", "--trace", str(path),
-           "--set", "trace.overwrite=true", "--set", f"train.slowdown={slow}"]  # fmt: skip
+           "--set", "trace.overwrite=true", "--set", f"train.slowdown={slow}",
+           "--set", f"grid.pp={pp}", "--set", "grid.dp=2"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     live = [line for line in out.splitlines() if "straggler:" in line]
     step = None
@@ -43,17 +44,18 @@ def main() -> None:
     parser.add_argument("folder")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--pp", type=int, default=2, help="2: 4 ranks; 1: 2 ranks (dp = 2)")
     args = parser.parse_args()
     folder = Path(args.folder)
     folder.mkdir(parents=True, exist_ok=True)
     hit = clean = live_ok = quiet_ok = 0
     for i in range(args.runs):
         for slow in ("1:F:1.3", ""):
-            r = run(folder, f"{'slow' if slow else 'healthy'}{i}", slow, args.steps)
+            r = run(folder, f"{'slow' if slow else 'healthy'}{i}", slow, args.steps, args.pp)
             print(json.dumps(r), flush=True)
             if slow:
                 hit += bool(r["named"]) and r["named"][0] == (1, "F")
-                live_ok += any("rank 1 (stage 1) F" in line for line in r["live"])
+                live_ok += any("rank 1 (stage" in line and ") F" in line for line in r["live"])
             else:
                 clean += not r["named"]
                 quiet_ok += not r["live"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from mpihybrid.analysis.critical import critical_paths, path_text, representative, shares
 from mpihybrid.analysis.idle import CAUSES, attribute_idle
 from mpihybrid.analysis.lanes import Lanes, LanesError
+from mpihybrid.analysis.oversubscription import oversubscription
 from mpihybrid.analysis.stragglers import straggler_cost, straggler_lines, stragglers
 from mpihybrid.units import table
 
@@ -34,7 +35,8 @@ def why(trace, steps: list[int], path: str = "the trace") -> dict:
             "paths": [p.as_dict() for p in paths],
         },
         "idle": attribute_idle(lanes, steps),
-        "stragglers": stragglers(trace.events, steps, int(trace.attrs.get("dp", 1))),
+        "stragglers": stragglers(trace.events, steps, int(trace.attrs.get("dp", 1)))
+        | {"oversubscribed": oversubscription(trace.attrs)},
         "gain": [],
         "notes": [],
     }

@@ -145,7 +145,8 @@ def heldout_lines(rows: list[dict]) -> list[str]:
 
 
 def _summary_lines(result: dict, ms) -> list[str]:
-    """The run, step time, throughput, bubble, quality and the straggler, a line each."""
+    """The run, step time, throughput, bubble, quality and the busiest rank, a line each (the
+    stragglers, scored against their peers, are in the why part: analysis/cause.py)."""
     run, st, bubble = result["run"], result["step_time"], result["bubble"]
     lines = [
         _run_line(run),
@@ -199,7 +200,7 @@ def _summary_lines(result: dict, ms) -> list[str]:
     if result["straggler"] is not None:
         s = result["straggler"]
         lines.append(
-            f"straggler       rank {s['rank']}: busy {ms(s['busy'])} ms/step "
+            f"busiest rank    rank {s['rank']}: busy {ms(s['busy'])} ms/step "
             f"(F+B+W+optimizer), {s['vs_mean']:.2f}x the mean rank"
         )
     return lines

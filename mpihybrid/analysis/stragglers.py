@@ -126,4 +126,11 @@ def straggler_lines(found: dict) -> list[str]:
             f"straggler       rank {s['rank']} {s['kind']} of stage {s['stage']}: "
             f"{score:.2f}x {which} in {s['slow_steps']} of {s['steps']} steps (chronic){costs}"
         )
-    return [*lines, f"                {how}"]
+    lines.append(f"                {how}")
+    over = found.get("oversubscribed")
+    if over:  # replicas then wait for a core by turns: a rank can lag its peers for many steps
+        lines.append(
+            f"                caveat: {over['ranks']} ranks on {over['cores']} cores: a rank that "
+            "waits for a core looks slow, so these may be the machine's, not the rank's"
+        )
+    return lines
