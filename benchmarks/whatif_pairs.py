@@ -29,6 +29,11 @@ PAIRS = [
     ("mlp_1f1b", Change(schedule="gpipe"), "mlp_gpipe"),
     ("mlp_1f1b", Change(microbatches=8), "mlp_1f1b_m8"),
     ("gpt_1f1b_slow", Change(scales={("rank", 1, "F"): 1 / 1.3}), "gpt_1f1b"),
+    # another placement: the trace's stage costs carried by the blocks' FLOPs (restage.py)
+    ("gpt_1f1b", Change(schedule="zb-v"), "gpt_zb-v"),
+    ("gpt_1f1b", Change(schedule="dualpipev"), "gpt_dualpipev"),
+    ("gpt_1f1b", Change(schedule="interleaved-1f1b", virtual_stages=2), "gpt_interleaved-1f1b"),
+    ("gpt_zb-v", Change(schedule="1f1b"), "gpt_1f1b"),
 ]
 
 

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from mpihybrid.analysis.restage import BlockLayout
+from mpihybrid.nn.model import layer_counts
 from mpihybrid.trace.file import write_trace
 from mpihybrid.trace.read import WRITER_ATTRS, load
 from tests.helpers import run_mpi
@@ -57,6 +59,13 @@ def test_whatif_and_its_bad_input(slowed, tmp_path):
     assert "gain ceiling" in proc.stdout and "predicted" in proc.stdout
     doc = json.loads(cli_here("whatif", slowed, "--scale", "rank3.F=0.33", "--json").stdout)
     assert doc["predicted"]["phase"] < doc["replayed"]["phase"]
+    # the trace's own split carried through the blocks gives the run back; a V runs on them
+    layout = BlockLayout.of(load(slowed).config, 2)
+    own = ",".join(map(str, layer_counts(layout.model, layout.ranges)))
+    doc = json.loads(cli_here("whatif", slowed, "--set", f"partition={own}", "--json").stdout)
+    assert doc["predicted"]["phase"] == pytest.approx(doc["replayed"]["phase"], rel=1e-9)
+    doc = json.loads(cli_here("whatif", slowed, "--set", "schedule=zb-v", "--json").stdout)
+    assert doc["predicted"]["phase"] > 0 and doc["change"] == "schedule=zb-v"
     for args, needle in (
         (("--scale", "F=-1"), "factor"),
         (("--scale", "F=nan"), "factor"),
@@ -64,7 +73,9 @@ def test_whatif_and_its_bad_input(slowed, tmp_path):
         (("--scale", "disk=2"), "WHAT"),
         (("--set", "colour=red"), "keys"),
         (("--set", "M=0"), "M must"),
-        (("--set", "schedule=zb-v"), "placement"),
+        (("--set", "partition=9,9"), "layers"),
+        (("--set", "partition=1,1,2"), "3 counts for 2 stages"),
+        (("--set", "schedule=interleaved-1f1b"), "virtual_stages"),
         (("--set", "schedule=nope"), "nope"),
     ):
         assert failed(cli_here("whatif", slowed, *args), needle), args

@@ -37,6 +37,8 @@ class ReplayError(ValueError):
 class Change:
     schedule: str | None = None  # None: the run's
     microbatches: int | None = None
+    virtual_stages: int | None = None  # model chunks per rank (interleaving)
+    partition: tuple[int, ...] | None = None  # layers per stage (another split)
     # ("stage", s, kind) | ("rank", r, kind) | ("all", -1, kind) -> factor (kind "F", "B", "W"
     # or "*"); "hop", "gap", "tail" -> factor
     scales: dict = field(default_factory=dict)
@@ -44,6 +46,9 @@ class Change:
     def text(self) -> str:
         parts = [f"schedule={self.schedule}"] if self.schedule else []
         parts += [f"microbatches={self.microbatches}"] if self.microbatches else []
+        parts += [f"virtual_stages={self.virtual_stages}"] if self.virtual_stages else []
+        if self.partition:
+            parts.append("partition=" + ",".join(map(str, self.partition)))
         for key, f in self.scales.items():
             parts.append(f"{scale_name(key)}x{f:g}")
         return ", ".join(parts) or "none (the run itself)"
@@ -75,6 +80,7 @@ class Measured:
     replica_ranks: list[list[int]]  # the world ranks of each replica, by pp rank
     global_batch: int | None
     source: str
+    config: str = ""  # the trace's job (TOML): its blocks, for a change of placement
 
     @classmethod
     def of(cls, trace, path: str = "the trace") -> Measured:
@@ -121,7 +127,7 @@ class Measured:
             from_trace(attrs), pp, dp, int(attrs["microbatches"]),
             int(attrs.get("virtual_stages", 1)), bool(attrs.get("early_grad_send", False)),
             steps[: len(costs)], costs, times, phases, ranks,
-            int(gb) if gb is not None else None, path,
+            int(gb) if gb is not None else None, path, trace.config,
         )  # fmt: skip
 
     @property
@@ -140,8 +146,9 @@ def _phase(rows: np.ndarray) -> float:
 
 
 def schedule_of(base: Measured, change: Change, mean_costs=None):
-    """(compute lists, placement, early) of the change's schedule (ReplayError when it cannot
-    run at this pp and M, or needs another placement than the trace's)."""
+    """((compute lists, placement), the BlockLayout that carries the trace's costs to its
+    stages, None where they are the trace's own): ReplayError when it cannot run at this pp and
+    M, or needs another placement and the trace's job does not say its blocks."""
     from mpihybrid.pipeline.schedules import (
         ScheduleError,
         build_schedule,
@@ -154,21 +161,30 @@ def schedule_of(base: Measured, change: Change, mean_costs=None):
     m = change.microbatches or base.m
     mine = placement_of(base.schedule, base.pp, base.v)
     if name == "auto":
-        return _searched(base, m, mine, mean_costs), False
+        return _searched(base, m, mine, mean_costs), None
     try:
-        v = chunks_for(name, base.v) if change.schedule else base.v
+        v = change.virtual_stages or (chunks_for(name, base.v) if change.schedule else base.v)
         check_config(name, base.pp, m, v)
         actions = build_schedule(name, base.pp, m, v, base.early)
         placement = placement_of(name, base.pp, v)
     except ScheduleError as exc:
         raise ReplayError(f"whatif: {exc}") from None
-    if placement.stage_ranks != mine.stage_ranks:
+    if placement.stage_ranks == mine.stage_ranks and not change.partition:
+        return (actions, placement), None
+    from mpihybrid.analysis.restage import BlockLayout
+
+    layout = BlockLayout.of(base.config, mine.num_stages, change.partition)
+    if layout is None:
         raise ReplayError(
             f"whatif: {name} places {placement.num_stages} stages as {placement.style}, the "
-            f"trace ran {mine.num_stages} as {mine.style}: another placement needs each "
-            "layer's cost, which a trace of stages does not hold"
+            f"trace ran {mine.num_stages} as {mine.style}, and its job does not say its layers "
+            "(no job, or model.partition = 'timed'): another placement or split needs them"
         )
-    return (actions, placement), base.early
+    try:
+        layout.new_ranges(placement.num_stages)
+    except ValueError as exc:
+        raise ReplayError(f"whatif: {exc}") from None
+    return (actions, placement), layout
 
 
 def _searched(base: Measured, m: int, placement, mean_costs):
@@ -192,12 +208,14 @@ def replay(base: Measured, change: Change, plan=None) -> dict:
     measured steps); plan: schedule_of's answer, when already built."""
     if plan is None:
         plan = schedule_of(base, change, mean_of(base))
-    (actions, placement), _ = plan
+    (actions, placement), layout = plan
     m = change.microbatches or base.m
     phases, bubbles = [], []
     for per_replica in base.costs:
         worst = None
         for k, costs in enumerate(per_replica):
+            if layout is not None:
+                costs = layout.restage(presplit(costs), placement.num_stages, placement.stage_ranks)
             sim = simulate(actions, placement, sim_costs(base, costs, change, k, m))
             if worst is None or sim.makespan > worst.makespan:
                 worst = sim
@@ -284,6 +302,15 @@ def sim_costs(base: Measured, costs, change: Change, replica: int, m: int) -> Co
         tail=[x * plain["tail"] for x in costs.tail] if costs.tail else 0.0,
         gap=costs.gap * plain["gap"],
     )
+
+
+def presplit(costs):
+    """`costs` with each whole-backward stage's B and W split (_split_unknown)."""
+    f, b, w = list(costs.forward), list(costs.backward), list(costs.weight)
+    whole = list(costs.whole) if costs.whole else [b[i] + w[i] for i in range(costs.units)]
+    if any(x == 0 for x in w):
+        f, b, w, whole = _split_unknown(costs, f, b, w, whole)
+    return dataclasses.replace(costs, backward=tuple(b), weight=tuple(w), whole=())
 
 
 def _split_unknown(costs, f, b, w, whole):

@@ -12,7 +12,15 @@ import click
 
 from mpihybrid.cli.trace import _fail, _load
 
-KEYS = {"schedule": "schedule", "microbatches": "microbatches", "m": "microbatches"}
+KEYS = {
+    "schedule": "schedule",
+    "microbatches": "microbatches",
+    "m": "microbatches",
+    "virtual_stages": "virtual_stages",
+    "v": "virtual_stages",
+    "partition": "partition",
+    "split": "partition",
+}
 KIND_NAMES = ("F", "B", "W")
 
 
@@ -23,15 +31,21 @@ def parse_set(items: tuple[str, ...]) -> dict:
         key, sep, value = item.partition("=")
         field = KEYS.get(key.strip().lower())
         if not sep or field is None:
-            _fail(f"--set {item}: the keys are schedule, microbatches (or M)")
-        if field == "microbatches":
+            _fail(f"--set {item}: the keys are schedule, microbatches (M), virtual_stages (v), "
+                  "partition (split)")  # fmt: skip
+        if field in ("microbatches", "virtual_stages"):
             try:
                 m = int(value)
             except ValueError:
                 m = 0
             if m < 1 or m > 1 << 16:
-                _fail(f"--set {item}: M must be a whole number from 1 to 65536")
+                _fail(f"--set {item}: {key} must be a whole number from 1 to 65536")
             out[field] = m
+        elif field == "partition":
+            counts = value.replace(",", " ").split()
+            if not counts or not all(c.isdigit() for c in counts):
+                _fail(f"--set {item}: the layers of each stage, e.g. partition=3,1")
+            out[field] = tuple(int(c) for c in counts)
         else:
             out[field] = value.strip()
     return out
@@ -70,7 +84,8 @@ def _scale_key(what: str, item: str):
 @click.command()
 @click.argument("run", metavar="RUN.h5")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-              help="schedule=NAME|csv:PATH|auto, microbatches=M (repeatable).")  # fmt: skip
+              help="schedule=NAME|csv:PATH|auto, microbatches=M, virtual_stages=V, "
+                   "partition=3,1 (layers per stage) (repeatable).")  # fmt: skip
 @click.option("--scale", "scales", multiple=True, metavar="WHAT=FACTOR",
               help="hop=2, F=0.5, stage1.B=0.8, rank3=1.3 ... (repeatable).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON instead.")
