@@ -103,6 +103,21 @@ def why_lines(doc: dict) -> list[str]:
     return lines
 
 
+def why_summary(doc: dict | None) -> list[str]:
+    """One line for the top of analyze: what the critical path is made of, the largest first,
+    and the largest gain the replay finds (the why part at the end says more)."""
+    if not doc or "critical" not in doc or not doc["critical"]["shares"]:
+        return []
+    shares_ = doc["critical"]["shares"]
+    top = ", ".join(f"{k} {100 * v:.0f} %" for k, v in list(shares_.items())[:3])
+    gain = doc.get("gain") or []
+    best = ""
+    if gain and gain[0]["half"] < gain[0]["now"]:
+        cut = 1 - gain[0]["half"] / gain[0]["now"]
+        best = f"; halving {gain[0]['what']} would shorten the step {cut:.0%}"
+    return [f"why             the critical path is {top} of its time{best} (why, at the end)"]
+
+
 def _gain_lines(gain: list[dict]) -> list[str]:
     if not gain:
         return []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpihybrid.analysis.cause import why_lines
+from mpihybrid.analysis.cause import why_lines, why_summary
 from mpihybrid.analysis.metrics import SPLIT, STEPS_ONLY
 from mpihybrid.analysis.oversubscription import oversubscription_text
 from mpihybrid.analysis.plain import plain_lines
@@ -151,6 +151,7 @@ def _summary_lines(result: dict, ms) -> list[str]:
     lines = [
         _run_line(run),
         *plain_lines(result),
+        *why_summary(result.get("why")),
         *_state_line(run),
         f"measured        {window_text(result['window'])}: every figure below but bytes sent",
         f"step time       mean {1e3 * st['mean']:.2f} ms, median {1e3 * st['median']:.2f} ms "
