@@ -48,13 +48,18 @@ class LiveStragglers:
         self.lines += 1
         seconds, count = (totals - self.since).transpose(1, 0, 2)
         overall = np.where(count > 0, seconds / np.maximum(count, 1), np.inf)
-        for rank, (position, means, stages, _) in enumerate(rows):
-            peers = [i for i, r in enumerate(rows) if r[0] == position]
-            if len(peers) < 2:
-                continue  # one replica: nothing does the same work
+        replicas: dict[int, list[int]] = {}  # pp rank -> the world ranks at that position
+        for rank, row in enumerate(rows):
+            replicas.setdefault(row[0], []).append(rank)
+        ref = {}  # pp rank -> (its fastest replica this line, over all lines), once per position
+        for position, peers in replicas.items():
             line = np.array([rows[i][1] for i in peers])
-            fastest = np.min(np.where(np.isnan(line), np.inf, line), axis=0)
-            best = np.min(overall[peers], axis=0)
+            line = np.min(np.where(np.isnan(line), np.inf, line), axis=0)
+            ref[position] = (line, np.min(overall[peers], axis=0))
+        for rank, (position, means, stages, _) in enumerate(rows):
+            if len(replicas[position]) < 2:
+                continue  # one replica: nothing does the same work
+            fastest, best = ref[position]
             for k, kind in enumerate(KINDS):
                 if not 0 < fastest[k] < np.inf or not means[k] >= THRESHOLD * fastest[k]:
                     continue
