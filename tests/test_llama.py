@@ -339,18 +339,29 @@ TINY_LLAMA = [*LLAMA_JOB, "model.kv_heads=2", "model.ffn=24", "data.vocab=37", "
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("dp, tie", [(1, "false"), (2, "true")])
-def test_llama_hybrid_equals_serial(dp, tie):
+@pytest.mark.parametrize(
+    "dp, tie, schedules, extra, also",
+    [
+        (1, "false", "1f1b,zb-v,auto", ["train.schedule_calibrate=0"], []),  # auto: searched
+        (2, "true", "1f1b,zb-v", ["train.recompute=full"], ["train.shard_optimizer=true"]),
+    ],
+    ids=["dp1-auto", "dp2-tied-recompute-zero"],
+)
+def test_llama_hybrid_equals_serial(dp, tie, schedules, extra, also):
     m = 4
     settings = [*TINY_LLAMA, "grid.pp=2", f"grid.dp={dp}", f"model.tie_embeddings={tie}",
-                f"train.microbatches={m}", f"train.global_batch={dp * m * 2}"]  # fmt: skip
+                f"train.microbatches={m}", f"train.global_batch={dp * m * 2}", *extra]  # fmt: skip
     argv = [arg for s in settings for arg in ("--set", s)]
-    proc = run_mpi(2 * dp, "tests/_mpi_train.py", "--serial", "--schedules", "1f1b,zb-v", *argv,
-                   timeout=120)  # fmt: skip
+    argv += [arg for a in also for arg in ("--also", a)]
+    proc = run_mpi(2 * dp, "tests/_mpi_train.py", "--serial", "--schedules", schedules, *argv,
+                   timeout=180)  # fmt: skip
     runs = results(proc)
-    assert [r["schedule"] for r in runs] == ["1f1b", "zb-v"]
+    names = schedules.split(",")
+    assert [(r["schedule"], r["also"]) for r in runs] == [
+        (name, a) for a in ["", *also] for name in names
+    ]
     for r in runs:
-        print(f"{r['schedule']}: max |hybrid - serial| = {r['max_abs_diff']:.2e}, "
+        print(f"{r['schedule']} {r['also']}: max |hybrid - serial| = {r['max_abs_diff']:.2e}, "
               f"losses {r['losses']}")  # fmt: skip
         assert r["allclose"] and r["max_abs_diff"] < 1e-5, r
         np.testing.assert_allclose(r["losses"], r["serial_losses"], rtol=1e-5)
