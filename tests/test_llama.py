@@ -7,6 +7,7 @@ python -m pytest -q tests/test_llama.py
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -279,6 +280,48 @@ def test_llama_equals_its_float64_reference(kv, tie):
     assert diffs[worst] < 1e-10
 
 
+HF_OF_REFERENCE = {  # Hugging Face's name of layer l's tensor -> the reference's (transposed)
+    "input_layernorm": ("attn_norm", False),
+    "self_attn.q_proj": ("wq", True),
+    "self_attn.k_proj": ("wk", True),
+    "self_attn.v_proj": ("wv", True),
+    "self_attn.o_proj": ("wo", True),
+    "post_attention_layernorm": ("mlp_norm", False),
+    "mlp.gate_proj": ("wgate", True),
+    "mlp.up_proj": ("wup", True),
+    "mlp.down_proj": ("wdown", True),
+}
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_has_hugging_faces_names_and_the_reference_computes_its_loss(tie):
+    depth, kv, rng = 2, 1, np.random.default_rng(8)
+    cfg = llama(depth=depth, kv_heads=kv, tie=tie)
+    chunks = [build_stage(cfg, T, V, c, 2, seed=3, dtype=np.float64) for c in range(2)]
+    bind_local(chunks)
+    for chunk in chunks:
+        chunk.flat_params += 0.3 * rng.standard_normal(chunk.num_params)
+    tensors, config = model_kind("llama").export(chunks, cfg, T, V)
+    assert (config["num_key_value_heads"], config["intermediate_size"]) == (kv, F)
+    assert config["tie_word_embeddings"] == tie and config["model_type"] == "llama"
+    assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (kv * D, C)
+    assert tensors["model.layers.0.mlp.gate_proj.weight"].shape == (F, C)
+    assert ("lm_head.weight" in tensors) != tie and len(tensors) == 2 + 9 * depth + (not tie)
+    params = {"embed": tensors["model.embed_tokens.weight"], "norm": tensors["model.norm.weight"]}
+    params |= {"head": tensors["lm_head.weight"].T} if not tie else {}
+    for l in range(depth):
+        for hf, (ours, transposed) in HF_OF_REFERENCE.items():
+            t = tensors[f"model.layers.{l}.{hf}.weight"].astype(np.float64)
+            params[f"{l}.{ours}"] = t.T if transposed else t
+    tokens, targets = rng.integers(0, V, size=(b, T)), rng.integers(0, V, size=(b, T))
+    x = tokens
+    for chunk in chunks:
+        x, _ = chunk.forward(x)
+    loss, _ = SoftmaxCrossEntropy().forward(x, targets)
+    ref_loss, _ = llama_reference(params, tokens, targets, depth, kv, tie)
+    assert ref_loss == pytest.approx(loss, rel=1e-6)  # the file holds float32
+
+
 def test_split_llama_equals_whole_and_float32_is_close():
     cfg, rng = llama(depth=3, tie=True), np.random.default_rng(2)
     tokens = rng.integers(0, V, size=(b, T))
@@ -367,3 +410,28 @@ def test_llama_hybrid_equals_serial(dp, tie, schedules, extra, also):
         np.testing.assert_allclose(r["losses"], r["serial_losses"], rtol=1e-5)
         assert r["replica_max_diff"] == 0.0
         assert r["losses"][0] == pytest.approx(math.log(37), rel=0.05)  # near-uniform at init
+
+
+@pytest.mark.mpi
+def test_weights_export_of_a_llama_checkpoint(tmp_path):
+    from safetensors.numpy import load_file
+
+    from mpihybrid.cli.text import checkpoint_stages, read_checkpoint
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "llama.safetensors"
+    settings = [*TINY_LLAMA, "grid.pp=2", "train.steps=2", "train.global_batch=8",
+                f"checkpoint.dir={ckpt}", "checkpoint.every=2"]  # fmt: skip
+    argv = [arg for s in settings for arg in ("--set", s)]
+    proc = run_mpi(2, "-m", "mpihybrid", "train", "--quiet", *argv, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cli = run_mpi(1, "-m", "mpihybrid", "weights", "export", str(ckpt), "-o", str(out))
+    assert cli.returncode == 0, cli.stderr
+    job, step_dir, manifest = read_checkpoint(ckpt)
+    expected, config = model_kind("llama").export(
+        checkpoint_stages(step_dir, job, manifest), job.model, 8, 37
+    )
+    tensors = load_file(str(out))
+    assert sorted(tensors) == sorted(expected) and "model.layers.3.mlp.down_proj.weight" in tensors
+    assert all(np.array_equal(tensors[k], v) for k, v in expected.items())
+    written = json.loads(out.with_suffix(".json").read_text())
+    assert written == {**config, "step": 2}

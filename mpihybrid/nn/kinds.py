@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpihybrid.nn.layers import Layer
-from mpihybrid.nn.llama import llama_blocks, llama_check
+from mpihybrid.nn.llama import hf_export, llama_blocks, llama_check
 from mpihybrid.nn.mlp import mlp_blocks
 from mpihybrid.nn.transformer import gpt_blocks
+from mpihybrid.nn.weights import config_of, export_tensors
 
 Block = list[Layer]
 
@@ -40,6 +41,9 @@ class ModelKind:
     kernels: Callable[..., tuple[str, ...]]  # model cfg -> nn/kernels.py functions its layers run
     lead: tuple[str, ...] = ()  # blocks before the layers model.partition counts
     trail: tuple[str, ...] = ()  # blocks after them
+    # `weights export`: (the model's stages in order, model cfg, seq_len, vocab) -> (tensors by
+    # name, the config the file carries); None: the kind has no file format
+    export: Callable[..., tuple[dict, dict]] | None = None
 
     def tokens_per_sample(self, seq_len: int) -> int:
         """What one sample counts in rows and throughput: its tokens, or itself."""
@@ -81,6 +85,10 @@ def _mlp_check(cfg) -> str:
     return _no_kv_heads(cfg)
 
 
+def _gpt_export(stages: list, cfg, seq_len: int, vocab: int) -> tuple[dict, dict]:
+    return export_tensors(stages, cfg.depth + 2), config_of(cfg, seq_len, vocab)
+
+
 def _gpt_check(cfg) -> str:
     if cfg.hidden % cfg.heads:
         return f"model.hidden({cfg.hidden}) is not divisible by model.heads({cfg.heads})"
@@ -115,6 +123,7 @@ GPT = ModelKind(
     ),
     lead=("embedding",),
     trail=("head",),
+    export=_gpt_export,  # nanoGPT's names (nn/weights.py)
 )
 
 LLAMA = ModelKind(
@@ -131,6 +140,7 @@ LLAMA = ModelKind(
     ),
     lead=GPT.lead,
     trail=GPT.trail,
+    export=hf_export,  # Hugging Face's LlamaForCausalLM names
 )
 
 KINDS = {kind.name: kind for kind in (MLP, GPT, LLAMA)}
