@@ -168,16 +168,18 @@ class SwiGLU(Layer):
         return c
 
 
-def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray) -> None:
-    """out = x rotated by the angles of cos, sin (T, 1, d/2): (x1, x2) -> (x1 c - x2 s,
-    x2 c + x1 s) for the halves x1, x2 of the last dimension; sin negated rotates back."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    o1, o2 = out[..., :half], out[..., half:]
-    np.multiply(x1, cos, out=o1)
-    o1 -= x2 * sin
-    np.multiply(x2, cos, out=o2)
-    o2 += x1 * sin
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, d: int, out: np.ndarray) -> None:
+    """out = x with each head's feature pair (i, i + d/2) turned by its angle: x cos + (x2, x1)
+    sin, x and out (b, T, n d), cos and sin (T, n d) holding [cos, cos] and [-sin, sin] per head
+    (negated sin turns back). Whole rows at a time: operations on the halves would loop over
+    d/2-float pieces, several times slower at these widths."""
+    b, t, width = x.shape
+    swapped = array_module(x).empty((b, t, width // d, 2, d // 2), x.dtype)
+    swapped[...] = x.reshape(swapped.shape)[:, :, :, ::-1]  # (x1, x2) -> (x2, x1)
+    swapped = swapped.reshape(b, t, width)
+    swapped *= sin
+    np.multiply(x, cos, out=out)
+    out += swapped
 
 
 class RotaryAttention(Layer):
@@ -194,43 +196,44 @@ class RotaryAttention(Layer):
         self.dim, self.heads, self.kv_heads, self.seq_len = dim, heads, kv_heads, seq_len
         self.head_dim = dim // heads
         self.core = CausalAttention(dim, heads, seq_len)
-        self._angles: dict[tuple, tuple] = {}  # (array module, dtype) -> (cos, sin, -sin)
+        self._angles: dict[tuple, tuple] = {}  # (module, dtype, heads) -> (cos, sin, -sin)
 
     def __repr__(self) -> str:
         return f"RotaryAttention(dim={self.dim}, heads={self.heads}, kv_heads={self.kv_heads})"
 
-    def _cos_sin(self, like, t: int):
-        """cos, sin and -sin of position x frequency, (T, 1, d/2), in like's dtype and module."""
+    def _cos_sin(self, like, t: int, heads: int):
+        """cos, sin and -sin tables of position x frequency for `heads` heads side by side,
+        (T, heads d) as _rotate takes them, in like's dtype and array module."""
         xp = array_module(like)
-        key = (xp.__name__, like.dtype)
+        key = (xp.__name__, like.dtype, heads)
         if key not in self._angles:
             half = self.head_dim // 2
             freqs = ROPE_THETA ** (-np.arange(half) * 2.0 / self.head_dim)
-            angle = np.outer(np.arange(self.seq_len), freqs)[:, None, :]
+            angle = np.outer(np.arange(self.seq_len), freqs)
             cos, sin = np.cos(angle), np.sin(angle)
-            self._angles[key] = tuple(xp.asarray(a.astype(like.dtype)) for a in (cos, sin, -sin))
+            tables = (np.hstack([cos, cos]), np.hstack([-sin, sin]))
+            tables = tuple(np.tile(a, heads) for a in (*tables, -tables[1]))
+            self._angles[key] = tuple(xp.asarray(a.astype(like.dtype)) for a in tables)
         return tuple(a[:t] for a in self._angles[key])
 
     def _views(self, x: np.ndarray):
-        """q (b, T, h, d), k and v (b, T, g, d): views of the packed projections."""
-        b, t = x.shape[0], x.shape[1]
+        """q (b, T, h d), k and v (b, T, g d): views of the packed projections."""
         kv = self.kv_heads * self.head_dim
-        q = x[..., : self.dim].reshape(b, t, self.heads, self.head_dim)
-        k = x[..., self.dim : self.dim + kv].reshape(b, t, self.kv_heads, self.head_dim)
-        v = x[..., self.dim + kv :].reshape(b, t, self.kv_heads, self.head_dim)
-        return q, k, v
+        return x[..., : self.dim], x[..., self.dim : self.dim + kv], x[..., self.dim + kv :]
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
         b, t = x.shape[0], x.shape[1]
-        cos, sin, _ = self._cos_sin(x, t)
-        q, k, v = self._views(x)
         g, r, d = self.kv_heads, self.heads // self.kv_heads, self.head_dim
+        q, k, v = self._views(x)
         # the core's packed (b, T, 3, h, d), h split into (g, r): query head i uses kv head i // r
         packed = array_module(x).empty((b, t, 3, g, r, d), x.dtype)
-        _rotate(q, cos, sin, packed[:, :, 0].reshape(b, t, self.heads, d))
-        _rotate(k, cos, sin, packed[:, :, 1, :, 0])
-        packed[:, :, 1, :, 1:] = packed[:, :, 1, :, :1]
-        packed[:, :, 2] = v[:, :, :, None]
+        cos, sin, _ = self._cos_sin(x, t, self.heads)
+        _rotate(q, cos, sin, d, packed[:, :, 0].reshape(b, t, self.dim))
+        cos, sin, _ = self._cos_sin(x, t, g)
+        rotated_k = array_module(x).empty_like(k)
+        _rotate(k, cos, sin, d, rotated_k)
+        packed[:, :, 1] = rotated_k.reshape(b, t, g, 1, d)
+        packed[:, :, 2] = v.reshape(b, t, g, 1, d)
         return self.core.forward(packed.reshape(b, t, 3 * self.dim))
 
     def backward_input(
@@ -240,12 +243,14 @@ class RotaryAttention(Layer):
         g, r, d = self.kv_heads, self.heads // self.kv_heads, self.head_dim
         dpacked, _ = self.core.backward_input(dy, cache)
         dpacked = dpacked.reshape(b, t, 3, g, r, d)
-        cos, _, minus_sin = self._cos_sin(dy, t)
         dx = array_module(dy).empty((b, t, self.dim + 2 * g * d), dy.dtype)
         dq, dk, dv = self._views(dx)
-        _rotate(dpacked[:, :, 0].reshape(b, t, self.heads, d), cos, minus_sin, dq)
-        _rotate(dpacked[:, :, 1].sum(axis=3), cos, minus_sin, dk)  # the repeated heads add up
-        dpacked[:, :, 2].sum(axis=3, out=dv)
+        cos, _, minus_sin = self._cos_sin(dy, t, self.heads)
+        _rotate(dpacked[:, :, 0].reshape(b, t, self.dim), cos, minus_sin, d, dq)
+        cos, _, minus_sin = self._cos_sin(dy, t, g)
+        summed = dpacked[:, :, 1].sum(axis=3).reshape(b, t, g * d)  # the repeated heads add up
+        _rotate(summed, cos, minus_sin, d, dk)
+        dpacked[:, :, 2].sum(axis=3, out=dv.reshape(b, t, g, d))
         return dx, None
 
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
