@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mpihybrid.config import ConfigError, load_job
+from mpihybrid.nn.cost import stage_work
 from mpihybrid.nn.kinds import model_kind
 from mpihybrid.nn.layers import Linear, SoftmaxCrossEntropy
 from mpihybrid.nn.llama import RMSNorm, RotaryAttention, SwiGLU, TokenEmbedding
@@ -351,6 +352,23 @@ def test_llama_blocks_and_kind():
     assert kind.tokens and kind.ends == ("embedding", "head")
     no_ffn = SimpleNamespace(**{**vars(llama()), "ffn": 0, "hidden": 240, "heads": 4})
     assert build_blocks(no_ffn, T, V)[1][1].branch[3].in_features == 640  # 8/3 C
+
+
+@pytest.mark.parametrize(
+    "sets", [["model.kv_heads=2"], ["model.kv_heads=1", "train.schedule=zb-v"]]
+)
+def test_declared_kept_bytes_equal_the_runtime_count(sets):
+    """RMSNorm's, SwiGLU's and RotaryAttention's declared kept bytes (Layer.cost: predict and the
+    memory check read them) add up to what the runtime counts on a real forward of each chunk."""
+    job = load_job("jobs/gpt_bench.toml", ["model.kind=llama", "model.ffn=640", *sets], 2)
+    chunks = job.grid.pp * job.train.virtual_stages
+    x = np.random.default_rng(0).integers(0, 10000, (job.microbatch_size, 64))
+    work = stage_work(job.workload)
+    for c in range(chunks):
+        stage = build_stage(job.model, 64, 10000, c, chunks, seed=0)
+        x, cache = stage.forward(x)
+        print(c, stage.activation_nbytes(cache), work[c].activation_bytes)
+        assert stage.activation_nbytes(cache) == work[c].activation_bytes
 
 
 LLAMA_JOB = ["model.kind=llama", "data.kind=markov", "model.hidden=16", "model.heads=4"]
