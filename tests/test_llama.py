@@ -93,6 +93,15 @@ def test_weight_gradients_accumulate(name):
     assert_weight_grads_accumulate(layer, x1, x2, np.random.default_rng(3))
 
 
+def test_swiglu_is_finite_far_out():
+    x = np.array([[-200.0, -3.0, 0.0, 90.0, 1.0, 2.0, 3.0, 4.0]], np.float32)
+    with np.errstate(all="raise"):  # no exp overflows: the sigmoid goes through tanh
+        y, cache = SwiGLU().forward(x)
+        dx = SwiGLU().backward(np.ones_like(y), cache)
+    np.testing.assert_allclose(y, [[0.0, -3.0 / (1 + math.exp(3)) * 2, 0.0, 360.0]], rtol=1e-6)
+    assert np.isfinite(dx).all() and dx[0, 0] == 0.0
+
+
 def test_rotary_attention_is_causal_and_gqa_shares_heads():
     layer, x = make("rotary-2")
     y, _ = layer.forward(x)

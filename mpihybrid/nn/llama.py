@@ -127,12 +127,13 @@ class SwiGLU(Layer):
         return "SwiGLU()"
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
-        f = x.shape[-1] // 2
+        f, half = x.shape[-1] // 2, x.dtype.type(0.5)
         gate, up = x[..., :f], x[..., f:]
-        sig = np.negative(gate)  # sigmoid(gate) = 1 / (1 + exp(-gate)), in place
-        np.exp(sig, out=sig)
-        sig += x.dtype.type(1.0)
-        np.divide(x.dtype.type(1.0), sig, out=sig)
+        # sigmoid(a) = (1 + tanh(a / 2)) / 2: no exp to overflow at large |a|
+        sig = np.multiply(gate, half)
+        np.tanh(sig, out=sig)
+        sig *= half
+        sig += half
         y = gate * sig
         y *= up
         return y, (x, sig)
