@@ -414,17 +414,20 @@ TINY_LLAMA = [*LLAMA_JOB, "model.kv_heads=2", "model.ffn=24", "data.vocab=37", "
     [
         (1, "false", "1f1b,zb-v,auto", ["train.schedule_calibrate=0"], []),  # auto: searched
         (2, "true", "1f1b,zb-v", ["train.recompute=full"], ["train.shard_optimizer=true"]),
+        # tests/fakegpu: CuPy's rule that host and device arrays never mix (grid.device = cuda)
+        (1, "true", "zb-v", [], ["--fake-gpu"]),
     ],
-    ids=["dp1-auto", "dp2-tied-recompute-zero"],
+    ids=["dp1-auto", "dp2-tied-recompute-zero", "dp1-tied-fake-gpu"],
 )
 def test_llama_hybrid_equals_serial(dp, tie, schedules, extra, also):
-    m = 4
+    m, flags = 4, [a for a in also if a.startswith("--")]  # a flag of _mpi_train, not a run
+    also = [a for a in also if a not in flags]
     settings = [*TINY_LLAMA, "grid.pp=2", f"grid.dp={dp}", f"model.tie_embeddings={tie}",
                 f"train.microbatches={m}", f"train.global_batch={dp * m * 2}", *extra]  # fmt: skip
     argv = [arg for s in settings for arg in ("--set", s)]
     argv += [arg for a in also for arg in ("--also", a)]
-    proc = run_mpi(2 * dp, "tests/_mpi_train.py", "--serial", "--schedules", schedules, *argv,
-                   timeout=180)  # fmt: skip
+    argv = ["--serial", *flags, "--schedules", schedules, *argv]
+    proc = run_mpi(2 * dp, "tests/_mpi_train.py", *argv, timeout=180)
     runs = results(proc)
     names = schedules.split(",")
     assert [(r["schedule"], r["also"]) for r in runs] == [
