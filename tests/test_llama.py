@@ -465,3 +465,8 @@ def test_weights_export_of_a_llama_checkpoint(tmp_path):
     assert all(np.array_equal(tensors[k], v) for k, v in expected.items())
     written = json.loads(out.with_suffix(".json").read_text())
     assert written == {**config, "step": 2}
+    # generate samples from it past its 8-token window (the rotary tables cover T positions)
+    gen = run_mpi(1, "-m", "mpihybrid", "generate", str(ckpt), "--ids", "--prompt", "3 4",
+                  "--tokens", "12")  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    assert len(gen.stdout.split()) == 12 and all(0 <= int(t) < 37 for t in gen.stdout.split())
