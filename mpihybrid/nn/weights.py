@@ -70,11 +70,12 @@ def _param(block: list, path: tuple, name: str) -> np.ndarray:
 
 
 def own_names(g: int, block: list, num_blocks: int) -> list[tuple[str, tuple, str, bool]]:
-    """block_names of the tensors block g holds itself (a tied head's weight is wte's)."""
+    """block_names of the tensors block g holds itself (a tied head's weight is wte's; under
+    model.vocab_parallel the vocabulary shares hold wte and the head)."""
     return [
         entry
         for entry in block_names(g, num_blocks)
-        if entry[2] in _layer(block, entry[1]).param_shapes()
+        if entry[1][0] < len(block) and entry[2] in _layer(block, entry[1]).param_shapes()
     ]
 
 

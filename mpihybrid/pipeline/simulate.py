@@ -11,7 +11,7 @@ Closed forms, F = B = W, are each schedule's spec (schedules.SPECS): naive (p-1)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mpihybrid.pipeline.actions import last_weight_actions, split_backwards
@@ -27,6 +27,7 @@ from mpihybrid.pipeline.schedules import (
     get_spec,
     placement_of,
 )
+from mpihybrid.pipeline.vocab_passes import VOCAB_KINDS, has_vocab, key_rank, vocab_inputs
 from mpihybrid.units import table
 
 
@@ -46,6 +47,8 @@ class Costs:
     # ring's steps) runs inside it
     tail: float | Sequence[float] = 0.0
     gap: float = 0.0  # a rank's own time between two compute actions (posting sends, tracing)
+    # model.vocab_parallel: seconds of each vocabulary pass (E, S, T, G: vocab_passes.py)
+    vocab: Mapping[str, float] | None = None
 
     def of(self, a: Action, split: bool, last: bool = False) -> float:
         """Seconds of compute action `a`; split: its backward is split; last: it is its stage's
@@ -55,6 +58,8 @@ class Costs:
             return value if isinstance(value, (int, float)) else value[a.stage]
 
         extra = at(self.tail) if last else 0.0
+        if a.kind in VOCAB_KINDS:
+            return (self.vocab or {}).get(a.kind, 0.0)
         if a.kind == "F":
             return at(self.forward)
         if a.kind == "W":
@@ -111,7 +116,12 @@ def simulate(
     costs = costs or Costs()
     pp = len(actions)
     last = placement.num_stages - 1
-    compute = {r: [a for a in acts if a.kind in ("F", "B", "W")] for r, acts in actions.items()}
+    kinds = ("F", "B", "W", *VOCAB_KINDS)
+    compute = {r: [a for a in acts if a.kind in kinds] for r, acts in actions.items()}
+    # the vocabulary passes present (vocab_passes.add_vocab_passes simulates lists it is still
+    # filling: an action waits for those passes only)
+    present = {(a.kind, a.stage, a.microbatch) for acts in compute.values() for a in acts}
+    vocab = has_vocab(compute)
     split = split_backwards(compute)
     last_weight = last_weight_actions(a for acts in compute.values() for a in acts)
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
@@ -123,11 +133,12 @@ def simulate(
 
     def inputs(a: Action) -> list[tuple[str, int, int]]:
         s, mb = a.stage, a.microbatch
+        extra = [k for k in vocab_inputs(a, last, pp) if k in present] if vocab else []
         if a.kind == "F":
-            return [("F", s - 1, mb)] if s > 0 else []
+            return ([("F", s - 1, mb)] if s > 0 else []) + extra
         if a.kind == "B":
-            return [("F", s, mb)] + ([("B", s + 1, mb)] if s < last else [])
-        return [("B", s, mb)]
+            return [("F", s, mb)] + ([("B", s + 1, mb)] if s < last else []) + extra
+        return [("B", s, mb)] if a.kind == "W" else extra
 
     progress = True
     while progress:
@@ -139,7 +150,7 @@ def simulate(
                 if any(k not in done for k in needed):
                     break
                 ready = [
-                    done[k] + (costs.send if placement.rank_of(k[1]) != r else 0.0) for k in needed
+                    done[k] + (costs.send if key_rank(k, placement) != r else 0.0) for k in needed
                 ]
                 free = clock[r] + (costs.gap if pc[r] else 0.0)
                 start[a] = max([free, *ready])

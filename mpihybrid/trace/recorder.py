@@ -35,6 +35,11 @@ KINDS = (
     "optimizer",
     "step",
     "grad_wait",
+    # model.vocab_parallel: a rank's passes on its share of the vocabulary (E, S, T, G)
+    "vocab_embed",
+    "vocab_logits",
+    "vocab_grad",
+    "vocab_embed_grad",
 )
 KIND = {name: code for code, name in enumerate(KINDS)}
 EVENT_DTYPE = np.dtype(
