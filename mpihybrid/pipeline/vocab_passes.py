@@ -17,7 +17,7 @@ posted when the step begins, sends that never wait), so they order nothing but t
 The E passes open each rank's list and the G passes close it (cheap gathers and scatter-adds);
 S and T are placed on every rank by the one simulator (pipeline/simulate.py): S of mb before the
 first action that would start after the last stage's F of mb ends, T before the first that would
-start after the last S of mb ends (the last stage's rank: before its B of mb). The placement is
+start after the last S of mb ends, both before the rank's first backward of mb. The placement is
 Yeung et al.'s idea (MLSys 2025: S and T where each rank has time for them) reached by list
 scheduling instead of their hand-built blocks, so it applies to any list: 1F1B, V-Half, auto's.
 """
@@ -94,7 +94,6 @@ def add_vocab_passes(
 
     m, pp = num_microbatches, placement.pp
     last = placement.num_stages - 1
-    head_rank = placement.rank_of(last)
     lists = {
         r: [Action(r, "E", mb) for mb in range(m)]
         + list(compute[r])
@@ -110,9 +109,10 @@ def add_vocab_passes(
                 (i for i in range(floor[r], len(acts)) if start[acts[i]] >= after),
                 len(acts),
             )
-            pos = min(pos, acts.index(Action(r, "G", 0)))
-            if r == head_rank:  # before the B that waits for it (and S before T)
-                pos = min(pos, acts.index(Action(last, "B", mb)))
+            # before every backward of mb: the last stage's waits for T (and a backward of mb
+            # on this rank waits for that one)
+            waits = (i for i, a in enumerate(acts) if a.kind in "BWG" and a.microbatch == mb)
+            pos = min(pos, next(waits))
             acts.insert(max(pos, floor[r]), Action(r, kind, mb))
 
     for mb in range(m):
