@@ -30,7 +30,7 @@ def test_the_passes_are_actions_that_validate_and_run(name, pp, m):
     v = 2 if name in ("v-half", "interleaved-1f1b") else 1
     placement = placement_of(name, pp, v)
     costs = Costs(1.0, 1.0, 1.0, vocab={"E": 0.1, "S": 1.0, "T": 2.0, "G": 0.1})
-    lists = add_vocab_passes(build_schedule(name, pp, m, v, True), placement, m, costs)
+    lists = add_vocab_passes(build_schedule(name, pp, m, v, True), placement, m, costs, simulate)
     validate(lists, placement, m)
     dry_run(lower(lists, placement), placement, synchronous=False)
     for r, acts in lists.items():

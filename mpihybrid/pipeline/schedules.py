@@ -348,11 +348,10 @@ def _run(
     # its program counters and tensor sets; split apart they would pass all that state around.
     pp, last = len(actions), num_stages - 1
     pc = dict.fromkeys(actions, 0)
-    shared: set = set()
+    # posted: buffered (message_key, destination) not received; made: every (kind, stage, mb) run
+    shared, posted, made, vocab = set(), set(), set(), vp.has_vocab(actions)
     # tensors a rank holds: ("F", s, mb) = output of F on stage s, ("B", s, mb) = input grad
     have = {r: set() if per_rank else shared for r in actions}
-    posted: set = set()  # buffered messages (message_key, destination) not yet received
-    made, vocab = set(), vp.has_vocab(actions)  # every (kind, stage, mb) that ran; E S T G?
 
     def current(r: int) -> Action | None:
         return actions[r][pc[r]] if pc[r] < len(actions[r]) else None
@@ -371,8 +370,7 @@ def _run(
         else:
             wanted = []
         missing = next((t for t in wanted if t not in have[r]), None)
-        extra = vp.vocab_inputs(a, last, pp) if vocab else []  # their messages: not actions
-        return missing or next((t for t in extra if t not in made), None)
+        return missing or (vp.missing_input(a, last, pp, made) if vocab else None)
 
     def advance(r: int) -> bool:
         a = current(r)

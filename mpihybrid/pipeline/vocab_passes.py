@@ -1,6 +1,6 @@
 """The vocabulary passes of model.vocab_parallel as actions of the schedule (nn/vocab.py's math).
 
-    lists = add_vocab_passes(compute, placement, m, costs)   # E, S, T, G on every rank
+    lists = add_vocab_passes(compute, placement, m, costs, simulate)   # E, S, T, G on every rank
 
 Every rank r runs, for every micro-batch mb, four passes on its share of the vocabulary (the
 action's stage is the share, = r): `rE mb` its part of the token embedding (to the first stage's
@@ -80,17 +80,23 @@ def vocab_missing(actions: Mapping[int, list[Action]], seen: Mapping, m: int):
     return None
 
 
+def missing_input(a: Action, last: int, pp: int, made) -> tuple[str, int, int] | None:
+    """The first of vocab_inputs(a) not yet `made` (the dry run: their messages are not
+    actions, what they carry is there once made), or None."""
+    return next((k for k in vocab_inputs(a, last, pp) if k not in made), None)
+
+
 def key_rank(key: tuple[str, int, int], placement) -> int:
     """The rank that produces (kind, stage or share, mb)."""
     return key[1] if key[0] in VOCAB_KINDS else placement.rank_of(key[1])
 
 
 def add_vocab_passes(
-    compute: dict[int, list[Action]], placement, num_microbatches: int, costs
+    compute: dict[int, list[Action]], placement, num_microbatches: int, costs, simulate
 ) -> dict[int, list[Action]]:
     """The compute lists with every rank's E, S, T and G passes placed (module docstring);
-    costs: simulate.Costs with the vocabulary passes' seconds (Costs.vocab)."""
-    from mpihybrid.pipeline.simulate import simulate  # simulate imports this module
+    costs: simulate.Costs with the vocabulary passes' seconds (Costs.vocab); simulate:
+    pipeline.simulate.simulate (which imports this module)."""
 
     m, pp = num_microbatches, placement.pp
     last = placement.num_stages - 1

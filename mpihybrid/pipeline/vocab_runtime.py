@@ -109,8 +109,9 @@ class VocabRuntime:
 
     def run(self, a, state, t0: float) -> None:
         self.run_pass[a.kind](a.microbatch, state)
+        # stage -1: a share is no pipeline stage (its share is the row's rank)
         self.recorder.record(
-            KIND[RECORD[a.kind]], state.step, a.stage, a.microbatch, t0, Recorder.clock()
+            KIND[RECORD[a.kind]], state.step, -1, a.microbatch, t0, Recorder.clock()
         )
 
     def _embed(self, mb: int, state) -> None:

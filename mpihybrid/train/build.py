@@ -140,7 +140,7 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
         grads_final={s: st.reducer.ready_from for s, st in states.items()},
         poll=gradcomm.poll if gradcomm.progress == "poll" else None,
     )
-    vocab_build.attach(runtime, shards, states, job, task, grid)
+    vocab_build.attach(runtime, shards, states, job=job, task=task, grid=grid)
     return Run(
         grid=grid,
         task=task,

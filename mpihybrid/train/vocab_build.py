@@ -18,7 +18,7 @@ from mpihybrid.nn.layers import layer_costs
 from mpihybrid.nn.model import Stage, build_blocks, chunk_ranges
 from mpihybrid.nn.vocab import VocabShard, padding
 from mpihybrid.pipeline.runtime import tag_for
-from mpihybrid.pipeline.simulate import Costs
+from mpihybrid.pipeline.simulate import Costs, simulate
 from mpihybrid.pipeline.vocab_passes import add_vocab_passes
 from mpihybrid.pipeline.vocab_runtime import VocabRuntime
 
@@ -69,7 +69,7 @@ def pass_costs(job, task, placement) -> Costs:
 def with_passes(job, task, compute: dict, placement) -> dict:
     """The compute lists with the vocabulary passes placed (vocab_passes.add_vocab_passes)."""
     costs = pass_costs(job, task, placement)
-    return add_vocab_passes(compute, placement, job.train.microbatches, costs)
+    return add_vocab_passes(compute, placement, job.train.microbatches, costs, simulate)
 
 
 def share_chunks(job, task, grid, num_stages: int) -> dict[int, Stage]:
@@ -89,7 +89,7 @@ def share_chunks(job, task, grid, num_stages: int) -> dict[int, Stage]:
     return {num_stages + grid.pp_rank: Stage([[layer]], 0, job.train.seed)}
 
 
-def attach(runtime, shards: dict, states: dict, job, task, grid) -> None:
+def attach(runtime, shards: dict, states: dict, *, job, task, grid) -> None:
     """Give the runtime this rank's VocabRuntime (no-op without a share)."""
     if not shards:
         return
