@@ -120,8 +120,6 @@ def profile_chunks(job: Job, world: MPI.Comm) -> dict[int, dict[str, float]] | N
     min(world, chunks)); rank 0 gets {chunk: seconds per micro-batch by op}."""
     from mpihybrid.nn.profile import profile_chunk
 
-    if job.model.vocab_parallel:  # chunks alone take no tokens nor give logits: not profiled
-        return {} if world.rank == 0 else None
     n = job.workload.chunks
     mod = min(world.size, n)
     mine = {

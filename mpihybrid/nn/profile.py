@@ -60,7 +60,8 @@ def chunk_inputs(work: Workload, chunk: int, seed: int = 0):
     m = work.microbatches
     x, y = task.global_batch(0, work.microbatch_size * m)
     batches = microbatches(x, y, 0, 1, m)
-    if chunk == 0:
+    # model.vocab_parallel: chunk 0 takes the vocabulary shares' summed embedding, not tokens
+    if chunk == 0 and not vocab_parallel(work):
         return [b[0] for b in batches], [b[1] for b in batches]
     rng = np.random.default_rng(seed)
     stage = build_stage(work.model, task.in_features, task.num_classes, chunk, work.chunks, seed=0)
@@ -68,6 +69,11 @@ def chunk_inputs(work: Workload, chunk: int, seed: int = 0):
     shape = (len(batches[0][0]), *kind.activation(work.model, task.in_features, stage.layers[0]))
     inputs = [rng.standard_normal(shape).astype(np.float32) for _ in range(m)]
     return inputs, [b[1] for b in batches]
+
+
+def vocab_parallel(work: Workload) -> bool:
+    """The job splits the head by vocabulary: no chunk computes the loss (nn/vocab.py)."""
+    return bool(getattr(work.model, "vocab_parallel", False))
 
 
 def profile_stage(stage, inputs, targets, last: bool, first: bool, *, repeats: int, key=None):
@@ -103,7 +109,7 @@ def profile_chunk(work: Workload, chunk: int, repeats: int = 3, key=None) -> dic
     """profile_stage of model chunk `chunk`, on the job's own micro-batches."""
     stage = build_stage(work.model, *task_dims(work.data), chunk, work.chunks, seed=work.seed)
     inputs, targets = chunk_inputs(work, chunk)
-    last = chunk == work.chunks - 1
+    last = chunk == work.chunks - 1 and not vocab_parallel(work)
     return profile_stage(stage, inputs, targets, last, chunk == 0, repeats=repeats, key=key)
 
 
@@ -118,8 +124,9 @@ def timed_block_costs(work: Workload, repeats: int = 3) -> list[float]:
             for sub in layer.branch if isinstance(layer, Residual) else [layer]:
                 owner[id(sub)] = g
     inputs, targets = chunk_inputs(work, 0)
+    loss = not vocab_parallel(work)
     per = profile_stage(
-        stage, inputs, targets, True, True, repeats=repeats, key=lambda l, m: owner[id(l)]
+        stage, inputs, targets, loss, True, repeats=repeats, key=lambda l, m: owner[id(l)]
     )
     costs = [per.get(g, 0.0) for g in range(len(stage.blocks))]
     costs[-1] += per.get(LOSS, 0.0)
@@ -140,8 +147,9 @@ def block_pass_costs(
             for sub in layer.branch if isinstance(layer, Residual) else [layer]:
                 owner[id(sub)] = g
     inputs, targets = chunk_inputs(work, 0)
+    loss = not vocab_parallel(work)
     per = profile_stage(
-        stage, inputs, targets, True, True, repeats=repeats, key=lambda l, m: (owner[id(l)], m)
+        stage, inputs, targets, loss, True, repeats=repeats, key=lambda l, m: (owner[id(l)], m)
     )
     n = len(stage.blocks)
     passes = [
