@@ -283,7 +283,4 @@ def vocab_parallel_problem(job: Job) -> str:
             f"model.vocab_parallel needs grid.pp >= 2 (pp = {job.grid.pp}: one rank holds the "
             "whole vocabulary anyway)"
         )
-    if job.checkpoint.dir or m.init:
-        what = "checkpoint.dir" if job.checkpoint.dir else "model.init"
-        return f"model.vocab_parallel with {what}: not supported yet (the shares are not saved)"
     return ""

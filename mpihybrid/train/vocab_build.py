@@ -16,7 +16,8 @@ import logging
 
 from mpihybrid.nn.layers import layer_costs
 from mpihybrid.nn.model import Stage, build_blocks, chunk_ranges
-from mpihybrid.nn.vocab import VocabShard, padding
+from mpihybrid.nn.vocab import VocabShard, padding, share_layer
+from mpihybrid.nn.vocab_weights import load_share
 from mpihybrid.pipeline.runtime import tag_for
 from mpihybrid.pipeline.simulate import Costs, simulate
 from mpihybrid.pipeline.vocab_passes import add_vocab_passes
@@ -27,17 +28,7 @@ GEMM_RATE, BYTE_RATE = 1e9, 1e10  # relative costs only: FLOPs and bytes to comp
 
 
 def _shard(job, task, pp: int, rank: int) -> VocabShard:
-    m = job.model
-    return VocabShard(
-        task.num_classes,
-        pp,
-        rank,
-        task.in_features,
-        m.hidden,
-        tied=m.tie_embeddings,
-        seed=job.train.seed,
-        num_blocks=m.depth + 2,
-    )
+    return share_layer(job.model, task.in_features, task.num_classes, pp, rank, job.train.seed)
 
 
 def pass_costs(job, task, placement) -> Costs:
@@ -86,7 +77,10 @@ def share_chunks(job, task, grid, num_stages: int) -> dict[int, Stage]:
             vocab + padding(vocab, pp),
         )
     layer = _shard(job, task, pp, grid.pp_rank)
-    return {num_stages + grid.pp_rank: Stage([[layer]], 0, job.train.seed)}
+    stage = Stage([[layer]], 0, job.train.seed)
+    if job.model.init:  # the whole model's file (config.validate checked it), cut to the share
+        load_share(layer, job.model.init)
+    return {num_stages + grid.pp_rank: stage}
 
 
 def attach(runtime, shards: dict, states: dict, *, job, task, grid) -> None:
