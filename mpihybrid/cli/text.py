@@ -472,7 +472,7 @@ def checkpoint_stages(path: Path, job, manifest: dict) -> list:
         model.append(stage)
     if shares:
         flats = [st.flat_params for st in model]
-        model = [whole_model(job.model, d.seq_len, d.vocab, flats, shares, job.train.seed)]
+        model = [whole_model(job.model, d.seq_len, d.vocab, flats, shares, seed=job.train.seed)]
     tie.bind_local(model)  # a tied head reads the token table (no-op untied)
     return model
 
@@ -486,5 +486,5 @@ def _checkpoint_chunk(job, s: int, num_stages: int):
     d, seed = job.data, job.train.seed
     if s < num_stages:
         return build_stage(job.model, d.seq_len, d.vocab, s, num_stages, seed=seed)
-    layer = share_layer(job.model, d.seq_len, d.vocab, job.grid.pp, s - num_stages, seed)
+    layer = share_layer(job.model, d.seq_len, d.vocab, job.grid.pp, s - num_stages, seed=seed)
     return Stage([[layer]], 0, seed)

@@ -193,7 +193,7 @@ class VocabShard(Layer):
         return c
 
 
-def share_layer(cfg, seq_len: int, vocab: int, pp: int, rank: int, seed: int) -> VocabShard:
+def share_layer(cfg, seq_len: int, vocab: int, pp: int, rank: int, *, seed: int) -> VocabShard:
     """Rank `rank`'s share of the model `cfg` (model section) describes."""
     return VocabShard(vocab, pp, rank, seq_len, cfg.hidden, tied=cfg.tie_embeddings, seed=seed,
                       num_blocks=cfg.depth + 2)  # fmt: skip

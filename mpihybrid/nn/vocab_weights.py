@@ -3,7 +3,7 @@ stages', then the vocabulary shares' in rank order) -> nanoGPT-named tensors (nn
 a share's rows from a whole file (model.init: split on load).
 
     tensors = whole_tensors(cfg, in_features, vocab, flats, pp)   # {"transformer.wte.weight": ..}
-    stage = whole_model(cfg, in_features, vocab, flats, pp, seed)  # unsplit, one stage
+    stage = whole_model(cfg, in_features, vocab, flats, pp, seed=seed)  # unsplit, one stage
     load_share(shard_layer, path)                                  # its rows of wte and the head
 """
 
@@ -47,7 +47,7 @@ def unsplit(cfg):
     return dataclasses.replace(cfg, vocab_parallel=False)
 
 
-def whole_model(cfg, in_features: int, vocab: int, flats: list, pp: int, seed: int) -> Stage:
+def whole_model(cfg, in_features: int, vocab: int, flats: list, pp: int, *, seed: int) -> Stage:
     """The unsplit model as one stage holding the run's weights (export, generate); a tied
     head is bound to the table by the caller (train.tie.bind_local)."""
     tensors = whole_tensors(cfg, in_features, vocab, flats, pp)

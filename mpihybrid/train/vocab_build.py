@@ -28,7 +28,7 @@ GEMM_RATE, BYTE_RATE = 1e9, 1e10  # relative costs only: FLOPs and bytes to comp
 
 
 def _shard(job, task, pp: int, rank: int) -> VocabShard:
-    return share_layer(job.model, task.in_features, task.num_classes, pp, rank, job.train.seed)
+    return share_layer(job.model, task.in_features, task.num_classes, pp, rank, seed=job.train.seed)
 
 
 def pass_costs(job, task, placement) -> Costs:
