@@ -83,7 +83,6 @@ def test_vocab_parallel_replicas_identical_under_int8():
     [
         (["model.kind=mlp", "data.kind=teacher", "grid.pp=2"], 2, "model.vocab_parallel: a gpt"),
         (["grid.pp=1"], 1, "model.vocab_parallel needs grid.pp >= 2"),
-        (["grid.pp=2", "checkpoint.dir=/tmp/x"], 2, "with checkpoint.dir: not supported"),
     ],
 )
 def test_bad_vocab_parallel_is_one_config_error(settings, world, says):

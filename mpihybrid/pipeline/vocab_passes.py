@@ -94,15 +94,59 @@ def key_rank(key: tuple[str, int, int], placement) -> int:
 def add_vocab_passes(
     compute: dict[int, list[Action]], placement, num_microbatches: int, costs, simulate
 ) -> dict[int, list[Action]]:
-    """The compute lists with every rank's E, S, T and G passes placed (module docstring);
-    costs: simulate.Costs with the vocabulary passes' seconds (Costs.vocab); simulate:
-    pipeline.simulate.simulate (which imports this module)."""
+    """The compute lists with every rank's E, S, T and G passes placed (module docstring), the
+    backwards deferred (defer_backwards: the last stage's by 0, 1 or 2 forwards, or every
+    rank's by 1 or 2) as simulates fastest; costs: simulate.Costs with the vocabulary passes'
+    seconds (Costs.vocab); simulate: pipeline.simulate.simulate (which imports this module)."""
+    best = None
+    head = [placement.rank_of(placement.num_stages - 1)]
+    tries = [(head, d) for d in range(3)] + [(range(placement.pp), d) for d in (1, 2)]
+    for ranks, defer in tries:
+        lists = defer_backwards(compute, ranks, defer)
+        try:
+            lists = _place(lists, placement, num_microbatches, costs, simulate)
+            makespan = simulate(lists, placement, costs).makespan
+        except ValueError:  # ScheduleError: this deferral deadlocks the lists
+            continue
+        if best is None or makespan < best[0]:
+            best = (makespan, lists)
+    if best is None:
+        raise ValueError("no placement of the vocabulary passes runs these lists")
+    return best[1]
 
+
+def defer_backwards(compute, ranks, defer: int) -> dict[int, list[Action]]:
+    """The lists with every backward of `ranks` (a B, and its W where that came before the B's
+    new place) moved past `defer` more of the rank's forwards: a backward that waits for every
+    rank's T lets the rank run forwards meanwhile (Yeung et al. shift the backwards the same
+    way; `defer` more micro-batches in flight)."""
+    out = {r: list(acts) for r, acts in compute.items()}
+    for r in ranks:
+        acts, pending, forwards = [], [], 0  # pending: [release at, B, its W (or None)]
+        for a in compute[r]:
+            waiting = next((p for p in pending if p[1].stage == a.stage
+                            and p[1].microbatch == a.microbatch), None)  # fmt: skip
+            if a.kind == "B":
+                pending.append([forwards + defer, a, None])
+            elif a.kind == "W" and waiting is not None:
+                waiting[2] = a  # its B is not placed yet: the W follows it
+            else:
+                acts.append(a)
+                forwards += a.kind == "F"
+            while pending and pending[0][0] <= forwards:
+                acts.extend(x for x in pending.pop(0)[1:] if x is not None)
+        for _, b, w in pending:
+            acts.extend(x for x in (b, w) if x is not None)
+        out[r] = acts
+    return out
+
+
+def _place(lists, placement, num_microbatches: int, costs, simulate) -> dict[int, list[Action]]:
     m, pp = num_microbatches, placement.pp
     last = placement.num_stages - 1
     lists = {
         r: [Action(r, "E", mb) for mb in range(m)]
-        + list(compute[r])
+        + list(lists[r])
         + [Action(r, "G", mb) for mb in range(m)]
         for r in range(pp)
     }

@@ -13,6 +13,8 @@ of the model; it is no pipeline stage (no F or B of its own).
 from __future__ import annotations
 
 import logging
+import math
+from types import SimpleNamespace
 
 from mpihybrid.nn.layers import layer_costs
 from mpihybrid.nn.model import Stage, build_blocks, chunk_ranges
@@ -29,6 +31,29 @@ GEMM_RATE, BYTE_RATE = 1e9, 1e10  # relative costs only: FLOPs and bytes to comp
 
 def _shard(job, task, pp: int, rank: int) -> VocabShard:
     return share_layer(job.model, task.in_features, task.num_classes, pp, rank, seed=job.train.seed)
+
+
+def share_memory(job, pp_rank: int, placement) -> dict[str, int]:
+    """Bytes the rank's share adds to its memory (train.memory; 0s without vocab_parallel):
+    its parameters; the step's receive buffers (posted when it begins: every micro-batch's);
+    one micro-batch's S cache (the exps of its logits, the last stage's output) held until its
+    T; the logits' largest temporary."""
+    if not job.model.vocab_parallel:
+        return {"params": 0, "buffers": 0, "activations": 0, "temporary": 0}
+    task = SimpleNamespace(in_features=job.data.seq_len, num_classes=job.data.vocab)
+    pp, m, c = job.grid.pp, job.train.microbatches, job.model.hidden
+    layer = _shard(job, task, pp, pp_rank)
+    rows = job.microbatch_size * job.data.seq_len
+    act = 4 * rows * c
+    per_mb = (pp - 1) * 4 * 4 * rows  # the other shares' statistics
+    per_mb += (pp - 1) * act if pp_rank == placement.rank_of(0) else act  # parts | dx
+    per_mb += (pp - 1) * act if pp_rank == placement.rank_of(placement.num_stages - 1) else act
+    return {
+        "params": sum(math.prod(shape) for shape in layer.param_shapes().values()),
+        "buffers": m * per_mb,
+        "activations": 4 * rows * layer.share + act,
+        "temporary": 4 * rows * layer.share,
+    }
 
 
 def pass_costs(job, task, placement) -> Costs:
