@@ -88,3 +88,10 @@ def test_vocab_parallel_replicas_identical_under_int8():
 def test_bad_vocab_parallel_is_one_config_error(settings, world, says):
     with pytest.raises(ConfigError, match=says):
         load_job(None, [*TINY_GPT, *settings], world)
+
+
+def test_schedule_show_draws_the_passes():
+    from mpihybrid.pipeline.simulate import describe
+
+    text = describe("v-half", 2, 4, 2, vocab=True)
+    assert "0S0" in text and "1T3" in text and "S the vocabulary share's logits" in text

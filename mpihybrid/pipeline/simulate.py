@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mpihybrid.pipeline.actions import last_weight_actions, split_backwards
 from mpihybrid.pipeline.liveness import Liveness
@@ -27,7 +27,13 @@ from mpihybrid.pipeline.schedules import (
     get_spec,
     placement_of,
 )
-from mpihybrid.pipeline.vocab_passes import VOCAB_KINDS, has_vocab, key_rank, vocab_inputs
+from mpihybrid.pipeline.vocab_passes import (
+    VOCAB_KINDS,
+    add_vocab_passes,
+    has_vocab,
+    key_rank,
+    vocab_inputs,
+)
 from mpihybrid.units import table
 
 
@@ -228,8 +234,9 @@ def render_grid(
         label = str(a) if chunks else str(a)[len(str(a.stage)) :]
         if split and a.kind == "B" and (a.stage, a.microbatch) not in split:
             label = label.replace("B", "BW", 1)  # a whole backward: B and W in one action
+        rank = key_rank((a.kind, a.stage, a.microbatch), placement)
         for i, t in enumerate(range(math.floor(t0), math.ceil(result.end[a]))):
-            running[(placement.rank_of(a.stage), t)] = label if i == 0 else "~"
+            running[(rank, t)] = label if i == 0 else "~"
     steps = math.ceil(result.makespan)
     digits = len(str(max(steps - 1, 0)))
     width = max(
@@ -264,7 +271,18 @@ def grid_legend(actions: dict[int, list[Action]], v: int) -> str:
     else:
         kinds = "F forward, B backward"
     chunk = ", a leading digit the model chunk" if v > 1 else ""
+    if has_vocab(actions):  # E and G (gathers, scatter-adds) take no step of the unit grid
+        kinds += ", S the vocabulary share's logits and statistics, T their gradient (S = 1, T = 2)"
     return f"{kinds}, - idle; the number is the micro-batch{chunk}"
+
+
+UNIT_VOCAB = {"E": 0.0, "S": 1.0, "T": 2.0, "G": 0.0}  # a share: 1/p of a head about p layers'
+
+
+def vocab_lists(actions: dict[int, list[Action]], placement: Placement, m: int):
+    """(lists, unit costs) with model.vocab_parallel's passes placed on the unit grid."""
+    costs = replace(unit_costs(actions), vocab=UNIT_VOCAB)
+    return add_vocab_passes(actions, placement, m, costs, simulate), costs
 
 
 GRID_RANKS = 8  # describe(): ranks shown before the grid is summarised
@@ -272,14 +290,25 @@ GRID_ROWS = 64  # ... and rows
 
 
 def describe(
-    name: str, pp: int, m: int, v: int = 1, early_grad_send: bool = False, *, grid: str = "auto"
+    name: str,
+    pp: int,
+    m: int,
+    v: int = 1,
+    early_grad_send: bool = False,
+    *,
+    grid: str = "auto",
+    vocab: bool = False,
 ) -> str:
     """Grid + predicted and simulated bubble + peak activations per stage, for one schedule.
-    grid: "full", "auto" (summarised past GRID_RANKS ranks or GRID_ROWS rows) or "none"."""
+    grid: "full", "auto" (summarised past GRID_RANKS ranks or GRID_ROWS rows) or "none".
+    vocab: with model.vocab_parallel's passes (vocab_passes.py)."""
     spec = get_spec(name)
     actions = build_schedule(name, pp, m, v, early_grad_send)
     placement = placement_of(name, pp, v)
-    result = simulate(actions, placement, unit_costs(actions))
+    costs = unit_costs(actions)
+    if vocab:
+        actions, costs = vocab_lists(actions, placement, m)
+    result = simulate(actions, placement, costs)
     peaks = " ".join(f"s{s}:{n}" for s, n in enumerate(result.peak_inflight))
     if len(result.peak_inflight) > GRID_RANKS and grid != "full":
         most = max(result.peak_inflight)
