@@ -36,6 +36,7 @@ class VocabRuntime:
         act_shape: tuple[int, ...],
         *,
         recorder: Recorder,
+        peer_ranks: list[int],
         isend,
         tag_base: int,
         grads_final=None,
@@ -47,6 +48,7 @@ class VocabRuntime:
         self.comm, self.shard, self.layer = pp_comm, shard, shard.layers[0]
         self.rank, self.pp = pp_comm.Get_rank(), pp_comm.Get_size()
         self.m, self.shape, self.recorder, self.isend = num_microbatches, act_shape, recorder, isend
+        self.peer_ranks, self._ready = peer_ranks, 0.0  # world rank of each pp rank
         self.first = placement.rank_of(0)
         self.head = placement.rank_of(placement.num_stages - 1)
         self.base, self.grads_final, self.last_grad = tag_base, grads_final, last_grad
@@ -86,10 +88,17 @@ class VocabRuntime:
             state.vocab["pending"][(what, src, mb)] = req
 
     def _take(self, state, what: int, src: int, mb: int) -> np.ndarray:
+        """What `src` sent for mb (waited for: a recv row of the trace, as the pipeline's)."""
         if src == self.rank:
             return state.vocab["local"].pop((what, mb))
+        t0 = Recorder.clock()
         state.vocab["pending"].pop((what, src, mb)).Wait()
-        return self.buffers[(what, src, mb)]
+        buf = self.buffers[(what, src, mb)]
+        self._ready = Recorder.clock()  # the pass's own work starts after its last wait
+        self.recorder.record(
+            KIND["recv"], state.step, -1, mb, t0, self._ready, buf.nbytes, self.peer_ranks[src]
+        )
+        return buf
 
     def _send(self, state, what: int, mb: int, array: np.ndarray, dests) -> None:
         array = np.ascontiguousarray(array, dtype=np.float32)
@@ -108,11 +117,11 @@ class VocabRuntime:
         return total
 
     def run(self, a, state, t0: float) -> None:
+        self._ready = t0
         self.run_pass[a.kind](a.microbatch, state)
         # stage -1: a share is no pipeline stage (its share is the row's rank)
-        self.recorder.record(
-            KIND[RECORD[a.kind]], state.step, -1, a.microbatch, t0, Recorder.clock()
-        )
+        end = Recorder.clock()
+        self.recorder.record(KIND[RECORD[a.kind]], state.step, -1, a.microbatch, self._ready, end)
 
     def _embed(self, mb: int, state) -> None:
         part = self.layer.embed(state.batches[mb][0])

@@ -122,6 +122,7 @@ def attach(runtime, shards: dict, states: dict, *, job, task, grid) -> None:
         m,
         (job.microbatch_size, task.in_features, job.model.hidden),
         recorder=runtime.recorder,
+        peer_ranks=runtime.peer_ranks,
         isend=runtime.isend,
         tag_base=last + 1,
         grads_final=states[index].reducer.ready_from,
