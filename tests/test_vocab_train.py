@@ -94,3 +94,18 @@ def test_schedule_show_draws_the_passes():
 
     text = describe("v-half", 2, 4, 2, vocab=True)
     assert "0S0" in text and "1T3" in text and "S the vocabulary share's logits" in text
+
+
+def test_the_search_judges_its_candidates_with_the_passes():
+    """auto's search: each candidate simulated with the vocabulary passes placed on it."""
+    import dataclasses
+
+    from mpihybrid.pipeline.search import search
+    from mpihybrid.pipeline.search_costs import unit_costs
+
+    base = unit_costs(2)
+    plain = search(base, 2, 4, exact=False)
+    vocab = search(dataclasses.replace(base, vocab=(0.0, 1.0, 2.0, 0.0)), 2, 4, exact=False)
+    assert any(a.kind == "S" for a in vocab.best.sim.start)
+    # every rank runs 4 S and 4 T: 12 units more of its own work
+    assert max(vocab.best.sim.busy) == pytest.approx(max(plain.best.sim.busy) + 12)

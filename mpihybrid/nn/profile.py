@@ -194,3 +194,33 @@ def timed_partition(work: Workload, repeats: int = 3) -> tuple[list[int], list[f
     costs = timed_block_costs(work, repeats)
     # the embedding and the head (gpt) ride with the first and last chunk
     return layer_counts(work.model, partition(costs, work.chunks)), costs
+
+
+def share_pass_costs(job, repeats: int = 3) -> tuple[float, float, float, float]:
+    """model.vocab_parallel: seconds of a share's E, S, T and G passes (nn/vocab.py) on one of
+    the job's micro-batches, every share's statistics combined; medians of `repeats` after a
+    warm-up."""
+    import statistics
+
+    from mpihybrid.nn.model import Stage
+    from mpihybrid.nn.vocab import combine, share_layer
+
+    d, m = job.data, job.model
+    layer = share_layer(m, d.seq_len, d.vocab, job.grid.pp, 0, seed=job.train.seed)
+    Stage([[layer]], 0, job.train.seed)  # binds the layer's parameters and gradients
+    tokens, targets = build_task(d).global_batch(0, job.microbatch_size)  # one micro-batch
+    h = np.random.default_rng(0).standard_normal((*tokens.shape, m.hidden)).astype(np.float32)
+    times = {k: [] for k in "ESTG"}
+    for _ in range(repeats + 1):
+        marks = [time.perf_counter()]
+        layer.embed(tokens)
+        marks.append(time.perf_counter())
+        cache, stats = layer.logits(h, targets)
+        marks.append(time.perf_counter())
+        layer.head_backward(cache, combine([stats] * job.grid.pp), 1.0)
+        marks.append(time.perf_counter())
+        layer.embed_grad(tokens, h)
+        marks.append(time.perf_counter())
+        for k, a, b in zip("ESTG", marks, marks[1:], strict=False):
+            times[k].append(b - a)
+    return tuple(statistics.median(times[k][1:]) for k in "ESTG")
