@@ -10,7 +10,10 @@ import sys
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+
+# every test here writes or reads a safetensors file: the `weights` extra
+pytest.importorskip("safetensors", reason="safetensors is not installed (the weights extra)")
+from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from mpihybrid.cli.text import checkpoint_stages, read_checkpoint
 from mpihybrid.config import ConfigError, load_job
