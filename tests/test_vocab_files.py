@@ -11,15 +11,18 @@ import sys
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
-from mpihybrid.config import load_job
-from mpihybrid.nn.model import build_stage
-from mpihybrid.nn.weights import export_tensors
-from mpihybrid.trace.read import load
-from mpihybrid.train.tie import bind_local
-from tests.helpers import mpi_env, run_mpi
-from tests.serial_reference import train_serial
+# weights export and model.init read and write safetensors files: the `weights` extra
+pytest.importorskip("safetensors", reason="safetensors is not installed (the weights extra)")
+from safetensors.numpy import load_file  # noqa: E402
+
+from mpihybrid.config import load_job  # noqa: E402
+from mpihybrid.nn.model import build_stage  # noqa: E402
+from mpihybrid.nn.weights import export_tensors  # noqa: E402
+from mpihybrid.trace.read import load  # noqa: E402
+from mpihybrid.train.tie import bind_local  # noqa: E402
+from tests.helpers import mpi_env, run_mpi  # noqa: E402
+from tests.serial_reference import train_serial  # noqa: E402
 
 TINY = ["model.kind=gpt", "model.hidden=16", "model.heads=2", "model.ffn=32", "model.depth=2",
         "data.vocab=37", "data.seq_len=8", "data.test_samples=4", "data.kind=markov",
