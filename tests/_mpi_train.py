@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,7 +24,12 @@ from mpi4py import MPI  # noqa: E402
 
 from mpihybrid.cli.auto import resolve_auto  # noqa: E402
 from mpihybrid.config import load_job  # noqa: E402
+from mpihybrid.nn.data import build_task  # noqa: E402
+from mpihybrid.nn.model import build_stage  # noqa: E402
+from mpihybrid.nn.vocab_weights import unsplit, whole_tensors  # noqa: E402
+from mpihybrid.nn.weights import export_tensors  # noqa: E402
 from mpihybrid.train.loop import train  # noqa: E402
+from mpihybrid.train.tie import bind_local  # noqa: E402
 from tests.helpers import abort_on_exception  # noqa: E402
 from tests.serial_reference import train_serial  # noqa: E402
 
@@ -45,6 +51,23 @@ if args.fake_gpu:
     from tests import fakegpu
 
     backend = select_backend("cuda", False, world, _import_cupy=lambda: fakegpu)
+
+
+def vocab_tensors(job, params, serial_flat):
+    """model.vocab_parallel: (hybrid, serial) as every nanoGPT-named tensor, concatenated."""
+    task = build_task(job.data)
+    cfg = unsplit(job.model)
+    whole = whole_tensors(job.model, task.in_features, task.num_classes, params, job.grid.pp)
+    stage = build_stage(cfg, task.in_features, task.num_classes, 0, 1, seed=0)
+    stage.flat_params[...] = serial_flat
+    bind_local([stage])
+    reference = export_tensors([stage], cfg.depth + 2)
+    assert sorted(reference) == sorted(whole), (sorted(reference), sorted(whole))
+    names = sorted(reference)
+    return (np.concatenate([whole[n].ravel() for n in names]),
+            np.concatenate([reference[n].ravel() for n in names]))  # fmt: skip
+
+
 runs = [(name, also) for also in ["", *args.also] for name in args.schedules.split(",")]
 for name, also in runs:
     overrides = [*args.overrides, f"train.schedule={name}", *([also] if also else [])]
@@ -67,9 +90,13 @@ for name, also in runs:
     if args.fake_gpu:
         out["copies"] = dict(fakegpu.counts)
     if args.serial:
-        hybrid = np.concatenate(summary.params)
         norms = []
-        serial, serial_losses = train_serial(job, norms)
+        if job.model.vocab_parallel:  # the whole model's tensors, gathered, against serial's
+            serial, serial_losses = train_serial(replace(job, model=unsplit(job.model)), norms)
+            hybrid, serial = vocab_tensors(job, summary.params, serial)
+        else:
+            hybrid = np.concatenate(summary.params)
+            serial, serial_losses = train_serial(job, norms)
         out["serial_norms"] = norms
         out["norms"] = summary.extra.get("grad_norms", [])
         out["max_abs_diff"] = float(np.max(np.abs(hybrid - serial)))

@@ -27,7 +27,7 @@ from mpihybrid.nn.kinds import KINDS as KINDS_OF_MODEL
 from mpihybrid.pipeline.csv_schedule import from_trace
 from mpihybrid.pipeline.liveness import replay_rows
 from mpihybrid.trace.read import Trace
-from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS, step_times
+from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS, VOCAB_PASSES, step_times
 
 # the columns of the time split, in table order; "recv" is time blocked waiting for a message
 SPLIT = ("forward", "backward", "weight", "recv", "send", "allreduce", "optimizer")
@@ -76,7 +76,8 @@ def bubble_summary(
     from mpihybrid.pipeline.schedules import build_schedule, placement_of
     from mpihybrid.pipeline.simulate import Costs, simulate
 
-    compute = events[np.isin(events["kind"], list(COMPUTE))]
+    working = list(COMPUTE) + [KIND[k] for k in VOCAB_PASSES]
+    compute = events[np.isin(events["kind"], working)]
     steps = _measured_steps(compute, skip_steps)
     compute = compute[np.isin(compute["step"], steps)]
     # one phase per (step, replica); one busy time per (phase, rank): grouped once, not masked
@@ -343,9 +344,11 @@ def _rank_rows(ev: np.ndarray) -> list[dict]:
         row["total"] = float(seconds[i, KIND["step"]])
         waited = counts[i, KIND["grad_wait"]] > 0
         row.update(_exposed(float(seconds[i, KIND["grad_wait"]]) if waited else None, row))
-        main_thread = sum(row[name] for name in MAIN_THREAD) + row["exposed_comm"]
+        row["vocab"] = float(sum(seconds[i, KIND[k]] for k in VOCAB_PASSES))  # vocab_parallel
+        main_thread = sum(row[name] for name in MAIN_THREAD) + row["exposed_comm"] + row["vocab"]
         row["idle"] = max(0.0, row["total"] - main_thread)
-        row["busy"] = row["forward"] + row["backward"] + row["weight"] + row["optimizer"]
+        busy = row["forward"] + row["backward"] + row["weight"] + row["optimizer"]
+        row["busy"] = busy + row["vocab"]
         ranks.append(row)
     return ranks
 

@@ -243,7 +243,10 @@ def _gemm_seconds(
     """Seconds each rank's matmuls take over the measured steps at its measured GEMM rate."""
     per_step = job.train.microbatches * steps
     return {
-        r["rank"]: per_step * sum(chunk_flops[s] for s in r["stages"]) / rates[r["rank"]]
+        # a vocabulary share (model.vocab_parallel, index past the stages) is not counted here
+        r["rank"]: per_step
+        * sum(chunk_flops[s] for s in r["stages"] if s < len(chunk_flops))
+        / rates[r["rank"]]
         for r in ranks
         if rates[r["rank"]] > 0
     }

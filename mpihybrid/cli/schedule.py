@@ -67,8 +67,23 @@ def schedule() -> None:
     help="The schedule a traced run ran: its schedule, pp, M, v and early gradient sends "
     "(a csv: schedule from the trace's copy of the file).",
 )
+@click.option(
+    "--vocab-parallel",
+    is_flag=True,
+    help="With model.vocab_parallel's passes on every rank (S, T; E and G take no step).",
+)
 def schedule_show(
-    *, name, pp, microbatches, virtual, show_all, early_grad_send, grid, csv_path, trace_path
+    *,
+    name,
+    pp,
+    microbatches,
+    virtual,
+    show_all,
+    early_grad_send,
+    grid,
+    csv_path,
+    trace_path,
+    vocab_parallel,
 ):
     """Print a schedule's step x rank grid, predicted bubble and peak activations."""
     from mpihybrid.pipeline.csv_schedule import dump_csv, from_trace
@@ -87,13 +102,18 @@ def schedule_show(
         name, pp, microbatches = from_trace(attrs), int(attrs["pp"]), int(attrs["microbatches"])
         virtual = int(attrs.get("virtual_stages", 1))
         early_grad_send = bool(attrs.get("early_grad_send", False))
+        vocab_parallel = bool(attrs.get("vocab_parallel", False))
     try:
         v = virtual if virtual is not None else (2 if show_all else chunks_for(name))
         _check_schedule_size(pp, microbatches, v)
         if show_all:
             click.echo(compare(pp, microbatches, v, early_grad_send))
             return
-        click.echo(describe(name, pp, microbatches, v, early_grad_send, grid=grid))
+        if vocab_parallel and (show_all or csv_path):
+            _fail("--vocab-parallel shows one schedule's grid (torch's CSV has no such passes)")
+        click.echo(
+            describe(name, pp, microbatches, v, early_grad_send, grid=grid, vocab=vocab_parallel)
+        )
         if csv_path:
             actions = build_schedule(name, pp, microbatches, v, early_grad_send)
             unit = simulate(actions, placement_of(name, pp, v), unit_costs(actions))

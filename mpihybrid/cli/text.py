@@ -442,14 +442,16 @@ def checkpoint_stages(path: Path, job, manifest: dict) -> list:
     import h5py
 
     from mpihybrid.inputs import InputFileError, check_regular
-    from mpihybrid.nn.model import build_stage
     from mpihybrid.nn.tokens import DataError
+    from mpihybrid.nn.vocab_weights import whole_model
     from mpihybrid.train import checkpoint, tie
 
     d, num_stages = job.data, job.grid.pp * job.train.virtual_stages
+    # model.vocab_parallel: the shares' files follow the stages'; the whole model is rebuilt
+    shares = job.grid.pp if job.model.vocab_parallel else 0
     model = []
-    for s in range(num_stages):
-        stage = build_stage(job.model, d.seq_len, d.vocab, s, num_stages, seed=job.train.seed)
+    for s in range(num_stages + shares):
+        stage = _checkpoint_chunk(job, s, num_stages)
         name = f"stage-{s:03d}.h5"
         digest = manifest.get("files", {}).get(name)
         try:
@@ -468,5 +470,21 @@ def checkpoint_stages(path: Path, job, manifest: dict) -> list:
             raise DataError(f"{path}: {name} does not fit the checkpoint's own model")
         stage.flat_params[...] = params
         model.append(stage)
+    if shares:
+        flats = [st.flat_params for st in model]
+        model = [whole_model(job.model, d.seq_len, d.vocab, flats, shares, seed=job.train.seed)]
     tie.bind_local(model)  # a tied head reads the token table (no-op untied)
     return model
+
+
+def _checkpoint_chunk(job, s: int, num_stages: int):
+    """Chunk s of a checkpoint's model, its weights to be read: a stage, or past the stages a
+    vocabulary share (model.vocab_parallel)."""
+    from mpihybrid.nn.model import Stage, build_stage
+    from mpihybrid.nn.vocab import share_layer
+
+    d, seed = job.data, job.train.seed
+    if s < num_stages:
+        return build_stage(job.model, d.seq_len, d.vocab, s, num_stages, seed=seed)
+    layer = share_layer(job.model, d.seq_len, d.vocab, job.grid.pp, s - num_stages, seed=seed)
+    return Stage([[layer]], 0, seed)

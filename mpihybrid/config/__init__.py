@@ -76,6 +76,7 @@ class ModelConfig:
     partition: str | list = "cost"  # cost | uniform | timed | [layers per chunk]
     init: str = ""  # gpt: start from this .safetensors file (weights export) instead of the seed
     tie_embeddings: bool = False  # gpt, llama: the head's weight is the token table (nanoGPT's wte)
+    vocab_parallel: bool = False  # gpt: table and head split by vocabulary over the pp ranks
 
 
 @dataclass(frozen=True)

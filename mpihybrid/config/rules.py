@@ -92,6 +92,8 @@ def validate(job: Job) -> None:
             f"train.global_batch({t.global_batch}) is not divisible by "
             f"dp({g.dp}) * microbatches({t.microbatches}) = {per_step}"
         )
+    if wrong := vocab_parallel_problem(job):
+        raise ConfigError(wrong)
     # the kind's own rules, and the settings of other kinds it refuses (nn/kinds.py)
     if wrong := KINDS[m.kind].check(m) or (m.init and init_problem(m, d.seq_len, d.vocab)):
         raise ConfigError(wrong)
@@ -270,3 +272,18 @@ def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:
             f"model.partition = {m.partition!r}: use 'cost', 'uniform', 'timed' or a list of "
             "layer counts"
         )
+
+
+def vocab_parallel_problem(job: Job) -> str:
+    """model.vocab_parallel's rules (nn/vocab.py), in one line, or ""."""
+    m = job.model
+    if not m.vocab_parallel:
+        return ""
+    if m.kind != "gpt":
+        return f"model.vocab_parallel: a gpt's (model.kind = {m.kind!r} has no vocabulary)"
+    if job.grid.pp < 2:
+        return (
+            f"model.vocab_parallel needs grid.pp >= 2 (pp = {job.grid.pp}: one rank holds the "
+            "whole vocabulary anyway)"
+        )
+    return ""

@@ -129,7 +129,8 @@ def _works(work: Workload, ranges: list[range], shapes) -> list[ChunkWork]:
     for c, chunk in enumerate(ranges):
         layers = [cost for g in chunk for cost in costs[g]]
         temporary = max(layer.temporary_bytes for layer in layers)
-        if c == num_chunks - 1:  # the loss: softmax over the logits, forward and backward
+        # the loss: softmax over the logits, forward and backward (vocab_parallel: the shares')
+        if c == num_chunks - 1 and not getattr(work.model, "vocab_parallel", False):
             layers[-1].elem_bytes["F"] += 3 * FLOAT * rows * num_classes
             layers[-1].elem_bytes["B"] += 2 * FLOAT * rows * num_classes
             temporary = max(temporary, FLOAT * rows * num_classes)

@@ -60,7 +60,8 @@ def chunk_inputs(work: Workload, chunk: int, seed: int = 0):
     m = work.microbatches
     x, y = task.global_batch(0, work.microbatch_size * m)
     batches = microbatches(x, y, 0, 1, m)
-    if chunk == 0:
+    # model.vocab_parallel: chunk 0 takes the vocabulary shares' summed embedding, not tokens
+    if chunk == 0 and not vocab_parallel(work):
         return [b[0] for b in batches], [b[1] for b in batches]
     rng = np.random.default_rng(seed)
     stage = build_stage(work.model, task.in_features, task.num_classes, chunk, work.chunks, seed=0)
@@ -68,6 +69,11 @@ def chunk_inputs(work: Workload, chunk: int, seed: int = 0):
     shape = (len(batches[0][0]), *kind.activation(work.model, task.in_features, stage.layers[0]))
     inputs = [rng.standard_normal(shape).astype(np.float32) for _ in range(m)]
     return inputs, [b[1] for b in batches]
+
+
+def vocab_parallel(work: Workload) -> bool:
+    """The job splits the head by vocabulary: no chunk computes the loss (nn/vocab.py)."""
+    return bool(getattr(work.model, "vocab_parallel", False))
 
 
 def profile_stage(stage, inputs, targets, last: bool, first: bool, *, repeats: int, key=None):
@@ -103,7 +109,7 @@ def profile_chunk(work: Workload, chunk: int, repeats: int = 3, key=None) -> dic
     """profile_stage of model chunk `chunk`, on the job's own micro-batches."""
     stage = build_stage(work.model, *task_dims(work.data), chunk, work.chunks, seed=work.seed)
     inputs, targets = chunk_inputs(work, chunk)
-    last = chunk == work.chunks - 1
+    last = chunk == work.chunks - 1 and not vocab_parallel(work)
     return profile_stage(stage, inputs, targets, last, chunk == 0, repeats=repeats, key=key)
 
 
@@ -118,8 +124,9 @@ def timed_block_costs(work: Workload, repeats: int = 3) -> list[float]:
             for sub in layer.branch if isinstance(layer, Residual) else [layer]:
                 owner[id(sub)] = g
     inputs, targets = chunk_inputs(work, 0)
+    loss = not vocab_parallel(work)
     per = profile_stage(
-        stage, inputs, targets, True, True, repeats=repeats, key=lambda l, m: owner[id(l)]
+        stage, inputs, targets, loss, True, repeats=repeats, key=lambda l, m: owner[id(l)]
     )
     costs = [per.get(g, 0.0) for g in range(len(stage.blocks))]
     costs[-1] += per.get(LOSS, 0.0)
@@ -140,8 +147,9 @@ def block_pass_costs(
             for sub in layer.branch if isinstance(layer, Residual) else [layer]:
                 owner[id(sub)] = g
     inputs, targets = chunk_inputs(work, 0)
+    loss = not vocab_parallel(work)
     per = profile_stage(
-        stage, inputs, targets, True, True, repeats=repeats, key=lambda l, m: (owner[id(l)], m)
+        stage, inputs, targets, loss, True, repeats=repeats, key=lambda l, m: (owner[id(l)], m)
     )
     n = len(stage.blocks)
     passes = [
@@ -186,3 +194,33 @@ def timed_partition(work: Workload, repeats: int = 3) -> tuple[list[int], list[f
     costs = timed_block_costs(work, repeats)
     # the embedding and the head (gpt) ride with the first and last chunk
     return layer_counts(work.model, partition(costs, work.chunks)), costs
+
+
+def share_pass_costs(job, repeats: int = 3) -> tuple[float, float, float, float]:
+    """model.vocab_parallel: seconds of a share's E, S, T and G passes (nn/vocab.py) on one of
+    the job's micro-batches, every share's statistics combined; medians of `repeats` after a
+    warm-up."""
+    import statistics
+
+    from mpihybrid.nn.model import Stage
+    from mpihybrid.nn.vocab import combine, share_layer
+
+    d, m = job.data, job.model
+    layer = share_layer(m, d.seq_len, d.vocab, job.grid.pp, 0, seed=job.train.seed)
+    Stage([[layer]], 0, job.train.seed)  # binds the layer's parameters and gradients
+    tokens, targets = build_task(d).global_batch(0, job.microbatch_size)  # one micro-batch
+    h = np.random.default_rng(0).standard_normal((*tokens.shape, m.hidden)).astype(np.float32)
+    times = {k: [] for k in "ESTG"}
+    for _ in range(repeats + 1):
+        marks = [time.perf_counter()]
+        layer.embed(tokens)
+        marks.append(time.perf_counter())
+        cache, stats = layer.logits(h, targets)
+        marks.append(time.perf_counter())
+        layer.head_backward(cache, combine([stats] * job.grid.pp), 1.0)
+        marks.append(time.perf_counter())
+        layer.embed_grad(tokens, h)
+        marks.append(time.perf_counter())
+        for k, a, b in zip("ESTG", marks, marks[1:], strict=False):
+            times[k].append(b - a)
+    return tuple(statistics.median(times[k][1:]) for k in "ESTG")

@@ -23,6 +23,7 @@ import numpy as np
 from mpihybrid.comm.device import array_module
 from mpihybrid.nn import kernels
 from mpihybrid.nn.layers import FLOAT, GELU, Cost, Layer, LayerNorm, Linear, layer_costs
+from mpihybrid.nn.vocab import Positions
 
 GPT_INIT_STD = 0.02  # GPT-2's initialisation of embeddings and linear weights
 
@@ -282,7 +283,11 @@ def gpt_blocks(cfg, seq_len: int, vocab: int) -> list[list[Layer]]:
     if width % cfg.heads:
         raise ValueError(f"model.hidden({width}) is not divisible by model.heads({cfg.heads})")
     out_std = GPT_INIT_STD / math.sqrt(2 * cfg.depth)
-    blocks: list[list[Layer]] = [[Embedding(vocab, seq_len, width)]]
+    # model.vocab_parallel: the token table and the head are shared out by vocabulary over the
+    # pp ranks (nn/vocab.py); the stages keep the position table and the final norm
+    vocab_parallel = getattr(cfg, "vocab_parallel", False)
+    first = Positions(vocab, seq_len, width) if vocab_parallel else Embedding(vocab, seq_len, width)
+    blocks: list[list[Layer]] = [[first]]
     for _ in range(cfg.depth):
         attention = Residual(
             [
@@ -303,5 +308,5 @@ def gpt_blocks(cfg, seq_len: int, vocab: int) -> list[list[Layer]]:
         blocks.append([attention, mlp])
     # tied (model.tie_embeddings): the head's weight is the token table's, transposed
     head = Linear(width, vocab, init_std=GPT_INIT_STD, tied=getattr(cfg, "tie_embeddings", False))
-    blocks.append([LayerNorm(width), head])
+    blocks.append([LayerNorm(width)] if vocab_parallel else [LayerNorm(width), head])
     return blocks

@@ -19,6 +19,7 @@ A file without `lm_head.bias` (nanoGPT's own) loads with a zero bias, one withou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -70,11 +71,12 @@ def _param(block: list, path: tuple, name: str) -> np.ndarray:
 
 
 def own_names(g: int, block: list, num_blocks: int) -> list[tuple[str, tuple, str, bool]]:
-    """block_names of the tensors block g holds itself (a tied head's weight is wte's)."""
+    """block_names of the tensors block g holds itself (a tied head's weight is wte's; under
+    model.vocab_parallel the vocabulary shares hold wte and the head)."""
     return [
         entry
         for entry in block_names(g, num_blocks)
-        if entry[2] in _layer(block, entry[1]).param_shapes()
+        if entry[1][0] < len(block) and entry[2] in _layer(block, entry[1]).param_shapes()
     ]
 
 
@@ -238,6 +240,8 @@ def init_problem(cfg, seq_len: int, vocab: int) -> str:
         return f"model.init = {cfg.init!r}: starts a gpt only (model.kind = {cfg.kind!r})"
     if not cfg.init.endswith(".safetensors"):
         return f"model.init = {cfg.init!r}: expected a .safetensors file (weights export)"
+    if getattr(cfg, "vocab_parallel", False):  # the file holds the whole model: check that
+        cfg = dataclasses.replace(cfg, vocab_parallel=False)
     return check_file(cfg, seq_len, vocab, cfg.init, gpt_blocks(cfg, seq_len, vocab))
 
 
@@ -246,18 +250,23 @@ def load_into(stage, path: str | Path, num_blocks: int) -> None:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="numpy") as f:
-        keys = set(f.keys())
-        for g, block in zip(stage.block_range, stage.blocks, strict=True):
-            for name, path_, key, transposed in own_names(g, block, num_blocks):
-                target = _param(block, path_, key)
-                if name in keys:
-                    value = f.get_tensor(name)
-                elif name == HEAD:
-                    value, transposed = f.get_tensor(WTE), True  # tied: the head is wte
-                else:  # lm_head.bias of a nanoGPT file: none
-                    value = np.zeros(target.shape, np.float32)
-                value = value.T if transposed else value
-                target[...] = value.astype(target.dtype, copy=False)
+        fill(stage, f.get_tensor, set(f.keys()), num_blocks)
+
+
+def fill(stage, get, keys: set, num_blocks: int) -> None:
+    """A stage's parameters from named tensors: get(name) for the names in `keys` (a file's,
+    or a dict's: get = tensors.__getitem__)."""
+    for g, block in zip(stage.block_range, stage.blocks, strict=True):
+        for name, path_, key, transposed in own_names(g, block, num_blocks):
+            target = _param(block, path_, key)
+            if name in keys:
+                value = get(name)
+            elif name == HEAD:
+                value, transposed = get(WTE), True  # tied: the head is wte
+            else:  # lm_head.bias of a nanoGPT file: none
+                value = np.zeros(target.shape, np.float32)
+            value = value.T if transposed else value
+            target[...] = value.astype(target.dtype, copy=False)
 
 
 def num_params(tensors: dict[str, np.ndarray]) -> int:

@@ -33,6 +33,7 @@ from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.schedules import Action, message_key
 from mpihybrid.pipeline.slowdown import Slowdown
+from mpihybrid.pipeline.vocab_passes import VOCAB_KINDS
 from mpihybrid.pipeline.wire import P2PWire
 from mpihybrid.progress import progress
 from mpihybrid.trace.recorder import KIND, Recorder
@@ -120,10 +121,11 @@ class PipelineRuntime:
         self._run = {"F": self._forward, "B": self._backward, "W": self._weight}
         self._run |= dict.fromkeys(("SEND_F", "SEND_B"), self._send)
         self._run |= dict.fromkeys(("RECV_F", "RECV_B"), self._recv)
-        unknown = [a for a in actions if a.kind not in self._run]
+        unknown = [a for a in actions if a.kind not in self._run and a.kind not in VOCAB_KINDS]
         if unknown:
             raise ValueError(f"unknown action {unknown[0]}")
         self.flight = flight
+        self.vocab = None  # model.vocab_parallel: its VocabRuntime (attach_vocab)
         # what the flight record says of each action: kind, stage, mb, peer (world rank), tag
         self.flight_rows = [
             (
@@ -137,6 +139,11 @@ class PipelineRuntime:
         ]
         self.wire = settings.wire
         self._allocate(actions, shapes)
+
+    def attach_vocab(self, vocab) -> None:
+        """model.vocab_parallel: the rank's share passes (E, S, T, G) run by `vocab`."""
+        self.vocab = vocab
+        self._run |= dict.fromkeys(VOCAB_KINDS, vocab.run)
 
     def _allocate(self, actions: list[Action], boundary_shapes: list[tuple[int, ...]]) -> None:
         """One preallocated receive buffer per RECV action, reused every step; an encoded link
@@ -165,6 +172,8 @@ class PipelineRuntime:
     def run_step(self, step: int, batches: list[tuple[np.ndarray, np.ndarray]]) -> StepResult:
         """Run my action list once over `batches` (my replica's M micro-batches)."""
         state = _Step(step, batches, self._post_receives(), Liveness(self.split_backward))
+        if self.vocab is not None:
+            self.vocab.begin(state)
         run, clock = self._run, Recorder.clock
         poll, flight, rows = self.poll, self.flight, self.flight_rows
         for j, a in enumerate(self.actions):
@@ -225,8 +234,12 @@ class PipelineRuntime:
     def _forward(self, a: Action, state: _Step, t0: float) -> None:
         s, mb = a.stage, a.microbatch
         x = state.batches[mb][0] if s == 0 else state.inbox.pop(("F", s, mb))
+        if s == 0 and self.vocab is not None:
+            x = self.vocab.embedding(mb, state)  # the shares' parts of the token embedding
         y, cache = self.stages[s].forward(x)
-        if s == self.num_stages - 1:
+        if s == self.num_stages - 1 and self.vocab is not None:
+            self.vocab.head_input(mb, y, state)  # to every share's S
+        elif s == self.num_stages - 1:
             loss, lcache = self.loss_fn.forward(y, state.batches[mb][1])
             state.loss_sum += loss
             state.correct += self.loss_fn.correct(lcache)
@@ -242,14 +255,21 @@ class PipelineRuntime:
 
     def _backward(self, a: Action, state: _Step, t0: float) -> None:
         s, mb = a.stage, a.microbatch
-        dy = state.inbox.pop(("B", s, mb))
-        cache = state.caches.pop((s, mb))
-        if (s, mb) in self.split_backward:
-            dx, state.wcaches[(s, mb)] = self.stages[s].backward_input(dy, cache, s > 0)
+        vocab = self.vocab
+        if vocab is not None and s == self.num_stages - 1:
+            dy = vocab.head_grad(mb, state)  # the shares' parts, summed
         else:
-            dx = self.stages[s].backward(dy, cache, s > 0, self._grad_hook("B", s, mb))
+            dy = state.inbox.pop(("B", s, mb))
+        cache = state.caches.pop((s, mb))
+        need_dx = s > 0 or vocab is not None  # the shares' rows of the table need it
+        if (s, mb) in self.split_backward:
+            dx, state.wcaches[(s, mb)] = self.stages[s].backward_input(dy, cache, need_dx)
+        else:
+            dx = self.stages[s].backward(dy, cache, need_dx, self._grad_hook("B", s, mb))
         state.live.step("B", s, mb)
-        if s > 0:
+        if s == 0 and vocab is not None:
+            vocab.embedding_grad(mb, dx, state)
+        elif s > 0:
             (state.inbox if self._is_local(s - 1) else state.outbox)[("B", s - 1, mb)] = dx
         self._done("backward", a, state, t0)
 
@@ -319,6 +339,7 @@ class _Step:
     caches: dict = field(default_factory=dict)  # (stage, mb) -> forward cache
     wcaches: dict = field(default_factory=dict)  # (stage, mb) -> cache of a split backward's W
     send_requests: list = field(default_factory=list)
+    vocab: dict = field(default_factory=dict)  # model.vocab_parallel: VocabRuntime's messages
     loss_sum: float = 0.0
     correct: int = 0
 
@@ -331,10 +352,15 @@ def forward_only(
     boundary_shapes: list[tuple[int, ...]],
     *,
     backend: Backend = CPU,
+    vocab=None,
 ) -> np.ndarray | None:
     """Push one batch through the whole pipeline (evaluation); the last stage's rank gets logits.
-    Each stage's forward ticks the watchdog (an evaluation is many of these)."""
+    Each stage's forward ticks the watchdog (an evaluation is many of these). vocab: the rank's
+    VocabRuntime (model.vocab_parallel; every rank takes part)."""
     pp_rank, num_stages = pp_comm.Get_rank(), placement.num_stages
+    rows_shape = x.shape
+    if vocab is not None:
+        x = vocab.eval_embed(x)
     for s in range(num_stages):
         if placement.rank_of(s) != pp_rank:
             continue
@@ -354,4 +380,5 @@ def forward_only(
                 x = backend.xp.ascontiguousarray(x)
                 wire = backend.mpi_send_buffer(x, ("eval", s + 1, x.shape))
                 pp_comm.Send([wire, MPI.FLOAT], dest=nxt, tag=s + 1)
-    return x if pp_rank == placement.rank_of(num_stages - 1) else None
+    out = x if pp_rank == placement.rank_of(num_stages - 1) else None
+    return out if vocab is None else vocab.eval_logits(out, rows_shape)

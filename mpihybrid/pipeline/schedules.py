@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mpihybrid.pipeline import vocab_passes as vp
 from mpihybrid.pipeline.actions import (
     COMM_KINDS,
     COMPUTE_KINDS,
@@ -287,7 +288,7 @@ def lower(compute: dict[int, list[Action]], placement: Placement) -> dict[int, l
     for rank, actions in compute.items():
         out = lowered[rank] = []
         for a in actions:
-            if a.kind not in COMPUTE_KINDS:
+            if a.kind not in COMPUTE_KINDS + vp.VOCAB_KINDS:  # a share's pass: its messages inside
                 raise ScheduleError(f"lower() takes compute actions only, got {a} on rank {rank}")
             s, mb = a.stage, a.microbatch
             prev = placement.rank_of(s - 1) if s > 0 else rank
@@ -347,10 +348,10 @@ def _run(
     # its program counters and tensor sets; split apart they would pass all that state around.
     pp, last = len(actions), num_stages - 1
     pc = dict.fromkeys(actions, 0)
-    shared: set = set()
+    # posted: buffered (message_key, destination) not received; made: every (kind, stage, mb) run
+    shared, posted, made, vocab = set(), set(), set(), vp.has_vocab(actions)
     # tensors a rank holds: ("F", s, mb) = output of F on stage s, ("B", s, mb) = input grad
     have = {r: set() if per_rank else shared for r in actions}
-    posted: set = set()  # buffered messages (message_key, destination) not yet received
 
     def current(r: int) -> Action | None:
         return actions[r][pc[r]] if pc[r] < len(actions[r]) else None
@@ -368,17 +369,19 @@ def _run(
             wanted = [message_key(a)]
         else:
             wanted = []
-        return next((t for t in wanted if t not in have[r]), None)
+        missing = next((t for t in wanted if t not in have[r]), None)
+        return missing or (vp.missing_input(a, last, pp, made) if vocab else None)
 
     def advance(r: int) -> bool:
         a = current(r)
         missing = needs(r, a)
         if missing is not None:
-            what = "output of F" if missing[0] == "F" else "input gradient from B"
+            what = {"F": "output of F", "B": "input gradient from B"}.get(missing[0], missing[0])
             stuck[r] = f"{a} waits for the {what} of stage {missing[1]} micro-batch {missing[2]}"
             return False
-        if a.kind in COMPUTE_KINDS:
-            if a.kind != "W":
+        if a.kind in COMPUTE_KINDS or a.kind in vp.VOCAB_KINDS:
+            made.add((a.kind, a.stage, a.microbatch))
+            if a.kind in ("F", "B"):
                 have[r].add((a.kind, a.stage, a.microbatch))
         elif a.kind.startswith("SEND") and not synchronous:
             posted.add((message_key(a), a.peer))
@@ -430,6 +433,11 @@ def validate(actions: dict[int, list[Action]], placement: Placement, num_microba
     for rank, acts in actions.items():
         for step, a in enumerate(acts):
             at, s, mb = (rank, step), a.stage, a.microbatch
+            if a.kind in vp.VOCAB_KINDS:  # a share's pass, on the share's own rank
+                if why := vp.vocab_problem(a, rank, m, seen):
+                    raise _fail(actions, at, why)
+                seen[(a.kind, s, mb)] = at
+                continue
             if a.kind not in COMPUTE_KINDS + COMM_KINDS:
                 raise _fail(actions, at, f"unknown action kind {a.kind!r}")
             if not (0 <= s < num_stages and 0 <= mb < m):
@@ -460,6 +468,8 @@ def validate(actions: dict[int, list[Action]], placement: Placement, num_microba
                 raise _fail(actions, (rank, len(actions[rank])), f"no F for stage {s} mb {mb}")
             if ("B", s, mb) not in seen:
                 raise _fail(actions, seen[("F", s, mb)], f"F of stage {s} mb {mb} has no B")
+    if gap := vp.vocab_missing(actions, seen, m):
+        raise _fail(actions, *gap)
     for side, other in (("SEND", "RECV"), ("RECV", "SEND")):
         for key, at in messages[side].items():
             if key not in messages[other]:

@@ -10,8 +10,9 @@ the blocks that load the busiest rank least (nn.model's rule, the few best) are 
 the greedy (search_greedy); the built-in schedules of that placement are candidates too. The
 best (placement, split) of each placement is then solved exactly (search_exact, CP-SAT) when it
 is small enough (EXACT_ACTIONS) and the solver is installed, seeded with the best order so far.
-Every candidate is judged by simulate.simulate on the same costs: the order whose step ends first
-wins (then the lower peak). Memory: at most `max_inflight` micro-batches of a rank's share alive
+Every candidate is judged by simulate.simulate on the same costs (model.vocab_parallel: with its
+passes placed on the candidate's lists, vocab_passes.py): the order whose step ends first wins
+(then the lower peak). Memory: at most `max_inflight` micro-batches of a rank's share alive
 on any rank (simulate.peak_per_rank, the liveness rule).
 """
 
@@ -27,6 +28,7 @@ from mpihybrid.pipeline.search_bounds import any_placement_bound, busiest_work, 
 from mpihybrid.pipeline.search_costs import CostsError, SearchCosts
 from mpihybrid.pipeline.search_greedy import CAPS, best_greedy
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
+from mpihybrid.pipeline.vocab_passes import add_vocab_passes
 
 EXACT_ACTIONS = 800  # the exact search runs where a step has at most this many F/B/W
 SPLITS = 3  # splits of the blocks tried per placement (the least-loaded first)
@@ -37,6 +39,14 @@ MAX_ENUMERATED = 20_000  # splits enumerated before only the balanced one is tri
 # costs that are not the run's is no reason to run an untried grid
 TIE_MARGIN = 0.02
 SEARCHES: dict[str, str] = {}  # csv:auto@HASH -> its search's JSON (cli/auto.py; the trace's)
+
+
+def judge(lists: dict, placement: Placement, costs: Costs, m: int) -> SimResult:
+    """How a candidate's lists run: simulated, with model.vocab_parallel's passes placed on
+    them first where the costs have their seconds (costs.vocab)."""
+    if costs.vocab:
+        lists = add_vocab_passes(lists, placement, m, costs, simulate)
+    return simulate(lists, placement, costs)
 
 
 def search_attrs(schedule: str) -> dict:
@@ -197,11 +207,12 @@ def search(
             try:
                 lists, sim = best_greedy(placement, m, sim_costs, max_inflight=limit, split=split,
                                          caps=LARGE_CAPS if large else CAPS)  # fmt: skip
+                sim = judge(lists, placement, sim_costs, m) if sim_costs.vocab else sim
                 found.append(Candidate(placement, split_ranges, lists, sim, "greedy", sim_costs))
             except ScheduleError:
                 pass
             for name, lists in _builtin_seeds(placement, m, split):
-                sim = simulate(lists, placement, sim_costs)
+                sim = judge(lists, placement, sim_costs, m)
                 if max(sim.peak_per_rank) <= limit + 1e-9:
                     found.append(Candidate(placement, split_ranges, lists, sim, name, sim_costs))
             tick()
@@ -253,7 +264,7 @@ def _keep_builtin(best: Candidate, rows, costs, m, limit, *, placements, notes) 
     ranges = splits(costs, placement, 1)[0]
     lists = build_schedule(row["schedule"], placement.pp, m, row["v"], early_grad_send=True)
     sim_costs = costs.split(ranges)
-    sim = simulate(lists, placement, sim_costs)
+    sim = judge(lists, placement, sim_costs, m)
     notes.append(
         f"the best searched ({best.placement.style} {[len(r) for r in best.ranges]}, {best.how}) "
         f"simulates {_time(best.sim.makespan, costs.source == 'unit')}: not {TIE_MARGIN:.0%} "
@@ -306,7 +317,7 @@ def _exact(per_split, found, m, limit, split, *, time_limit, deterministic, note
         sizes = [len(r) for r in seed.ranges]
         solves.append((f"{key[0]} {sizes}", res.status, res.seconds, res.makespan, res.bound))
         if res.lists is not None:
-            sim = simulate(res.lists, seed.placement, seed.sim_costs)
+            sim = judge(res.lists, seed.placement, seed.sim_costs, m)
             found.append(
                 Candidate(seed.placement, seed.ranges, res.lists, sim, "exact", seed.sim_costs)
             )
@@ -354,7 +365,7 @@ def builtin_rows(costs: SearchCosts, pp: int, m: int) -> list[dict]:
             rows.append(row | {"note": str(exc).splitlines()[0]})
             continue
         lists = build_schedule(name, pp, m, v, early_grad_send=True)
-        sim = simulate(lists, placement, costs.split(ranges))
+        sim = judge(lists, placement, costs.split(ranges), m)
         rows.append(
             row
             | {

@@ -43,6 +43,7 @@ class SearchCosts:
     source: str = "unit"
     stage_ranks: tuple[int, ...] = ()  # a trace's placement (fixed only)
     partition: tuple[int, ...] = ()  # a trace's layer counts per chunk (fixed only)
+    vocab: tuple[float, ...] = ()  # model.vocab_parallel: a share's E, S, T, G seconds
 
     @property
     def units(self) -> int:
@@ -68,6 +69,7 @@ class SearchCosts:
             whole=whole,
             tail=tail,
             gap=self.gap,
+            vocab=dict(zip("ESTG", self.vocab, strict=True)) if self.vocab else None,
         )
 
     def as_dict(self) -> dict:
@@ -167,11 +169,13 @@ def unit_costs(pp: int, blocks: int | None = None) -> SearchCosts:
 def job_costs(job, repeats: int = 3, link: tuple[float, float] = (0.0, 0.0)) -> SearchCosts:
     """The job's blocks timed on this machine, F, B and W apart (nn.profile: the whole model as
     one stage on the job's own micro-batches; the loss rides with the head's F and B), each
-    block's optimizer update (the tail its stage's last W carries), and link = (send, gap) as
+    block's optimizer update (the tail its stage's last W carries), model.vocab_parallel's share
+    passes (nn.profile.share_pass_costs), and link = (send, gap) as
     cli.link_probe measured them (0: not measured, one process)."""
-    from mpihybrid.nn.profile import block_pass_costs, block_update_costs
+    from mpihybrid.nn.profile import block_pass_costs, block_update_costs, share_pass_costs
 
     forward, backward, weight = block_pass_costs(job.workload, repeats)
+    vocab = share_pass_costs(job, repeats) if job.model.vocab_parallel else ()
     send, gap = link
     return check_values(
         SearchCosts(
@@ -181,6 +185,7 @@ def job_costs(job, repeats: int = 3, link: tuple[float, float] = (0.0, 0.0)) -> 
             send=float(send),
             gap=float(gap),
             tail=tuple(block_update_costs(job.workload, job.train, repeats)),
+            vocab=tuple(vocab),
             source="the job's timed blocks",
         )
     )

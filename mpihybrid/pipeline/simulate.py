@@ -11,8 +11,8 @@ Closed forms, F = B = W, are each schedule's spec (schedules.SPECS): naive (p-1)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from mpihybrid.pipeline.actions import last_weight_actions, split_backwards
 from mpihybrid.pipeline.liveness import Liveness
@@ -26,6 +26,13 @@ from mpihybrid.pipeline.schedules import (
     chunks_for,
     get_spec,
     placement_of,
+)
+from mpihybrid.pipeline.vocab_passes import (
+    VOCAB_KINDS,
+    add_vocab_passes,
+    has_vocab,
+    key_rank,
+    vocab_inputs,
 )
 from mpihybrid.units import table
 
@@ -46,6 +53,8 @@ class Costs:
     # ring's steps) runs inside it
     tail: float | Sequence[float] = 0.0
     gap: float = 0.0  # a rank's own time between two compute actions (posting sends, tracing)
+    # model.vocab_parallel: seconds of each vocabulary pass (E, S, T, G: vocab_passes.py)
+    vocab: Mapping[str, float] | None = None
 
     def of(self, a: Action, split: bool, last: bool = False) -> float:
         """Seconds of compute action `a`; split: its backward is split; last: it is its stage's
@@ -55,6 +64,8 @@ class Costs:
             return value if isinstance(value, (int, float)) else value[a.stage]
 
         extra = at(self.tail) if last else 0.0
+        if a.kind in VOCAB_KINDS:
+            return (self.vocab or {}).get(a.kind, 0.0)
         if a.kind == "F":
             return at(self.forward)
         if a.kind == "W":
@@ -111,7 +122,12 @@ def simulate(
     costs = costs or Costs()
     pp = len(actions)
     last = placement.num_stages - 1
-    compute = {r: [a for a in acts if a.kind in ("F", "B", "W")] for r, acts in actions.items()}
+    kinds = ("F", "B", "W", *VOCAB_KINDS)
+    compute = {r: [a for a in acts if a.kind in kinds] for r, acts in actions.items()}
+    # the vocabulary passes present (vocab_passes.add_vocab_passes simulates lists it is still
+    # filling: an action waits for those passes only)
+    present = {(a.kind, a.stage, a.microbatch) for acts in compute.values() for a in acts}
+    vocab = has_vocab(compute)
     split = split_backwards(compute)
     last_weight = last_weight_actions(a for acts in compute.values() for a in acts)
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
@@ -123,11 +139,12 @@ def simulate(
 
     def inputs(a: Action) -> list[tuple[str, int, int]]:
         s, mb = a.stage, a.microbatch
+        extra = [k for k in vocab_inputs(a, last, pp) if k in present] if vocab else []
         if a.kind == "F":
-            return [("F", s - 1, mb)] if s > 0 else []
+            return ([("F", s - 1, mb)] if s > 0 else []) + extra
         if a.kind == "B":
-            return [("F", s, mb)] + ([("B", s + 1, mb)] if s < last else [])
-        return [("B", s, mb)]
+            return [("F", s, mb)] + ([("B", s + 1, mb)] if s < last else []) + extra
+        return [("B", s, mb)] if a.kind == "W" else extra
 
     progress = True
     while progress:
@@ -139,7 +156,7 @@ def simulate(
                 if any(k not in done for k in needed):
                     break
                 ready = [
-                    done[k] + (costs.send if placement.rank_of(k[1]) != r else 0.0) for k in needed
+                    done[k] + (costs.send if key_rank(k, placement) != r else 0.0) for k in needed
                 ]
                 free = clock[r] + (costs.gap if pc[r] else 0.0)
                 start[a] = max([free, *ready])
@@ -217,8 +234,9 @@ def render_grid(
         label = str(a) if chunks else str(a)[len(str(a.stage)) :]
         if split and a.kind == "B" and (a.stage, a.microbatch) not in split:
             label = label.replace("B", "BW", 1)  # a whole backward: B and W in one action
+        rank = key_rank((a.kind, a.stage, a.microbatch), placement)
         for i, t in enumerate(range(math.floor(t0), math.ceil(result.end[a]))):
-            running[(placement.rank_of(a.stage), t)] = label if i == 0 else "~"
+            running[(rank, t)] = label if i == 0 else "~"
     steps = math.ceil(result.makespan)
     digits = len(str(max(steps - 1, 0)))
     width = max(
@@ -253,7 +271,18 @@ def grid_legend(actions: dict[int, list[Action]], v: int) -> str:
     else:
         kinds = "F forward, B backward"
     chunk = ", a leading digit the model chunk" if v > 1 else ""
+    if has_vocab(actions):  # E and G (gathers, scatter-adds) take no step of the unit grid
+        kinds += ", S the vocabulary share's logits and statistics, T their gradient (S = 1, T = 2)"
     return f"{kinds}, - idle; the number is the micro-batch{chunk}"
+
+
+UNIT_VOCAB = {"E": 0.0, "S": 1.0, "T": 2.0, "G": 0.0}  # a share: 1/p of a head about p layers'
+
+
+def vocab_lists(actions: dict[int, list[Action]], placement: Placement, m: int):
+    """(lists, unit costs) with model.vocab_parallel's passes placed on the unit grid."""
+    costs = replace(unit_costs(actions), vocab=UNIT_VOCAB)
+    return add_vocab_passes(actions, placement, m, costs, simulate), costs
 
 
 GRID_RANKS = 8  # describe(): ranks shown before the grid is summarised
@@ -261,14 +290,25 @@ GRID_ROWS = 64  # ... and rows
 
 
 def describe(
-    name: str, pp: int, m: int, v: int = 1, early_grad_send: bool = False, *, grid: str = "auto"
+    name: str,
+    pp: int,
+    m: int,
+    v: int = 1,
+    early_grad_send: bool = False,
+    *,
+    grid: str = "auto",
+    vocab: bool = False,
 ) -> str:
     """Grid + predicted and simulated bubble + peak activations per stage, for one schedule.
-    grid: "full", "auto" (summarised past GRID_RANKS ranks or GRID_ROWS rows) or "none"."""
+    grid: "full", "auto" (summarised past GRID_RANKS ranks or GRID_ROWS rows) or "none".
+    vocab: with model.vocab_parallel's passes (vocab_passes.py)."""
     spec = get_spec(name)
     actions = build_schedule(name, pp, m, v, early_grad_send)
     placement = placement_of(name, pp, v)
-    result = simulate(actions, placement, unit_costs(actions))
+    costs = unit_costs(actions)
+    if vocab:
+        actions, costs = vocab_lists(actions, placement, m)
+    result = simulate(actions, placement, costs)
     peaks = " ".join(f"s{s}:{n}" for s, n in enumerate(result.peak_inflight))
     if len(result.peak_inflight) > GRID_RANKS and grid != "full":
         most = max(result.peak_inflight)

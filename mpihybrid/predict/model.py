@@ -36,9 +36,11 @@ from mpihybrid.comm.layout import ORDERS
 from mpihybrid.config import Job
 from mpihybrid.nn.cost import FLOAT, ChunkWork, Cost, Gemm, matmul_flops, stage_work
 from mpihybrid.nn.kinds import model_kind
+from mpihybrid.nn.vocab import share_layer
 from mpihybrid.pipeline.actions import split_backwards
 from mpihybrid.pipeline.schedules import Action, build_schedule
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
+from mpihybrid.pipeline.vocab_passes import add_vocab_passes
 from mpihybrid.predict.cluster import Cluster, Device, shared_cores
 from mpihybrid.predict.wire import (
     _ring_crosses,
@@ -120,8 +122,8 @@ def _rank_end(
     thread start a bucket once it is final and the one before it is done; off, and a GPU (its
     ring runs on host copies), after the pipeline. On the rank's core, the work of a bucket that
     runs while the rank computes (poll: all of it, ring and update) delays the compute."""
+    compute_end = max((sim.end[a] for a in actions if a in sim.end), default=0.0)
     mine = [a for a in actions if a.kind in ("F", "B", "W")]
-    compute_end = max((sim.end[a] for a in mine), default=0.0)
     split = split_backwards(mine)
     last = {a.stage: a for a in mine if a.kind == "W" or (a.stage, a.microbatch) not in split}
     after = job.comm.overlap == "off" or cluster.device.host_copy_bandwidth > 0
@@ -173,7 +175,7 @@ def step_work_seconds(job: Job, params: int, cluster: Cluster) -> float:
 
 def rank_memory(job: Job, work: list[ChunkWork], actions: list[Action], cluster: Cluster) -> dict:
     """Bytes one rank (its pp position's actions) holds at its peak on `cluster`, by part."""
-    rank = job_placement(job).rank_of(min(a.stage for a in actions))
+    rank = job_placement(job).rank_of(min(a.stage for a in actions if a.kind in "FBW"))
     d = cluster.device
     shared = shared_wire(True, _ring_crosses(job, rank, cluster), d)
     base = d.base_memory_bytes + (d.kernel_memory_bytes if runs_compiled_kernels(job) else 0.0)
@@ -216,7 +218,26 @@ def pipeline(job: Job, cluster: Cluster) -> tuple:
         weight=[action_seconds(w, "W", cluster) for w in work],
         send=message_seconds(job, work, cluster),
     )
+    if job.model.vocab_parallel:  # every rank's share passes, placed as training places them
+        costs = dataclasses.replace(costs, vocab=vocab_seconds(job, cluster))
+        actions = add_vocab_passes(actions, job_placement(job), t.microbatches, costs, simulate)
     return work, actions, costs, simulate(actions, job_placement(job), costs)
+
+
+def vocab_seconds(job: Job, cluster: Cluster) -> dict[str, float]:
+    """model.vocab_parallel: seconds of a share's E, S, T and G passes on one micro-batch, from
+    its declared cost (nn/vocab.py); E and G move the rows (gather, scatter-add)."""
+    d = cluster.device
+    rows = job.microbatch_size * job.data.seq_len
+    share = share_layer(job.model, job.data.seq_len, job.data.vocab, job.grid.pp, 0, seed=0)
+    cost = share.cost(rows, job.model.hidden)
+    rows_pass = 12 * rows * job.model.hidden / d.mem_bandwidth + d.op_overhead_s
+    return {
+        "E": rows_pass,
+        "S": layer_seconds(cost, "F", d),
+        "T": layer_seconds(cost, "B", d) + layer_seconds(cost, "W", d),
+        "G": rows_pass,
+    }
 
 
 def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
@@ -240,6 +261,10 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
     step = max(r["end_s"] for r in ranks)
     units = job.tokens_per_sample
     flops_step = sum(w.flops(k) for w in work for k in ("F", "B", "W")) * t.microbatches * g.dp
+    if job.model.vocab_parallel:  # the shares' GEMMs, pp of them
+        rows = job.microbatch_size * job.data.seq_len
+        share = share_layer(job.model, job.data.seq_len, job.data.vocab, g.pp, 0, seed=0)
+        flops_step += share.cost(rows, job.model.hidden).flops() * g.pp * t.microbatches * g.dp
     stages = []
     for s, w in enumerate(work):
         ring = ring_seconds(job, s, w.params, cluster)[0]
@@ -272,6 +297,7 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
             "overlap": job.comm.overlap,
             "global_batch": t.global_batch,
             "tie_embeddings": job.model.tie_embeddings,
+            "vocab_parallel": job.model.vocab_parallel,
         },
         "cluster": cluster.name,
         "unit": "tokens" if units > 1 else "samples",

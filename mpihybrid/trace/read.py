@@ -322,7 +322,7 @@ def _check_values(path: Path, trace: Trace) -> None:
         _first_bad(path, (ev["rank"] < 0) | (ev["rank"] >= world), f"names a rank past {world}")
         _first_bad(path, (ev["peer"] < -1) | (ev["peer"] >= world), f"names a peer past {world}")
         if "pp" in attrs:  # (traces written by hand may leave out the layout)
-            stages = pp * v
+            stages = pp * v + (pp if attrs.get("vocab_parallel") else 0)  # + the shares
             out = (ev["stage"] < -1) | (ev["stage"] >= stages)
             _first_bad(path, out, f"names a stage past {stages}")
         if "dp" in attrs:

@@ -35,6 +35,11 @@ KINDS = (
     "optimizer",
     "step",
     "grad_wait",
+    # model.vocab_parallel: a rank's passes on its share of the vocabulary (E, S, T, G)
+    "vocab_embed",
+    "vocab_logits",
+    "vocab_grad",
+    "vocab_embed_grad",
 )
 KIND = {name: code for code, name in enumerate(KINDS)}
 EVENT_DTYPE = np.dtype(
@@ -53,6 +58,8 @@ EVENT_DTYPE = np.dtype(
 )
 # the compute kinds as the schedule letters F, B, W (what a trace row ran, as an Action kind)
 COMPUTE = {KIND["forward"]: "F", KIND["backward"]: "B", KIND["weight"]: "W"}
+# model.vocab_parallel's passes: a rank's compute too (its busy time, the bubble)
+VOCAB_PASSES = ("vocab_embed", "vocab_logits", "vocab_grad", "vocab_embed_grad")
 _STEP = KIND["step"]
 _CLOCK_TAG = 32767  # the largest tag MPI guarantees; used only before any other traffic
 

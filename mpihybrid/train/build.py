@@ -28,7 +28,7 @@ from mpihybrid.pipeline.schedules import build_schedule, lower, placement_of
 from mpihybrid.pipeline.wire import P2PWire, encoded_peers
 from mpihybrid.trace.recorder import Recorder
 from mpihybrid.trace.stream import TraceStream
-from mpihybrid.train import tie
+from mpihybrid.train import tie, vocab_build
 from mpihybrid.train.flight import FlightRecorder
 from mpihybrid.train.state import StageState, build_states
 from mpihybrid.train.tracing import build_trace
@@ -56,11 +56,13 @@ class Run:
     watchdog: Watchdog | None = None
     peak_flops: float | None = None  # one rank's GEMM rate, for the step line's roofline %
     tie: tie.EmbeddingGroup | None = None  # model.tie_embeddings: this rank's part, if any
+    shards: dict[int, Stage] | None = None  # model.vocab_parallel: this rank's share, a chunk
 
     @property
     def stages(self) -> dict[int, Stage]:
-        """Global stage index -> its layers and flat buffers (what the runtime runs)."""
-        return self.runtime.stages
+        """Global chunk index -> its layers and flat buffers: the runtime's stages (and the
+        rank's vocabulary share, model.vocab_parallel)."""
+        return {**self.runtime.stages, **(self.shards or {})}
 
     def release(self) -> None:
         """Collective, at a normal end or an agreed stop: the communication thread, the rings'
@@ -90,6 +92,8 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
     placement = placement_of(t.schedule, g.pp, v)
     num_stages = placement.num_stages
     compute = build_schedule(t.schedule, g.pp, M, v, t.early_grad_send)
+    if job.model.vocab_parallel:  # every rank's passes on its share of the vocabulary
+        compute = vocab_build.with_passes(job, task, compute, placement)
     actions = lower(compute, placement)[grid.pp_rank]
     stages = {
         s: build_stage(job.model, task.in_features, task.num_classes, s, num_stages, seed=t.seed)
@@ -118,9 +122,11 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
         job.gradient_settings(backend),
         groups=_node_groups(job, world, grid, nodes),
     )
-    states = build_states(job, stages, gradcomm)
+    shards = vocab_build.share_chunks(job, task, grid, num_stages)  # {} unless vocab_parallel
+    states = build_states(job, {**stages, **shards}, gradcomm)
     tied = None
-    if job.model.tie_embeddings:  # the head bound to the table, or to its mirror
+    # the head bound to the table, or to its mirror (vocab_parallel: a share holds one matrix)
+    if job.model.tie_embeddings and not shards:
         tied = tie.embedding_group(grid.pp_comm, states, placement, backend)
     runtime = PipelineRuntime(
         grid.pp_comm,
@@ -134,6 +140,7 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
         grads_final={s: st.reducer.ready_from for s, st in states.items()},
         poll=gradcomm.poll if gradcomm.progress == "poll" else None,
     )
+    vocab_build.attach(runtime, shards, states, job=job, task=task, grid=grid)
     return Run(
         grid=grid,
         task=task,
@@ -145,6 +152,7 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
         trace=trace,
         ring_peer=grid.replica_neighbour(+1),
         tie=tied,
+        shards=shards,
     )
 
 

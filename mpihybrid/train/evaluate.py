@@ -44,7 +44,9 @@ def heldout_accuracy(world: MPI.Comm, job: Job, run) -> float:
         x, y = task.test_x[i : min(i + rows, hi)], task.test_y[i : min(i + rows, hi)]
         shapes = boundary_shapes(job.model, task.in_features, task.num_classes, num_stages, len(x))
         x = x if backend.xp is np else backend.asarray(x)
-        logits = forward_only(grid.pp_comm, run.stages, placement, x, shapes, backend=backend)
+        logits = forward_only(
+            grid.pp_comm, run.stages, placement, x, shapes, backend=backend, vocab=run.runtime.vocab
+        )
         if logits is not None:
             predicted = backend.to_host(logits.argmax(axis=-1))
             correct += int(np.count_nonzero(predicted == y))
@@ -108,7 +110,13 @@ class HeldOutLoss:
             )
             piece = x[i : i + rows] if backend.xp is np else backend.asarray(x[i : i + rows])
             logits = forward_only(
-                run.grid.pp_comm, run.stages, placement, piece, shapes, backend=backend
+                run.grid.pp_comm,
+                run.stages,
+                placement,
+                piece,
+                shapes,
+                backend=backend,
+                vocab=run.runtime.vocab,
             )
             if logits is not None:
                 nats += cross_entropy_sum(backend.to_host(logits), y[i : i + rows])

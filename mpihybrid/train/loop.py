@@ -387,7 +387,8 @@ def _finish(
     flight.end(i)
     run.release()
     stages = run.stages
-    params = gather_parameters(world, run.grid, stages, placement.num_stages) if collect else None
+    chunks = placement.num_stages + len(run.shards and range(run.grid.pp_size))  # + the shares
+    params = gather_parameters(world, run.grid, stages, chunks) if collect else None
     if world.rank != 0:
         return None
     ran = t.steps - record.start

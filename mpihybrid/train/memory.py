@@ -36,6 +36,8 @@ from mpihybrid.nn.data import task_dims
 from mpihybrid.pipeline.actions import split_backwards
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.schedules import Action, build_schedule, placement_of
+from mpihybrid.pipeline.vocab_passes import VOCAB_KINDS
+from mpihybrid.train import vocab_build
 from mpihybrid.train.tie import held_nbytes
 from mpihybrid.units import human_bytes
 
@@ -82,10 +84,12 @@ def rank_memory(
     the flat ring)."""
     t, c, g = job.train, job.comm, job.grid
     ways = ways or g.dp
+    actions = [a for a in actions if a.kind not in VOCAB_KINDS]  # the share: share_memory
     mine = sorted({a.stage for a in actions})
     placement = placement_of(t.schedule, g.pp, t.virtual_stages)
     rank = placement.rank_of(mine[0])
-    params = sum(work[s].params for s in mine)
+    share = vocab_build.share_memory(job, rank, placement)  # model.vocab_parallel's share
+    params = sum(work[s].params for s in mine) + share["params"]
     ring = _ring_bytes(job, params, ring_shared, ways)
     live = _live_activations(job, work, actions, mine)
     # every receive of a step is posted when it starts: one buffer per (direction, mb)
@@ -109,10 +113,10 @@ def rank_memory(
         "optimizer state": FLOAT * owned * per_param,
         "tied embedding": _tie_bytes(job, placement, mine, len(work)),
         "ring buffers": int(ring),
-        "activations": int(live.peak_total_bytes),
-        "receive buffers": int(recv),
+        "activations": int(live.peak_total_bytes) + share["activations"],
+        "receive buffers": int(recv) + share["buffers"],
         "data": data_bytes(job),
-        "temporaries": max(work[s].largest_temporary for s in mine),
+        "temporaries": max(share["temporary"], *(work[s].largest_temporary for s in mine)),
         "runtime": int(base_bytes),
     }
     total = sum(parts.values())

@@ -119,6 +119,8 @@ def layout_attrs(job: Job, world_size: int) -> dict:
         "device": job.grid.device,
         **text,
         **search_attrs(t.schedule),
+        # the vocabulary shares' bucket rows name chunk pp * v + pp_rank (docs/vocab.md)
+        **({"vocab_parallel": True} if job.model.vocab_parallel else {}),
     }
 
 

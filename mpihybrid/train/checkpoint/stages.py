@@ -84,6 +84,14 @@ def check_compatible(manifest: dict, job, path: Path) -> None:
         "features": job.data.features,
         "optimizer": job.train.optimizer,
     }
+    theirs = bool((manifest.get("model") or {}).get("vocab_parallel", False))
+    if theirs != job.model.vocab_parallel:  # the chunks differ: the shares hold wte and the head
+        raise CheckpointError(
+            f"checkpoint {path} was written with model.vocab_parallel = {str(theirs).lower()}, "
+            f"this job has {str(job.model.vocab_parallel).lower()}: its chunks hold the table "
+            "and the head differently (resume with the same setting; weights export, then "
+            "model.init, carries the weights across)"
+        )
     for key, value in mine.items():
         if manifest.get(key) != value:
             raise CheckpointError(
