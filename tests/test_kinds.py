@@ -16,13 +16,13 @@ from mpihybrid.nn.model import boundary_shapes, build_blocks, build_stage, layer
 
 
 def test_the_registered_kinds():
-    assert list(KINDS) == ["mlp", "gpt"]
+    assert list(KINDS) == ["mlp", "gpt", "llama"]
     assert model_kind("mlp").data_kinds == ("teacher",)
     assert model_kind("gpt").data_kinds == ("random-tokens", "markov", "tokens")
     assert model_kind("gpt").tokens_per_sample(64) == 64
     assert model_kind("mlp").tokens_per_sample(64) == 1
     assert model_kind("gpt").ends == ("embedding", "head") and model_kind("mlp").ends == ()
-    with pytest.raises(ValueError, match="model.kind = 'cnn': choose one of mlp, gpt"):
+    with pytest.raises(ValueError, match="model.kind = 'cnn': choose one of mlp, gpt, llama"):
         model_kind("cnn")
 
 
@@ -30,6 +30,7 @@ def test_the_registered_kinds():
     "sets",
     [
         ["model.kind=gpt", "data.kind=markov", "model.hidden=16", "model.heads=2"],
+        ["model.kind=llama", "data.kind=markov", "model.hidden=16", "model.heads=2"],
         ["model.activation=gelu", "model.norm=true"],
         ["model.activation=relu", "model.norm=false"],
     ],

@@ -1,14 +1,16 @@
-"""`mpihybrid weights export`: a GPT's checkpoint as a safetensors file under nanoGPT's names
-(registered lazily by mpihybrid.cli.commands; `export` is the trace's).
+"""`mpihybrid weights export`: a GPT's checkpoint as a safetensors file under nanoGPT's names, a
+Llama's under Hugging Face's (registered lazily by mpihybrid.cli.commands; `export` is the
+trace's).
 
     mpihybrid weights export runs/text_gpt -o runs/text_gpt.safetensors   # + runs/text_gpt.json
     mpiexec -n 2 mpihybrid train jobs/text_gpt.toml --set model.init=runs/text_gpt.safetensors
 
-The file holds every tensor of the model (nn/weights.py says which and how they are laid out)
-and, in its metadata, the config: nanoGPT's GPTConfig fields and where this GPT differs from
-nanoGPT; the JSON beside it is a copy of that config. The two are written whole or not at all
-(nn/weights.write_pair); an existing file is replaced only with --overwrite. One process, no
-mpiexec; errors are one line and exit 2.
+The file holds every tensor of the model (the kind's `export` in nn/kinds.py says which and how
+they are laid out: nn/weights.py, nn/llama.hf_export) and, in its metadata, the config: nanoGPT's
+GPTConfig fields and where this GPT differs from nanoGPT, or HF's LlamaConfig; the JSON beside
+it is a copy of that config. The two are written whole or not at all (nn/weights.write_pair); an
+existing file is replaced only with --overwrite. One process, no mpiexec; errors are one line
+and exit 2.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def _fail(message: str) -> None:
 
 @click.group()
 def weights() -> None:
-    """A GPT's weights to and from other tools (safetensors, nanoGPT's names)."""
+    """A GPT's weights to and from other tools (safetensors, nanoGPT's names; a Llama's: HF's)."""
 
 
 @weights.command()
@@ -38,9 +40,11 @@ def weights() -> None:
 def export(checkpoint_dir, output, overwrite) -> None:
     """Write a GPT checkpoint of any grid (a checkpoint.dir or one step-N directory) as one
     safetensors file with nanoGPT's GPT-2 names and (out, in) Linear layouts, and a JSON
-    config beside it (OUTPUT with .json): `model.init = "OUTPUT"` starts a run from it."""
+    config beside it (OUTPUT with .json): `model.init = "OUTPUT"` starts a run from it. A llama
+    checkpoint: Hugging Face's LlamaForCausalLM names and its LlamaConfig."""
     from mpihybrid.cli.text import checkpoint_stages, read_checkpoint
     from mpihybrid.nn import weights as nw
+    from mpihybrid.nn.kinds import model_kind
     from mpihybrid.nn.tokens import DataError
 
     out = Path(output)
@@ -56,8 +60,11 @@ def export(checkpoint_dir, output, overwrite) -> None:
     except DataError as exc:
         _fail(str(exc))
     m, d = job.model, job.data
-    tensors = nw.export_tensors(stages, m.depth + 2)
-    config = {**nw.config_of(m, d.seq_len, d.vocab), "step": int(manifest.get("step", -1))}
+    kind = model_kind(m.kind)  # the kind's names and config (a gpt's: nanoGPT's; a llama's: HF's)
+    if kind.export is None:
+        _fail(f"{checkpoint_dir}: a {m.kind} model has no weights file format")
+    tensors, config = kind.export(stages, m, d.seq_len, d.vocab)
+    config = {**config, "step": int(manifest.get("step", -1))}
     try:
         nw.write_pair(out, tensors, config, overwrite)
     except OSError as exc:

@@ -65,16 +65,17 @@ class GridConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: str = "mlp"  # mlp (teacher data) | gpt (token data)
+    kind: str = "mlp"  # mlp (teacher data) | gpt | llama (token data; nn/kinds.py)
     hidden: int = 64  # width of every hidden layer (gpt: the model width C)
     depth: int = 6  # mlp: Linear layers, the classifier head included; gpt: transformer layers
     activation: str = "relu"  # mlp: relu | gelu (gpt always uses GELU)
     norm: bool = False  # mlp: LayerNorm after each hidden Linear (gpt is always pre-norm)
-    heads: int = 4  # gpt: attention heads (hidden must be divisible by heads)
+    heads: int = 4  # gpt, llama: attention heads (hidden must be divisible by heads)
+    kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0 = heads
     ffn: int = 0  # gpt: feed-forward width; 0 = 4 * hidden
     partition: str | list = "cost"  # cost | uniform | timed | [layers per chunk]
     init: str = ""  # gpt: start from this .safetensors file (weights export) instead of the seed
-    tie_embeddings: bool = False  # gpt: the head's weight is the token table (nanoGPT's wte)
+    tie_embeddings: bool = False  # gpt, llama: the head's weight is the token table (nanoGPT's wte)
     vocab_parallel: bool = False  # gpt: table and head split by vocabulary over the pp ranks
 
 

@@ -92,13 +92,9 @@ def validate(job: Job) -> None:
             f"train.global_batch({t.global_batch}) is not divisible by "
             f"dp({g.dp}) * microbatches({t.microbatches}) = {per_step}"
         )
-    if m.tie_embeddings and m.kind != "gpt":  # a gpt's token table (V, C) is its head's W.T
-        raise ConfigError(
-            f"model.tie_embeddings: a gpt's (model.kind = {m.kind!r}: its first layer and its "
-            "head have different shapes)"
-        )
     if wrong := vocab_parallel_problem(job):
         raise ConfigError(wrong)
+    # the kind's own rules, and the settings of other kinds it refuses (nn/kinds.py)
     if wrong := KINDS[m.kind].check(m) or (m.init and init_problem(m, d.seq_len, d.vocab)):
         raise ConfigError(wrong)
     _check_data(job)

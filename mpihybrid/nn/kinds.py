@@ -1,6 +1,6 @@
 """The registry of model kinds: what the code knows of a kind of model, in one entry each.
 
-    kind = model_kind(job.model.kind)       # KINDS["mlp"] or KINDS["gpt"]
+    kind = model_kind(job.model.kind)       # KINDS["mlp"], KINDS["gpt"] or KINDS["llama"]
     kind.blocks(job.model, in_features, num_classes)
     kind.tokens_per_sample(job.data.seq_len)
 
@@ -9,7 +9,9 @@ kinds that feed it, whether a sample is a sequence of tokens (rows and throughpu
 tokens, the input is token ids), the blocks around the layers `model.partition` counts (a
 GPT's embedding leads, its head trails), the shape of what crosses a pipeline boundary, the
 rules its settings obey beyond the common ones, and the fused kernels its layers run
-(nn/kernels.py). A third kind is its module of blocks plus one entry here (and its tests).
+(nn/kernels.py). A third kind is its module of blocks plus one entry here (and its tests):
+llama.py and LLAMA are one. A kind's `check` also refuses the settings of other kinds that
+it does not read (model.kv_heads, model.tie_embeddings).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpihybrid.nn.layers import Layer
+from mpihybrid.nn.llama import hf_export, llama_blocks, llama_check
 from mpihybrid.nn.mlp import mlp_blocks
 from mpihybrid.nn.transformer import gpt_blocks
+from mpihybrid.nn.weights import config_of, export_tensors
 
 Block = list[Layer]
 
@@ -37,6 +41,9 @@ class ModelKind:
     kernels: Callable[..., tuple[str, ...]]  # model cfg -> nn/kernels.py functions its layers run
     lead: tuple[str, ...] = ()  # blocks before the layers model.partition counts
     trail: tuple[str, ...] = ()  # blocks after them
+    # `weights export`: (the model's stages in order, model cfg, seq_len, vocab) -> (tensors by
+    # name, the config the file carries); None: the kind has no file format
+    export: Callable[..., tuple[dict, dict]] | None = None
 
     def tokens_per_sample(self, seq_len: int) -> int:
         """What one sample counts in rows and throughput: its tokens, or itself."""
@@ -60,10 +67,32 @@ def _mlp_kernels(cfg) -> tuple[str, ...]:
     return gelu + (_LAYERNORM if cfg.norm else ())
 
 
+def _no_kv_heads(cfg) -> str:
+    if getattr(cfg, "kv_heads", 0):
+        return (
+            f"model.kv_heads = {cfg.kv_heads}: a llama's setting (model.kind = {cfg.kind!r} has "
+            "no grouped-query attention)"
+        )
+    return ""
+
+
+def _mlp_check(cfg) -> str:
+    if getattr(cfg, "tie_embeddings", False):  # a token model's table (V, C) is its head's W.T
+        return (
+            f"model.tie_embeddings: a gpt's or a llama's (model.kind = {cfg.kind!r}: its first "
+            "layer and its head have different shapes)"
+        )
+    return _no_kv_heads(cfg)
+
+
+def _gpt_export(stages: list, cfg, seq_len: int, vocab: int) -> tuple[dict, dict]:
+    return export_tensors(stages, cfg.depth + 2), config_of(cfg, seq_len, vocab)
+
+
 def _gpt_check(cfg) -> str:
     if cfg.hidden % cfg.heads:
         return f"model.hidden({cfg.hidden}) is not divisible by model.heads({cfg.heads})"
-    return ""
+    return _no_kv_heads(cfg)
 
 
 MLP = ModelKind(
@@ -72,7 +101,7 @@ MLP = ModelKind(
     data_kinds=("teacher",),
     tokens=False,
     activation=lambda cfg, in_features, first: (first.in_features,),
-    check=lambda cfg: "",
+    check=_mlp_check,
     kernels=_mlp_kernels,
 )
 
@@ -94,9 +123,27 @@ GPT = ModelKind(
     ),
     lead=("embedding",),
     trail=("head",),
+    export=_gpt_export,  # nanoGPT's names (nn/weights.py)
 )
 
-KINDS = {kind.name: kind for kind in (MLP, GPT)}
+LLAMA = ModelKind(
+    name="llama",
+    blocks=llama_blocks,
+    data_kinds=GPT.data_kinds,
+    tokens=True,
+    activation=GPT.activation,
+    check=llama_check,
+    kernels=lambda cfg: (
+        "softmax_causal_forward",
+        "softmax_causal_backward",
+        "embedding_backward",
+    ),
+    lead=GPT.lead,
+    trail=GPT.trail,
+    export=hf_export,  # Hugging Face's LlamaForCausalLM names
+)
+
+KINDS = {kind.name: kind for kind in (MLP, GPT, LLAMA)}
 
 
 def model_kind(name: str) -> ModelKind:
