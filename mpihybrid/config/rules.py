@@ -188,13 +188,19 @@ def _check_schedule(job: Job) -> None:
         raise
 
 
+NO_LIMIT = {("train", "schedule_inflight")}  # limits where inf reads as "no limit"
+
+
 def _check_finite(job: Job) -> None:
-    """No float setting may be nan or inf (TOML and --set both accept them)."""
+    """No float setting may be nan or inf (TOML and --set both accept them), but a limit of
+    NO_LIMIT may be inf."""
     for section in SECTIONS:
         part = getattr(job, section)
         for f in fields(part):
             value = getattr(part, f.name)
             values = value if isinstance(value, list) else [value]
+            if (section, f.name) in NO_LIMIT and value == math.inf:
+                continue
             if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 raise ConfigError(f"{section}.{f.name} = {value!r}: must be a finite number")
 
@@ -205,7 +211,7 @@ PLACEMENTS = ("", "loop", "v")  # train.schedule_placement (config.searched.auto
 def _check_auto(job: Job) -> None:
     """train.schedule = "auto": the search splits the blocks into pp (loop) or 2 pp (V) chunks."""
     m, g, t = job.model, job.grid, job.train
-    if t.schedule_inflight and t.schedule_inflight < 1:
+    if t.schedule_inflight and not t.schedule_inflight >= 1:  # NaN too; inf: no limit
         raise ConfigError(
             f"train.schedule_inflight = {t.schedule_inflight}: at least 1 "
             "micro-batch of a rank's share (0: pp)"
