@@ -268,7 +268,7 @@ def calibration_run(job, world, steps: int) -> str:
     a temporary file rank 0 writes: its path (rank 0's; "" elsewhere). Collective."""
     import dataclasses
 
-    from mpihybrid.config import CheckpointConfig, TraceConfig
+    from mpihybrid.config import TraceConfig
     from mpihybrid.train.loop import train
 
     path = ""
@@ -276,11 +276,12 @@ def calibration_run(job, world, steps: int) -> str:
         path = os.path.join(tempfile.mkdtemp(prefix="mpihybrid-auto-"), "calibration.h5")
     path = world.bcast(path, root=0)
     t = dataclasses.replace(job.train, steps=steps, eval_every=0, log_every=0)
-    run = dataclasses.replace(
-        job, train=t, trace=TraceConfig(path=path), checkpoint=CheckpointConfig()
-    )
+    # the job's checkpoint.dir stays: a SIGTERM or SIGUSR1 then means what it means to the job
+    # (preempted before step 1, exit 3); train(calibrating=True) writes no checkpoint there
+    keep = dataclasses.replace(job.checkpoint, every=0)
+    run = dataclasses.replace(job, train=t, trace=TraceConfig(path=path), checkpoint=keep)
     try:
-        train(run, world, quiet=True)
+        train(run, world, quiet=True, calibrating=True)
     except BaseException:
         if path:
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)

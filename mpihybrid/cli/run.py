@@ -132,6 +132,7 @@ def _auto_schedule(job, world):
     every rank. Any other schedule as it is."""
     from mpihybrid.cli.auto import resolve_auto
     from mpihybrid.config import AUTO, ConfigError
+    from mpihybrid.train.stops import StopRequested
 
     if job.train.schedule != AUTO:
         return job
@@ -139,6 +140,8 @@ def _auto_schedule(job, world):
         return resolve_auto(job, world)
     except ConfigError as exc:  # the same on every rank (rank 0's, broadcast)
         exit_on_any_error(world, str(exc))
+    except StopRequested as exc:  # a signal in the calibration steps: every rank alike
+        exit_stopped(world, exc)
     except Exception as exc:  # rank 0 alone, while the others wait in bcast: end them all
         abort_job(world, exc, "searching the schedule", _debug_env())
 
