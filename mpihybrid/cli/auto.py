@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
+from mpihybrid import temps
 from mpihybrid.config.searched import AUTO_TIME, WARM, apply, auto_placements
 
 
@@ -243,7 +242,7 @@ def _measured(path: str, source: str):
             trace_costs(trace, source, step=s) for s in measured_steps(trace, WARM)
         ]
     finally:
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        temps.remove(os.path.dirname(path))
 
 
 def _expected(lists, placement, each, on: str) -> dict:
@@ -273,7 +272,7 @@ def calibration_run(job, world, steps: int) -> str:
 
     path = ""
     if world.rank == 0:
-        path = os.path.join(tempfile.mkdtemp(prefix="mpihybrid-auto-"), "calibration.h5")
+        path = os.path.join(temps.make_dir("mpihybrid-auto-"), "calibration.h5")
     path = world.bcast(path, root=0)
     t = dataclasses.replace(job.train, steps=steps, eval_every=0, log_every=0)
     # the job's checkpoint.dir stays: a SIGTERM or SIGUSR1 then means what it means to the job
@@ -282,9 +281,10 @@ def calibration_run(job, world, steps: int) -> str:
     run = dataclasses.replace(job, train=t, trace=TraceConfig(path=path), checkpoint=keep)
     try:
         train(run, world, quiet=True, calibrating=True)
-    except BaseException:
-        if path:
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    except BaseException as exc:
+        if path:  # its flight records too: the error's line must not point into it
+            temps.remove(os.path.dirname(path))
+            vars(exc).pop("flight_record", None)
         raise
     _give_back()
     return path if world.rank == 0 else ""

@@ -19,6 +19,7 @@ from typing import NoReturn
 
 import click
 
+from mpihybrid import temps
 from mpihybrid.comm.agree import first_error
 
 EXIT_FAILED = 1  # the run stopped (nan, a refused checkpoint) or a rank failed (job aborted)
@@ -123,13 +124,16 @@ def abort_job(world, exc: BaseException, what: str, debug: bool) -> NoReturn:
     where = f"rank {world.rank}" + (f", step {step}" if step is not None else "")
     if debug:
         sys.stderr.write(traceback.format_exc())
-    sys.stderr.write(f"mpihybrid: error: {what} failed on {where}: {_one_line(exc)}\n")
+    record = getattr(exc, "flight_record", None)  # an untraced run's, in the temporary dir
+    said = f" (flight record: {record})" if record else ""
+    sys.stderr.write(f"mpihybrid: error: {what} failed on {where}: {_one_line(exc)}{said}\n")
     sys.stdout.flush()
     sys.stderr.flush()
     # The launcher forwards a rank's stderr on its own time, and MPI_Abort can end the
     # forwarding before it has read the line (the line was lost once in a loaded test run):
     # give it a moment, on this failure path only.
     time.sleep(ABORT_DRAIN_S)
+    temps.remove_all()  # os._exit skips atexit
     try:
         world.Abort(EXIT_FAILED)
     finally:

@@ -142,7 +142,7 @@ def _auto_schedule(job, world):
         exit_on_any_error(world, str(exc))
     except StopRequested as exc:  # a signal in the calibration steps: every rank alike
         exit_stopped(world, exc)
-    except Exception as exc:  # rank 0 alone, while the others wait in bcast: end them all
+    except BaseException as exc:  # one rank alone (a SystemExit too), the others waiting
         abort_job(world, exc, "searching the schedule", _debug_env())
 
 

@@ -65,9 +65,8 @@ def train(
     notes: more trace attributes (strings) from the caller, e.g. how grid.order = auto was
     resolved (predict.auto: `order_choice`).
 
-    calibrating: steps run before the job's own (train.schedule = "auto"'s calibration): the
-    job's stop handling (its checkpoint.dir decides what SIGTERM/SIGUSR1 mean) but no checkpoint
-    written, and a stop raised as before step 1 of the job.
+    calibrating: auto's steps before the job's own: the job's stop handling (its checkpoint.dir
+    decides what SIGTERM/SIGUSR1 mean), no checkpoint written, a stop raised as before step 1.
 
     peak_flops: one rank's GEMM rate (FLOP/s, e.g. the local cluster file's), for the roofline
     share in the step line (train.log_every); None leaves it out.
@@ -120,7 +119,7 @@ def train(
         )
     except BaseException as exc:
         dog.settle()
-        flight.write(flight_dir, _ended_by(exc))
+        _keep_flight_record(job, flight, flight_dir, exc)
         if isinstance(exc, StopRequested) and run is not None:
             run.release()  # every rank stopped at the same boundary: collectives are safe
         raise
@@ -195,6 +194,22 @@ def _steps(
     runtime_s = Recorder.clock() - t_start - record.held_out.seconds  # the steps, not evals
     record.peak_rss = peak_rss_bytes()  # the steps' peak, before evaluation allocates its own
     return _finish(job, world, run, record, runtime_s=runtime_s, collect=collect)
+
+
+def _keep_flight_record(job: Job, flight, flight_dir, exc: BaseException) -> None:
+    """This rank's flight record of an abnormal end. An untraced run (no trace, no checkpoint.dir)
+    keeps none of an agreed stop (every rank at a boundary: nothing for `why` to tell, nothing
+    left in the temporary directory); of an error it keeps it there, and the error's one line
+    names it (exc.flight_record)."""
+    untraced = not (job.trace.path or job.checkpoint.dir)
+    if untraced and isinstance(exc, StopRequested):
+        return
+    path = flight.write(flight_dir, _ended_by(exc))
+    if untraced and path is not None:
+        try:
+            exc.flight_record = path
+        except AttributeError:  # an exception type without attributes: the line stays bare
+            pass
 
 
 def _ended_by(exc: BaseException) -> str:
