@@ -1,13 +1,13 @@
 """train.schedule = "auto" under a cluster's bad day (issue 53): a preemption signal in the
 calibration steps ends the job as a built-in schedule's would (exit 3, "preempted before step 1",
 no false "no checkpoint.dir" line, no checkpoint of calibration weights), and the calibration
-leaves nothing in the temporary directory."""
+leaves nothing in the temporary directory; without OR-Tools auto says so in one line."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import run_mpi
+from tests.helpers import ROOT, run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -30,3 +30,14 @@ def test_preempted_in_calibration_exits_3_before_step_1(tmp_path, mode):
     assert "not set" not in proc.stdout + proc.stderr, proc.stderr  # no false "not set" line
     assert not list(ckpt.glob("step-*")), "a calibration's weights are no checkpoint of the job"
     assert not list(tmp_path.glob("mpihybrid-*")), list(tmp_path.iterdir())
+
+
+def test_without_or_tools_auto_says_so_in_one_line(tmp_path):
+    hidden = tmp_path / "hide" / "ortools"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    proc = run_mpi(2, "-m", "mpihybrid", "train", *AUTO, timeout=120,
+                   env={"PYTHONPATH": f"{hidden.parent}:{ROOT}"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if "exact search is not installed" in x]
+    assert len(lines) == 1 and "greedy" in lines[0] and "mpihybrid[search]" in lines[0], lines

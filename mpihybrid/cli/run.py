@@ -136,6 +136,16 @@ def _auto_schedule(job, world):
 
     if job.train.schedule != AUTO:
         return job
+    if world.rank == 0:
+        from mpihybrid.pipeline.search_exact import solver_missing
+
+        missing = solver_missing()
+        if missing:  # as `schedule search` says it: the run goes on with the greedy's schedule
+            click.echo(
+                f"mpihybrid: train.schedule = 'auto': the exact search is not installed "
+                f"({missing}); the greedy list scheduler's schedule runs",
+                err=True,
+            )
     try:
         return resolve_auto(job, world)
     except ConfigError as exc:  # the same on every rank (rank 0's, broadcast)

@@ -62,6 +62,16 @@ def _cp_model():
     return cp_model
 
 
+def solver_missing() -> str | None:
+    """SolverMissing's line where OR-Tools cannot be imported (the greedy's schedule is what the
+    search gives then), else None."""
+    try:
+        _cp_model()
+    except SolverMissing as exc:
+        return str(exc)
+    return None
+
+
 def _value(x, s: int) -> float:
     return x if isinstance(x, (int, float)) else x[s]
 
