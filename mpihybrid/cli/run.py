@@ -71,6 +71,7 @@ def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, d
     from mpihybrid.train.resume import (
         batch_given,
         given,
+        init_not_read,
         keep_recorded_batch,
         keep_recorded_horizon,
     )
@@ -85,6 +86,8 @@ def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, d
     # Every rank validates the same inputs; rank 0 also checks the file system. All ranks then
     # agree on the first error, so they exit together before any message of training is sent.
     error, job, resume_from = None, None, None
+    # a resume starts from its checkpoint's weights, not model.init's file (rank 0 looks)
+    overrides += world.bcast(init_not_read(job_file, overrides) if world.rank == 0 else [])
     try:
         job = load_job(job_file, overrides, world.Get_size())
     except ConfigError as exc:
@@ -257,6 +260,11 @@ def _preflight(job, resume: bool, force: bool = False) -> list[str] | None:
         raise checkpoint.CheckpointError(
             f"--resume: no complete checkpoint in checkpoint.dir = {root!r}"
         )
+    if job.model.init and not candidates:  # as a checkpoint's weights are checked on restore
+        from mpihybrid.nn.weights import nonfinite_problem
+
+        if wrong := nonfinite_problem(job.model.init):
+            raise ConfigError(wrong)
     if candidates:  # refuse another model now; a damaged one is restore_all's to skip
         newest = Path(candidates[0])
         try:

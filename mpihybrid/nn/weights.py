@@ -241,6 +241,22 @@ def init_problem(cfg, seq_len: int, vocab: int) -> str:
     return check_file(cfg, seq_len, vocab, cfg.init, gpt_blocks(cfg, seq_len, vocab))
 
 
+def nonfinite_problem(path: str | Path) -> str:
+    """The first tensor of a model.init file holding a NaN or an infinity, in one line ("" =
+    none): read once, a tensor at a time, before any rank starts from it."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        for name in sorted(f.keys()):
+            bad = np.count_nonzero(~np.isfinite(f.get_tensor(name)))
+            if bad:
+                return (
+                    f"model.init = {str(path)!r}: {name} holds {bad} non-finite values (nan or "
+                    "inf); a run cannot start from it"
+                )
+    return ""
+
+
 def load_into(stage, path: str | Path, num_blocks: int) -> None:
     """A stage's parameters from a file that check_file accepted (fp32 in the stage's layout)."""
     from safetensors import safe_open

@@ -28,6 +28,7 @@ RESUMABLE = (
     "comm.*",
     "trace.*",
     "checkpoint.*",
+    "model.init",  # where the run's weights started: the checkpoint holds them now
 )
 
 
