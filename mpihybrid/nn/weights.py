@@ -14,7 +14,8 @@ PyTorch model that loads the file must follow it to compute the same logits,
 benchmarks/torch_logits.py): GELU in its tanh form (nanoGPT: erf), an LM head with a bias
 (nanoGPT: none), LayerNorm eps 1e-5 and biases everywhere else as nanoGPT's bias=True.
 A file without `lm_head.bias` (nanoGPT's own) loads with a zero bias, one without
-`lm_head.weight` (tied, as Hugging Face writes it) with the head = wte.
+`lm_head.weight` (tied, as Hugging Face writes it) with the head = wte, one without any bias
+(nanoGPT's bias = False) with every bias zero.
 """
 
 from __future__ import annotations
@@ -175,6 +176,8 @@ def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) ->
         return f"model.init = {str(p)!r}: not a readable safetensors file ({exc})"
     want = expected_shapes(blocks)
     lenient = {HEAD_BIAS, HEAD} if WTE in have else {HEAD_BIAS}
+    if biasless(have):  # nanoGPT's bias = False: every bias starts at zero (load_into)
+        lenient |= {name for name in want if name.endswith(".bias")}
     for name, shape in want.items():
         if name not in have:
             if name in lenient:
@@ -194,6 +197,12 @@ def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) ->
     if extra:
         return f"model.init = {str(p)!r}: {len(extra)} tensors the model has not ({extra[0]}, ...)"
     return _heads_problem(cfg, p)
+
+
+def biasless(names) -> bool:
+    """nanoGPT's bias = False: no Linear or LayerNorm bias in the file (the attention's mask
+    buffer, `.attn.bias`, is no parameter)."""
+    return not any(k.endswith(".bias") and not k.endswith(".attn.bias") for k in names)
 
 
 def _heads_problem(cfg, p: Path) -> str:
@@ -243,10 +252,19 @@ def init_problem(cfg, seq_len: int, vocab: int) -> str:
 
 def nonfinite_problem(path: str | Path) -> str:
     """The first tensor of a model.init file holding a NaN or an infinity, in one line ("" =
-    none): read once, a tensor at a time, before any rank starts from it."""
+    none): read once, a tensor at a time, before any rank starts from it. A file without biases
+    (nanoGPT's bias = False) is said here, once."""
+    import logging
+
     from safetensors import safe_open
 
     with safe_open(str(path), framework="numpy") as f:
+        if biasless(f.keys()):
+            logging.getLogger("mpihybrid").info(
+                "model.init = %r has no biases (nanoGPT's bias = False): every bias starts at "
+                "zero, so the model computes the file's function",
+                str(path),
+            )
         for name in sorted(f.keys()):
             bad = np.count_nonzero(~np.isfinite(f.get_tensor(name)))
             if bad:
@@ -270,7 +288,7 @@ def load_into(stage, path: str | Path, num_blocks: int) -> None:
                     value = f.get_tensor(name)
                 elif name == HEAD:
                     value, transposed = f.get_tensor(WTE), True  # tied: the head is wte
-                else:  # lm_head.bias of a nanoGPT file: none
+                else:  # lm_head.bias of a nanoGPT file, any bias of a bias = False one: none
                     value = np.zeros(target.shape, np.float32)
                 value = value.T if transposed else value
                 target[...] = value.astype(target.dtype, copy=False)
