@@ -21,6 +21,7 @@ from mpihybrid.cli.commands import (
     _quote,
     _setup_logging,
     abort_job,
+    bound_the_exit,
     exit_on_any_error,
     exit_stopped,
 )
@@ -127,6 +128,7 @@ def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, d
         from mpihybrid.train.report import format_report
 
         click.echo(format_report(job, summary))
+    bound_the_exit(world, job.comm.timeout_s)  # no rank stopped now holds the job for good
 
 
 def _auto_schedule(job, world):
@@ -208,6 +210,7 @@ def _run_training(job, world, *, quiet: bool, resume_from, debug: bool, notes=No
             job, world, quiet=quiet, resume_from=resume_from, peak_flops=peak, notes=notes
         )
     except StopRequested as exc:  # every rank alike, at a step boundary
+        bound_the_exit(world, job.comm.timeout_s)
         exit_stopped(world, exc)
     except (CheckpointError, DeviceError) as exc:  # on every rank alike, before any training
         if world.rank == 0:
