@@ -38,14 +38,15 @@ def test_a_restart_within_a_second_is_another_run(tmp_path):
 @pytest.mark.mpi
 def test_a_rank_stopped_after_the_last_step_does_not_hang_the_job():
     """Rank 1 stops itself (SIGSTOP) once training returned: the watchdog has stopped, and the
-    job once waited for it for good. Now rank 0 ends it after comm.timeout_s, in one line."""
+    job once waited for it for good. Now rank 0 ends it after comm.timeout_s (10 s at least),
+    in one line."""
     proc = run_mpi(2, "tests/_mpi_inject.py", "stop-end", "train", "--quiet", "--set",
                    "model.hidden=16", "--set", "model.depth=4", "--set", "train.steps=3",
                    "--set", "comm.timeout_s=3", timeout=90)  # fmt: skip
     assert proc.returncode != 0
     assert "held-out accuracy" in proc.stdout  # the run itself finished and said so
     lines = [x for x in proc.stderr.splitlines() if x.startswith("mpihybrid: error:")]
-    assert lines and "not every rank reached the end within comm.timeout_s = 3 s" in lines[0]
+    assert lines and "not every rank reached the end within 10 s after the run" in lines[0]
 
 
 def test_leftovers_removes_this_jobs_shm_and_hydra_files_only(tmp_path):

@@ -113,25 +113,27 @@ def exit_stopped(world, exc) -> NoReturn:
 
 
 _BOUND: list = []  # the file faulthandler's last resort writes to, kept open to the exit
+END_FLOOR_S, FINALIZE_S = 10.0, 30.0  # rank 0's report may take a moment on a loaded machine
 
 
 def bound_the_exit(world, timeout_s: float) -> None:
     """Collective, the run's last act before MPI_Finalize: every rank waits for all to get here
-    (a nonblocking barrier, polled) for at most timeout_s (comm.timeout_s; 0: unbounded, as the
-    watchdog). The watchdog stopped with the run, so a rank stopped now (SIGSTOP, a hung disk)
-    would hold the job for good: the others instead say so in one line and abort the job, which
-    makes the launcher end the stopped rank too. Past the barrier faulthandler's timer, a C
-    thread that needs no interpreter lock, bounds MPI_Finalize itself (exit 1)."""
+    (a nonblocking barrier, polled) for at most comm.timeout_s, END_FLOOR_S at least (0:
+    unbounded, as the watchdog). The watchdog stopped with the run, so a rank stopped now
+    (SIGSTOP, a hung disk) would hold the job for good: the others instead say so in one line
+    and abort the job, which makes the launcher end the stopped rank too. Past the barrier faulthandler's timer, a C
+    thread that needs no interpreter lock, bounds MPI_Finalize itself (FINALIZE_S more; exit 1)."""
     import faulthandler
 
     if timeout_s <= 0 or _BOUND:
         return
-    request, deadline = world.Ibarrier(), time.monotonic() + timeout_s
+    bound = max(timeout_s, END_FLOOR_S)
+    request, deadline = world.Ibarrier(), time.monotonic() + bound
     while not request.Test():
         if time.monotonic() > deadline:
             sys.stderr.write(
                 f"mpihybrid: error: rank {world.rank}: not every rank reached the end within "
-                f"comm.timeout_s = {timeout_s:g} s after the run (one stopped?): ending the job\n"
+                f"{bound:g} s after the run (one stopped?): ending the job\n"
             )
             sys.stderr.flush()
             temps.remove_all()
@@ -139,7 +141,7 @@ def bound_the_exit(world, timeout_s: float) -> None:
             os._exit(EXIT_FAILED)
         time.sleep(0.005)
     _BOUND.append(open(os.devnull, "w"))  # noqa: SIM115 -- open until the process ends
-    faulthandler.dump_traceback_later(timeout_s, exit=True, file=_BOUND[0])
+    faulthandler.dump_traceback_later(bound + FINALIZE_S, exit=True, file=_BOUND[0])
 
 
 def _debug_env() -> bool:
