@@ -121,8 +121,9 @@ def bound_the_exit(world, timeout_s: float) -> None:
     (a nonblocking barrier, polled) for at most comm.timeout_s, END_FLOOR_S at least (0:
     unbounded, as the watchdog). The watchdog stopped with the run, so a rank stopped now
     (SIGSTOP, a hung disk) would hold the job for good: the others instead say so in one line
-    and abort the job, which makes the launcher end the stopped rank too. Past the barrier faulthandler's timer, a C
-    thread that needs no interpreter lock, bounds MPI_Finalize itself (FINALIZE_S more; exit 1)."""
+    and abort the job, which makes the launcher end the stopped rank too. Past the barrier
+    faulthandler's timer, a C thread that needs no interpreter lock, bounds MPI_Finalize itself
+    (FINALIZE_S more; exit 1)."""
     import faulthandler
 
     if timeout_s <= 0 or _BOUND:
