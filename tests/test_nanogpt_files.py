@@ -1,9 +1,11 @@
 """nanoGPT's files and recipe (issue 53): a bias = False checkpoint starts a run through
-model.init (every bias zero, said once)."""
+model.init (every bias zero, said once); model.gelu = "erf" is nanoGPT's exact GELU, "tanh"
+(GPT-2's) stays the default and an export says which."""
 
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import pytest
@@ -11,7 +13,11 @@ import pytest
 pytest.importorskip("safetensors", reason="safetensors is not installed (the weights extra)")
 from safetensors.numpy import save_file  # noqa: E402
 
+from mpihybrid.config import ConfigError  # noqa: E402
 from mpihybrid.nn import weights as nw  # noqa: E402
+from mpihybrid.nn.gelu import GELUErf  # noqa: E402
+from mpihybrid.nn.layers import GELU  # noqa: E402
+from mpihybrid.nn.transformer import gpt_blocks  # noqa: E402
 from tests.test_weights import job, stages, whole  # noqa: E402
 
 
@@ -38,3 +44,28 @@ def test_a_bias_false_nanogpt_file_loads_with_zero_biases(tmp_path, caplog):
         assert nw.nonfinite_problem(path) == ""
     said = [r for r in caplog.records if "bias = False" in r.getMessage()]
     assert len(said) == 1
+
+
+def test_gelu_erf_is_the_exact_gelu_and_tanh_stays_the_default():
+    x = np.linspace(-7, 7, 20001).astype(np.float32)
+    exact = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64)])
+    layer = GELUErf()
+    y, cache = layer.forward(x)
+    print("max |GELU erf - math.erf's|", np.abs(y - exact).max())
+    assert np.abs(y - exact).max() < 2e-6
+    dx, _ = layer.backward_input(np.ones_like(x), cache)
+    h = 1e-4
+    up = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64) + h])
+    down = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64) - h])
+    assert np.abs(dx - (up - down) / (2 * h)).max() < 1e-5
+    tanh_y, _ = GELU().forward(x)
+    assert np.abs(tanh_y - exact).max() > 1e-4  # the two forms differ: the setting matters
+    assert job().model.gelu == "tanh"
+    for form, kind in (("tanh", GELU), ("erf", GELUErf)):
+        j = job(f"model.gelu={form}")
+        blocks = gpt_blocks(j.model, j.data.seq_len, j.data.vocab)
+        mlp = blocks[1][1].branch
+        assert type(mlp[2]) is kind
+        assert nw.config_of(j.model, j.data.seq_len, j.data.vocab)["gelu"] == form
+    with pytest.raises(ConfigError, match="model.gelu"):
+        job("model.gelu=exact")

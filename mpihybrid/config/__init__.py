@@ -74,6 +74,7 @@ class ModelConfig:
     partition: str | list = "cost"  # cost | uniform | timed | [layers per chunk]
     init: str = ""  # gpt: start from this .safetensors file (weights export) instead of the seed
     tie_embeddings: bool = False  # gpt: the head's weight is the token table (nanoGPT's wte)
+    gelu: str = "tanh"  # gpt: GELU's form, tanh (GPT-2's) | erf (exact: nanoGPT's, torch's)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ def _check_names(job: Job) -> None:
         raise ConfigError(f"comm.cuda_aware = {c.cuda_aware!r}: choose auto, true or false")
     _one_of("model.kind", m.kind, tuple(KINDS))
     _one_of("model.activation", m.activation, ("relu", "gelu"))
+    _one_of("model.gelu", m.gelu, ("tanh", "erf"))
     _one_of("data.kind", d.kind, KINDS[m.kind].data_kinds)
     try:
         if t.schedule != AUTO:

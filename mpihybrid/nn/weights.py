@@ -116,7 +116,8 @@ def config_of(cfg, seq_len: int, vocab: int) -> dict:
         "n_inner": cfg.ffn or 4 * cfg.hidden,
         "bias": True,
         "dropout": 0.0,
-        "gelu": "tanh",  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); nanoGPT: erf
+        # tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); erf (model.gelu): nanoGPT's
+        "gelu": getattr(cfg, "gelu", "tanh"),
         "lm_head_bias": True,  # nanoGPT's lm_head has none
         "layer_norm_eps": 1e-5,
         "attention_scale": "1/sqrt(head_dim)",

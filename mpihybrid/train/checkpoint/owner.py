@@ -43,6 +43,7 @@ def job_differences(stored_toml: str, job, ignore: tuple[str, ...] = RESUMABLE) 
     except (tomllib.TOMLDecodeError, TypeError):
         return ["its stored job is not readable TOML"]
     mine = tomllib.loads(to_toml(job))
+    defaults = tomllib.loads(to_toml(type(job)()))  # a setting added since: its default there
     found = []
     for section, values in mine.items():
         other = theirs.get(section, {})
@@ -50,6 +51,8 @@ def job_differences(stored_toml: str, job, ignore: tuple[str, ...] = RESUMABLE) 
         for key, value in values.items():
             name = f"{section}.{key}"
             if name in ignore or f"{section}.*" in ignore or other.get(key) == value:
+                continue
+            if key not in other and defaults.get(section, {}).get(key) == value:
                 continue
             there = _toml_value(other[key]) if key in other else "(unset)"
             found.append(f"{name} = {there} there, {_toml_value(value)} here")

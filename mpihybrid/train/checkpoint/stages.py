@@ -88,7 +88,8 @@ def check_compatible(manifest: dict, job, path: Path) -> None:
     for key, value in mine.items():
         theirs = manifest.get(key)
         if key == "model" and isinstance(theirs, dict):  # the weights hold model.init's start
-            theirs, value = _without_init(theirs), _without_init(value)
+            older = asdict(type(job.model)())  # a setting added since: its default there
+            theirs, value = _without_init({**older, **theirs}), _without_init(value)
             if theirs != value:  # the first key that differs, once
                 name = next(k for k in sorted({*theirs, *value}) if theirs.get(k) != value.get(k))
                 key, theirs, value = f"model.{name}", theirs.get(name), value.get(name)
