@@ -69,3 +69,36 @@ def test_gelu_erf_is_the_exact_gelu_and_tanh_stays_the_default():
         assert nw.config_of(j.model, j.data.seq_len, j.data.vocab)["gelu"] == form
     with pytest.raises(ConfigError, match="model.gelu"):
         job("model.gelu=exact")
+
+
+def test_weight_decay_reaches_the_matrices_only_by_default():
+    from mpihybrid.nn.optim import AdamW, ShardedOptimizer, decay_pieces
+    from mpihybrid.train.state import decayed_ranges
+
+    j = job("train.optimizer=adamw", "train.weight_decay=0.5", "train.lr=0.1")
+    assert j.train.weight_decay_on == "matrices"
+    (stage,) = stages(j, 1, 0)
+    names = {}
+    for layer in stage.layers:
+        for name, shape in layer.param_shapes().items():
+            names.setdefault(len(shape), []).append((type(layer).__name__, name))
+    ranges = decayed_ranges(stage, "matrices")
+    with_tables = decayed_ranges(stage, "matrices+embeddings")
+    assert decayed_ranges(stage, "all") is None
+    table = sum(hi - lo for lo, hi in with_tables) - sum(hi - lo for lo, hi in ranges)
+    assert table == (37 + 8) * 16  # wte (V, C) and wpe (T, C)
+    # zero gradients: AdamW moves a parameter by its decay alone
+    for opt in (AdamW(np.ones(stage.num_params, np.float32), 0.1, weight_decay=0.5),
+                ShardedOptimizer(j.train, np.ones(stage.num_params, np.float32),
+                                 [(0, stage.num_params)], master=False)):  # fmt: skip
+        opt.decayed = ranges
+        opt.begin_step()
+        opt.update(np.zeros(stage.num_params, np.float32), 0, stage.num_params)
+        decayed = np.zeros(stage.num_params, bool)
+        for lo, hi in ranges:
+            decayed[lo:hi] = True
+        np.testing.assert_allclose(opt.params[decayed], 0.95, rtol=1e-6)
+        assert (opt.params[~decayed] == 1.0).all() and decayed.any() and (~decayed).any()
+    assert list(decay_pieces(0, 10, [(2, 4), (6, 12)])) == [
+        (0, 2, False), (2, 4, True), (4, 6, False), (6, 10, True)]  # fmt: skip
+    assert list(decay_pieces(3, 5, None)) == [(3, 5, True)]

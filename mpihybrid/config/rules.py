@@ -13,6 +13,7 @@ from mpihybrid.comm.device import DEVICES
 from mpihybrid.comm.settings import PROGRESS
 from mpihybrid.config import (
     AUTO,
+    DECAY_ON,
     GRID_ORDERS,
     OPTIMIZERS,
     PARAM_CODECS,
@@ -53,6 +54,7 @@ def _check_names(job: Job) -> None:
     except ScheduleError as exc:
         raise ConfigError(f"train.schedule = {t.schedule!r}: {exc}") from None
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+    _one_of("train.weight_decay_on", t.weight_decay_on, DECAY_ON)
     _one_of("comm.codec", c.codec, CODECS)
     _one_of("comm.overlap", c.overlap, PROGRESS)
     _one_of("comm.p2p_codec", c.p2p_codec, P2P_CODECS)

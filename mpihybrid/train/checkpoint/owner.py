@@ -32,6 +32,10 @@ RESUMABLE = (
 )
 
 
+# what a job written before a setting existed did, where that is not the setting's default now
+BEFORE_IT_EXISTED = {"train.weight_decay_on": "all"}
+
+
 def job_differences(stored_toml: str, job, ignore: tuple[str, ...] = RESUMABLE) -> list[str]:
     """The settings in which a stored job (a manifest's or a trace's TOML) differs from `job`,
     as 'train.lr = 0.1 there, 0.05 here', leaving out the `ignore`d ones ('section.*' a whole
@@ -52,7 +56,12 @@ def job_differences(stored_toml: str, job, ignore: tuple[str, ...] = RESUMABLE) 
             name = f"{section}.{key}"
             if name in ignore or f"{section}.*" in ignore or other.get(key) == value:
                 continue
-            if key not in other and defaults.get(section, {}).get(key) == value:
+            if name == "train.weight_decay_on" and not (
+                values.get("weight_decay") or other.get("weight_decay")
+            ):
+                continue  # no decay either side: what it would decay does not matter
+            before = BEFORE_IT_EXISTED.get(name, defaults.get(section, {}).get(key))
+            if key not in other and before == value:
                 continue
             there = _toml_value(other[key]) if key in other else "(unset)"
             found.append(f"{name} = {there} there, {_toml_value(value)} here")
