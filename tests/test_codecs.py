@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from mpihybrid import _numba
 from mpihybrid.cli import main
 from mpihybrid.cli.bench import CODEC_OPERATIONS
-from mpihybrid.comm.codecs import CODECS, get_codec
+from mpihybrid.comm.codecs import CODECS, Codec, get_codec
 from tests.helpers import run_mpi
 
 
@@ -556,3 +556,41 @@ def test_bench_codecs_json_and_a_size_no_node_holds() -> None:
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output  # was a MemoryError traceback
     assert "needs about 512.0 GiB" in lines[0] and "choose a smaller size" in lines[0]
+
+
+class _NumpyOnlyCodec(Codec):  # numpy code, no kernel
+    name, lossy = "half-numpy", True
+
+    def nbytes(self, count: int) -> int:
+        return 2 * count
+
+    def _encode_numpy(self, x: np.ndarray, out: np.ndarray) -> None:
+        out.view(np.float16)[:] = x
+
+    def _decode_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
+        out[:] = buf.view(np.float16)
+
+
+def test_a_codec_without_kernels_runs_its_numpy_code_wherever_numba_is() -> None:
+    # the kernels are optional: a codec written in numpy alone works with numba on, every call
+    codec, ref = _NumpyOnlyCodec(), get_codec("fp16", kernels="numpy")
+    assert not codec.fast and codec.kernels == frozenset()
+    x, residual = normal(1000), np.zeros(1000, np.float32)
+    buf, want = np.zeros(2000, np.uint8), np.zeros(2000, np.uint8)
+    codec.encode(x, buf, residual, add_residual=True)
+    ref.encode(x, want, np.zeros(1000, np.float32), add_residual=True)
+    assert np.array_equal(buf, want)
+    out = np.ones(1000, np.float32)
+    codec.decode_add(buf, 1000, out, residual)
+    total = np.zeros(1000, np.float32)
+    codec.reduce_encode(buf, total, np.zeros(2000, np.uint8), residual)
+    assert np.isfinite(out).all() and np.isfinite(total).all()
+
+
+def test_an_operation_without_a_kernel_takes_the_reference() -> None:
+    # fp32 has no encode-with-feedback kernel: the call runs the reference, not AttributeError
+    codec = get_codec("fp32")
+    assert "encode_feedback" not in codec.kernels
+    x, residual, buf = normal(64), np.full(64, 0.5, np.float32), np.zeros(256, np.uint8)
+    codec.encode(x, buf, residual, add_residual=True)
+    assert np.array_equal(buf.view(np.float32), x + np.float32(0.5)) and not residual.any()

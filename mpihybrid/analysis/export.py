@@ -4,7 +4,9 @@
 
 Chrome format: one process per rank (pid = world rank), "X" complete events with ts/dur in
 microseconds, and a flow arrow ("s" -> "f") from every send, where it was posted, to the receive
-it fed, where that receive completed. Steps are counted from 1 in both formats, as every command
+it fed, where that receive completed; the critical path of each step (analysis/critical.py) as
+slices on a thread of its own per rank ("critical path"), chained by flow events (category
+"critical") from each link to the next. Steps are counted from 1 in both formats, as every command
 shows them; `steps` (a range of the trace's own numbers, from 0) exports a window.
 """
 
@@ -25,7 +27,7 @@ from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS
 # tid 0 carries the main thread's work (compute, messages, the wait for the gradients), tid 1
 # the whole steps, tid 2 the gradient buckets (ring, then optimizer), which may run behind the
 # compute: complete events on one thread must nest, and a step encloses everything its rank did
-WORK_TID, STEP_TID, BUCKET_TID = 0, 1, 2
+WORK_TID, STEP_TID, BUCKET_TID, CRITICAL_TID = 0, 1, 2, 3
 _TID = {KIND["step"]: STEP_TID, KIND["allreduce"]: BUCKET_TID, KIND["optimizer"]: BUCKET_TID}
 CSV_COLUMNS = (
     "rank",
@@ -87,6 +89,7 @@ def to_chrome(trace: Trace) -> dict:
             meta | {"tid": WORK_TID, "name": "thread_name", "args": {"name": "work"}},
             meta | {"tid": STEP_TID, "name": "thread_name", "args": {"name": "step"}},
             meta | {"tid": BUCKET_TID, "name": "thread_name", "args": {"name": "gradient buckets"}},
+            meta | {"tid": CRITICAL_TID, "name": "thread_name", "args": {"name": "critical path"}},
         ]
     for i, e in enumerate(ev):
         args = {
@@ -116,6 +119,7 @@ def to_chrome(trace: Trace) -> dict:
         flow |= {"cat": "p2p", "id": k, "tid": WORK_TID}
         out.append(flow | {"ph": "s", "pid": int(s["rank"]), "ts": _inside(s, at_end=False)})
         out.append(flow | {"ph": "f", "bp": "e", "pid": int(r["rank"]), "ts": _inside(r, True)})
+    out += critical_events(trace, first_id=len(messages))
     return {
         "traceEvents": out,
         "displayTimeUnit": "ms",
@@ -125,6 +129,40 @@ def to_chrome(trace: Trace) -> dict:
             if name in trace.attrs
         },
     }
+
+
+def critical_events(trace: Trace, first_id: int = 0) -> list[dict]:
+    """Each step's critical path: a slice per link on its rank's "critical path" thread (a hop
+    on the receiver's), and a flow from each link to the next, so the viewer draws the chain
+    across the ranks. None for a trace without per-action events."""
+    from mpihybrid.analysis.critical import critical_paths
+    from mpihybrid.analysis.lanes import Lanes, LanesError
+
+    try:
+        paths = critical_paths(Lanes.of(trace.events))
+    except LanesError:
+        return []
+    out: list[dict] = []
+    flow_id = first_id
+    for path in paths:
+        links = [k for k in path.links if k.seconds > 0]
+        for n, link in enumerate(links):
+            ts, dur = link.start * 1e6, link.seconds * 1e6
+            name = link.text().rsplit(" ", 2)[0]  # without its duration
+            where = {"pid": link.rank, "tid": CRITICAL_TID}
+            out.append(
+                where | {"ph": "X", "name": name, "cat": "critical", "ts": ts, "dur": dur,
+                         "args": {"step": path.step + 1, "link": link.label()}}
+            )  # fmt: skip
+            if n + 1 < len(links):
+                nxt = links[n + 1]
+                margin = min(1e-3, dur / 2, nxt.seconds * 1e6 / 2)
+                flow = {"name": "critical path", "cat": "critical", "id": flow_id}
+                out.append(flow | where | {"ph": "s", "ts": ts + dur - margin})
+                out.append(flow | {"ph": "f", "bp": "e", "pid": nxt.rank, "tid": CRITICAL_TID,
+                                   "ts": nxt.start * 1e6 + margin})  # fmt: skip
+                flow_id += 1
+    return out
 
 
 def _inside(e: np.void, at_end: bool) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mpihybrid.analysis.cause import why_lines, why_summary
 from mpihybrid.analysis.metrics import SPLIT, STEPS_ONLY
 from mpihybrid.analysis.oversubscription import oversubscription_text
 from mpihybrid.analysis.plain import plain_lines
@@ -32,6 +33,8 @@ def format_analysis(result: dict) -> str:
     ]
     lines += ["", "activations in flight per stage (peak over steps and replicas)"]
     lines += table(["stage", "peak", "schedule", "peak bytes"], rows)
+    if "why" in result:
+        lines += why_lines(result["why"])
     return "\n".join(lines)
 
 
@@ -142,11 +145,13 @@ def heldout_lines(rows: list[dict]) -> list[str]:
 
 
 def _summary_lines(result: dict, ms) -> list[str]:
-    """The run, step time, throughput, bubble, quality and the straggler, a line each."""
+    """The run, step time, throughput, bubble, quality and the busiest rank, a line each (the
+    stragglers, scored against their peers, are in the why part: analysis/cause.py)."""
     run, st, bubble = result["run"], result["step_time"], result["bubble"]
     lines = [
         _run_line(run),
         *plain_lines(result),
+        *why_summary(result.get("why")),
         *_state_line(run),
         f"measured        {window_text(result['window'])}: every figure below but bytes sent",
         f"step time       mean {1e3 * st['mean']:.2f} ms, median {1e3 * st['median']:.2f} ms "
@@ -196,7 +201,7 @@ def _summary_lines(result: dict, ms) -> list[str]:
     if result["straggler"] is not None:
         s = result["straggler"]
         lines.append(
-            f"straggler       rank {s['rank']}: busy {ms(s['busy'])} ms/step "
+            f"busiest rank    rank {s['rank']}: busy {ms(s['busy'])} ms/step "
             f"(F+B+W+optimizer), {s['vs_mean']:.2f}x the mean rank"
         )
     return lines

@@ -5,10 +5,11 @@
     mpihybrid timeline runs/seed.h5 --ascii
 
 The PNG is WIDTH_PX wide and, per trace, HEADER_PX + ROW_PX per rank tall: one row per rank,
-compute (F, B, W) in full-height bars with their micro-batch numbers, what the rank waited for
-(a receive, its gradient buckets) in a thin pale bar, so the compute stands out even when the
-waits fill the step; the gradient buckets' ring and optimizer in a lane under the row. Several
-traces stack on one time axis (ms since each one's first drawn step began).
+compute (F, B, W) in full-height bars with their micro-batch numbers, each step's critical
+path (analysis/critical.py) as a red line along the top of the rows it runs through, what the
+rank waited for (a receive, its gradient buckets) in a thin pale bar, so the compute stands out
+even when the waits fill the step; the gradient buckets' ring and optimizer in a lane under
+the row. Several traces stack on one time axis (ms since each one's first drawn step began).
 """
 
 from __future__ import annotations
@@ -160,11 +161,14 @@ def render_png(traces: Trace | list[Trace], steps: range | list[range], labels=N
     shown = list(dict.fromkeys(kinds_drawn))
     if shown:
         colour_of = COLOURS | {"step": "#8c8c8c"}
+        handles = [Patch(color=colour_of[n], label=LEGEND[n]) for n in shown]
+        if any(t.has_actions for t in traces):
+            handles.append(Patch(color=CRITICAL, label="critical path"))
         fig.axes[0].legend(
-            handles=[Patch(color=colour_of[n], label=LEGEND[n]) for n in shown],
+            handles=handles,
             loc="lower left",
             bbox_to_anchor=(0, 1.0),
-            ncol=min(len(shown), 4),
+            ncol=min(len(handles), (len(handles) + 1) // 2, 5),
             fontsize=8,
             frameon=False,
         )
@@ -184,6 +188,8 @@ def _panel(ax, trace: Trace, rows, steps: range, ranks, *, t0, length, scale, la
     min_width = length * 14 / (0.86 * WIDTH_PX)
     y_of = {r: i for i, r in enumerate(ranks)}
     _draw_bars(ax, rows, y_of, t0, scale, min_width=min_width, colours=colours)
+    if trace.has_actions:
+        _draw_critical(ax, trace, steps, y_of, t0=t0, scale=scale)
     step_rows = ev[ev["kind"] == KIND["step"]]
     for step in steps:  # dashed line where each step starts on its first rank
         starts = step_rows["start"][step_rows["step"] == step]
@@ -215,6 +221,35 @@ def _panel(ax, trace: Trace, rows, steps: range, ranks, *, t0, length, scale, la
             f"{over['host']}: times measure the machine, not the schedule"
         )
     ax.set_title(title, loc="right", fontsize=9, color="#b00000" if over else "black")
+
+
+CRITICAL = "#d62728"
+
+
+def _draw_critical(ax, trace: Trace, steps: range, y_of: dict, *, t0: float, scale: float) -> None:
+    """Each drawn step's critical path (analysis/critical.py): a red line along the top of each
+    link's row, a red arrow for each message hop from the sender's row to the receiver's."""
+    from mpihybrid.analysis.critical import critical_paths
+    from mpihybrid.analysis.lanes import Lanes, LanesError
+
+    try:
+        lanes = Lanes.of(trace.events)
+    except LanesError:
+        return
+    for path in critical_paths(lanes, [s for s in steps if s in set(lanes.step_numbers())]):
+        x, y = [], []
+        for link in path.links:
+            top = y_of.get(link.rank)
+            if top is None:
+                continue
+            a, b = (link.start - t0) * scale, (link.end - t0) * scale
+            if link.kind == "hop" and link.peer in y_of:
+                x += [a, b]
+                y += [y_of[link.peer] - 0.42, top - 0.42]
+            else:
+                x += [a, b]
+                y += [top - 0.42, top - 0.42]
+        ax.plot(x, y, color=CRITICAL, lw=1.6, solid_capstyle="butt", zorder=5)
 
 
 def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, *, min_width, colours):

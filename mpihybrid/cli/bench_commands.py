@@ -18,11 +18,10 @@ from mpihybrid.cli.commands import (
     _debug_env,
     _fail,
     abort_job,
-    exit_on_any_error,
     exit_stopped,
 )
 from mpihybrid.cli.options import set_option
-from mpihybrid.cli.run import _auto_order, _auto_schedule, _timed_partition
+from mpihybrid.cli.resolve import resolve_job
 
 
 @click.group()
@@ -173,6 +172,16 @@ def bench_codecs(size, codecs, repeats, as_json) -> None:
         click.echo(format_codec_table(rows))
 
 
+def _cpu_only(job) -> None:
+    from mpihybrid.config import ConfigError
+
+    if job.grid.device != "cpu":
+        raise ConfigError(
+            f"grid.device = {job.grid.device!r}: bench train measures the CPU's matmul "
+            "roofline; use grid.device = 'cpu' (or mpihybrid train for a GPU run)"
+        )
+
+
 @bench.command("train")
 @click.argument("job_file", required=False, type=click.Path(dir_okay=False))
 @set_option("train.schedule=1f1b")
@@ -198,27 +207,15 @@ def bench_train(*, job_file, overrides, warmup, steps, repeats, against, as_json
     """Training throughput of JOB_FILE: tokens/s, busy fractions, FLOPs, roofline, memory."""
     from mpi4py import MPI
 
-    from mpihybrid.config import ConfigError, load_job
-
     world = MPI.COMM_WORLD
-    error, job, other = None, None, None
-    try:
-        job = load_job(job_file, list(overrides), world.Get_size())
-        if against:
-            other = (load_job(job_file, [*overrides, *against], world.Get_size()), list(against))
-        for device in {job.grid.device, other[0].grid.device if other else "cpu"} - {"cpu"}:
-            raise ConfigError(
-                f"grid.device = {device!r}: bench train measures the CPU's matmul "
-                "roofline; use grid.device = 'cpu' (or mpihybrid train for a GPU run)"
-            )
-    except ConfigError as exc:
-        error = str(exc)
-    exit_on_any_error(world, error)
-    job = _auto_order(_timed_partition(_auto_schedule(job, world), world), world)[0]
-    if other is not None:
+    # collective, the one resolution (cli/resolve); a benchmark resumes nothing
+    job = resolve_job(job_file, list(overrides), world, resumed=False, check=_cpu_only)[0]
+    other = None
+    if against:
+        more = [*overrides, *against]
         other = (
-            _auto_order(_timed_partition(_auto_schedule(other[0], world), world), world)[0],
-            other[1],
+            resolve_job(job_file, more, world, resumed=False, check=_cpu_only)[0],
+            list(against),
         )
     from mpihybrid.cli.bench_train import bench_train as run
     from mpihybrid.cli.bench_train import format_bench

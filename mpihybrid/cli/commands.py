@@ -66,6 +66,7 @@ class LazyGroup(click.Group):
         "generate": "mpihybrid.cli.text:generate",
         "weights": "mpihybrid.cli.weights:weights",
         "why": "mpihybrid.cli.why:why",
+        "whatif": "mpihybrid.cli.whatif:whatif",
     }
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):

@@ -28,33 +28,16 @@ EXIT_DOES_NOT_FIT = 4
 _TWONODE = {"alpha_s": 1e-4, "bandwidth": 2.5e8, "node_bandwidth": 2.5e8}
 
 
-def job_path(job_file: str) -> str:
-    """JOB_FILE as given, or where it does not exist, the example job of that name installed
-    with the package (`jobs/gpt_bench.toml`, `gpt_bench.toml` or `gpt_bench`)."""
-    if Path(job_file).exists():
-        return job_file
-    name = Path(job_file).name
-    packaged = (
-        Path(__file__).resolve().parent.parent
-        / "jobs"
-        / (name if name.endswith(".toml") else f"{name}.toml")
-    )
-    return str(packaged) if packaged.is_file() else job_file
-
-
 def _load_job(job_file: str, overrides: list[str], search: bool = False):
-    from mpihybrid.config import build_job, load_table, resolve
-    from mpihybrid.train.partition import resolve_partition
+    from mpihybrid.cli.resolve import resolve_offline
 
-    job = build_job(load_table(job_path(job_file)), overrides)
-    if job.grid.dp == -1:
-        raise ValueError("grid.dp = -1 takes the world size from mpiexec: give --set grid.dp=N")
-    if search and job.model.partition == "timed":
+    job = resolve_offline(job_file, overrides, timed=not search)
+    if job.model.partition == "timed":  # --search: left unmeasured
         raise ValueError(
             "model.partition = 'timed' times one layout and --search varies them: "
             "search with 'cost', then time the layout chosen"
         )
-    return resolve_partition(resolve(job, job.grid.pp * max(job.grid.dp, 1)))
+    return job
 
 
 def _calibrate(trace_path: str, cluster_name: str, out: str | None, echo) -> Path:

@@ -7,7 +7,6 @@ on the first error, then train; every way a run ends maps to one line and an exi
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -65,17 +64,11 @@ def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, d
     StopSignals.install()  # before MPI starts: no moment of the run takes a signal's default
     from mpi4py import MPI
 
-    from mpihybrid.config import ConfigError, load_job
+    from mpihybrid.cli.resolve import resolve_job
+    from mpihybrid.config import ConfigError
     from mpihybrid.trace.read import TraceError
     from mpihybrid.train.checkpoint import CheckpointError
     from mpihybrid.train.memory import check_fits
-    from mpihybrid.train.resume import (
-        batch_given,
-        given,
-        init_not_read,
-        keep_recorded_batch,
-        keep_recorded_horizon,
-    )
 
     world = MPI.COMM_WORLD
     _setup_logging(world.rank, quiet)
@@ -86,22 +79,8 @@ def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, d
         overrides.append("trace.overwrite=true")
     # Every rank validates the same inputs; rank 0 also checks the file system. All ranks then
     # agree on the first error, so they exit together before any message of training is sent.
-    error, job, resume_from = None, None, None
-    # a resume starts from its checkpoint's weights, not model.init's file (rank 0 looks)
-    overrides += world.bcast(init_not_read(job_file, overrides) if world.rank == 0 else [])
-    try:
-        job = load_job(job_file, overrides, world.Get_size())
-    except ConfigError as exc:
-        error = str(exc)
-    exit_on_any_error(world, error)
-    try:  # collective: a resume at another dp keeps the checkpoint's default global batch
-        job = keep_recorded_batch(job, world, batch_given(job_file, overrides))
-        job = keep_recorded_horizon(job, world, given(job_file, overrides, "lr_decay_steps"))
-    except ConfigError as exc:
-        error = str(exc)
-    exit_on_any_error(world, error)
-    job = _timed_partition(_auto_schedule(job, world), world)  # collective: before checkpoints
-    job, order_choice = _auto_order(job, world)  # collective
+    job, notes = resolve_job(job_file, overrides, world)  # collective
+    error, resume_from = None, None
     try:
         if world.rank == 0:
             resume_from = _preflight(job, resume, force)
@@ -119,7 +98,6 @@ def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, d
     except ConfigError as exc:
         exit_on_any_error(world, str(exc))
     resume_from = world.bcast(resume_from, root=0)
-    notes = {"order_choice": order_choice} if order_choice else None
     summary = _run_training(
         job, world, quiet=quiet, resume_from=resume_from, debug=debug or _debug_env(), notes=notes
     )
@@ -129,69 +107,6 @@ def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, d
 
         click.echo(format_report(job, summary))
     bound_the_exit(world, job.comm.timeout_s)  # no rank stopped now holds the job for good
-
-
-def _auto_schedule(job, world):
-    """train.schedule = "auto" searched on rank 0 and the same schedule and split given to
-    every rank (cli/auto.py); bad costs or a limit no schedule meets: one line, exit 2 on
-    every rank. Any other schedule as it is."""
-    from mpihybrid.cli.auto import resolve_auto
-    from mpihybrid.config import AUTO, ConfigError
-    from mpihybrid.train.stops import StopRequested
-
-    if job.train.schedule != AUTO:
-        return job
-    if world.rank == 0:
-        from mpihybrid.pipeline.search_exact import solver_missing
-
-        missing = solver_missing()
-        if missing:  # as `schedule search` says it: the run goes on with the greedy's schedule
-            click.echo(
-                f"mpihybrid: train.schedule = 'auto': the exact search is not installed "
-                f"({missing}); the greedy list scheduler's schedule runs",
-                err=True,
-            )
-    try:
-        return resolve_auto(job, world)
-    except ConfigError as exc:  # the same on every rank (rank 0's, broadcast)
-        exit_on_any_error(world, str(exc))
-    except StopRequested as exc:  # a signal in the calibration steps: every rank alike
-        exit_stopped(world, exc)
-    except BaseException as exc:  # one rank alone (a SystemExit too), the others waiting
-        abort_job(world, exc, "searching the schedule", _debug_env())
-
-
-def _timed_partition(job, world):
-    """model.partition = "timed" fixed as rank 0 measures it (or as the checkpoint to resume
-    was split), the same on every rank; any other partition as it is."""
-    from mpihybrid.train.partition import resolve_partition
-
-    if job.model.partition != "timed":
-        return job
-    counts = None
-    if world.rank == 0:
-        try:
-            counts = resolve_partition(job).model.partition
-        except Exception as exc:  # rank 0 alone, while the others wait in bcast: end them all
-            abort_job(world, exc, "timing the model's blocks", _debug_env())
-    counts = world.bcast(counts, root=0)
-    logging.getLogger("mpihybrid").info(
-        "model.partition = 'timed': %s layers per chunk (embedding with the first, head with "
-        "the last)",
-        counts,
-    )
-    return dataclasses.replace(job, model=dataclasses.replace(job.model, partition=counts))
-
-
-def _auto_order(job, world):
-    """grid.order = "auto" chosen (predict.auto; collective), said by rank 0 in one line: (the
-    job, the line); any other order: (the job, "")."""
-    from mpihybrid.predict.auto import resolve_order
-
-    job, line = resolve_order(job, world)
-    if line and world.rank == 0:
-        click.echo(f"mpihybrid: {line}", err=True)
-    return job, line
 
 
 def _run_training(job, world, *, quiet: bool, resume_from, debug: bool, notes=None):

@@ -38,17 +38,10 @@ def parse_bytes(text: str) -> float:
 
 def search_job(job_file: str, overrides: list[str]):
     """The job as a search times it: the whole model, its micro-batches (schedule-neutral)."""
-    from pathlib import Path
+    from mpihybrid.cli.resolve import resolve_offline
 
-    from mpihybrid.config import build_job, load_table, resolve
-
-    packaged = Path(__file__).resolve().parent.parent / "jobs" / Path(job_file).name
-    job_path = job_file if Path(job_file).exists() or not packaged.is_file() else str(packaged)
     neutral = ["train.schedule=1f1b", "train.virtual_stages=1", "model.partition=cost"]
-    job = build_job(load_table(job_path), [*overrides, *neutral])
-    if job.grid.dp == -1:
-        raise ValueError("grid.dp = -1 takes the world size from mpiexec: give --set grid.dp=N")
-    return resolve(job, job.grid.pp * max(job.grid.dp, 1))
+    return resolve_offline(job_file, [*overrides, *neutral], timed=False)
 
 
 @click.command("search")

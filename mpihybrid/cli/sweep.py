@@ -280,7 +280,7 @@ def _prepare_traces(cells: list[tuple[Cell, Job]], repeats: int, traces: Path, o
 
 def _prepare(world, job_file: str, overrides, opts: SweepOptions):
     """The sweep's cells, notes and backend, after every check (ConfigError or DeviceError)."""
-    from mpihybrid.cli.run import _auto_schedule
+    from mpihybrid.cli.resolve import rewrite
     from mpihybrid.comm.device import select_backend
 
     names = parse_schedules(opts.schedules)
@@ -311,7 +311,7 @@ def _prepare(world, job_file: str, overrides, opts: SweepOptions):
         raise ConfigError("every combination was rejected: " + "; ".join(notes))
     # collective, reached by every rank alike: an auto cell's schedule searched on rank 0 (bad
     # costs or a limit nothing meets: one line, exit 2 on every rank)
-    cells = [(cell, _auto_schedule(cell_job, world)) for cell, cell_job in cells]
+    cells = [(cell, rewrite(cell_job, world)[0]) for cell, cell_job in cells]
     # collective, reached by every rank alike: each has passed the same checks so far
     backend = select_backend(job.grid.device, job.comm.cuda_aware, world)
     if world.rank == 0:

@@ -37,6 +37,12 @@ def _analyze(trace, path: str) -> dict:
     from mpihybrid.analysis.metrics import analyze as run_analysis
     from mpihybrid.pipeline.schedules import ScheduleError
 
+    if not len(trace.events):
+        _fail(f"{path} holds no events (the run stopped before its first flush?)")
+    world = trace.attrs.get("world_size")
+    present = len(set(trace.events["rank"].tolist()))
+    if world is not None and present < int(world):
+        _fail(f"{path} holds the events of {present} of {world} ranks: not a whole run")
     try:
         return run_analysis(trace)
     except (KeyError, ValueError, ScheduleError) as exc:
@@ -70,9 +76,14 @@ def analyze(run, as_json) -> None:
     bubble measured vs predicted, bytes, all-reduce algbw/busbw, throughput, activation memory."""
     import json
 
+    from mpihybrid.analysis.cause import why
+    from mpihybrid.analysis.metrics import STEPS_ONLY
     from mpihybrid.analysis.report import format_analysis
 
-    result = _analyze(_load(run), run)
+    trace = _load(run)
+    result = _analyze(trace, run)
+    if result.get("events") != STEPS_ONLY:
+        result["why"] = why(trace, result["bubble"]["steps"], run)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
@@ -187,7 +198,12 @@ def compare(runs, as_json) -> None:
     if as_json:
         import json
 
-        click.echo(json.dumps(_compare_json(runs, labels, results, configs, differ), indent=2))
+        doc = _compare_json(runs, labels, results, configs, differ)
+        if len(runs) == 2:
+            from mpihybrid.analysis.diff import diff
+
+            doc["actions"] = diff(*traces, *runs)
+        click.echo(json.dumps(doc, indent=2))
         return
     rows = [[k, *(str(c.get(k, "-")) for c in configs)] for k in differ]
     rows.append(["measured window", *(window_text(r["window"]) for r in results)])
@@ -222,6 +238,10 @@ def compare(runs, as_json) -> None:
     ]
     rows = [r for r in rows if r[0] != "tokens/s" or any(c != "-" for c in r[1:])]
     click.echo("\n".join(table(["", *labels], rows)))
+    if len(runs) == 2:
+        from mpihybrid.analysis.diff import diff, diff_lines
+
+        click.echo("\n".join(diff_lines(diff(*traces, *runs), labels)))
     for label, result in zip(labels, results, strict=True):
         caveat = oversubscription_text(result["run"].get("oversubscribed"))
         if caveat:

@@ -44,15 +44,18 @@ from mpihybrid.comm.device import array_module
 
 # CODECS, the names a job may give (comm.codec, comm.p2p_codec): the registry's, at the end
 KERNELS = ("auto", "numpy")  # auto: the numba kernels where numba is enabled
+# the operations a codec may give a compiled kernel (its `_<operation>_fast` method)
+_OPERATIONS = ("encode", "decode", "decode_add", "encode_feedback", "decode_add_feedback",
+               "reduce_encode")  # fmt: skip
 
 
 class Codec:
     """Base class: `name`, `lossy`, byte size, encode, decode and decode-add of float32 vectors.
 
     A subclass writes the numpy reference (`_encode_numpy`, `_decode_numpy`, `_decode_add_numpy`)
-    and the calls of its kernels (`_encode_fast`, `_decode_fast`, `_decode_add_fast`, and the
-    error-feedback forms `_encode_feedback_fast`, `_decode_add_feedback_fast`; optionally the
-    fused `_reduce_encode_fast`, else reduce_encode composes the three calls).
+    and, optionally, the calls of its kernels (`_encode_fast`, `_decode_fast`, `_decode_add_fast`,
+    the error-feedback forms `_encode_feedback_fast`, `_decode_add_feedback_fast`, the fused
+    `_reduce_encode_fast`): an operation without a kernel runs its numpy reference.
     """
 
     name: str = ""
@@ -61,7 +64,11 @@ class Codec:
     def __init__(self, kernels: str = "auto") -> None:
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
-        self.fast = kernels == "auto" and _numba.ENABLED
+        compiled = kernels == "auto" and _numba.ENABLED
+        self.kernels = frozenset(
+            op for op in _OPERATIONS if compiled and hasattr(self, f"_{op}_fast")
+        )
+        self.fast = bool(self.kernels)
         self._scratch: dict[tuple[str, str], Any] = {}
 
     def nbytes(self, count: int) -> int:
@@ -84,11 +91,11 @@ class Codec:
             _check(residual, np.float32, len(x), "residual")
         elif add_residual:
             raise ValueError("add_residual needs a residual")
-        if self.fast and array_module(x) is np:
-            if add_residual:
-                self._encode_feedback_fast(x, out, residual)
-            else:
-                self._encode_fast(x, out, residual)
+        if add_residual and self._kernel_for("encode_feedback", x):
+            self._encode_feedback_fast(x, out, residual)
+            return
+        if not add_residual and self._kernel_for("encode", x):
+            self._encode_fast(x, out, residual)
             return
         if add_residual:  # the reference: the sum first, then its encoding
             total = self._buffer("feedback", np.float32, len(x), x)
@@ -103,7 +110,7 @@ class Codec:
         """buf: uint8 1-D of length nbytes(count); out: float32 1-D of length count."""
         _check(buf, np.uint8, self.nbytes(count), "buf")
         _check(out, np.float32, count, "out")
-        if self.fast and array_module(out) is np:
+        if self._kernel_for("decode", out):
             self._decode_fast(buf, out)
         else:
             self._decode_numpy(buf, count, out)
@@ -117,11 +124,11 @@ class Codec:
         _check(out, np.float32, count, "out")
         if residual is not None:
             _check(residual, np.float32, count, "residual")
-        if self.fast and array_module(out) is np:
-            if residual is not None:
-                self._decode_add_feedback_fast(buf, out, residual)
-            else:
-                self._decode_add_fast(buf, out)
+        if residual is not None and self._kernel_for("decode_add_feedback", out):
+            self._decode_add_feedback_fast(buf, out, residual)
+            return
+        if residual is None and self._kernel_for("decode_add", out):
+            self._decode_add_fast(buf, out)
             return
         if residual is not None:
             out += residual
@@ -140,15 +147,17 @@ class Codec:
         _check(out, np.uint8, self.nbytes(count), "out")
         if residual is not None:
             _check(residual, np.float32, count, "residual")
-        if self.fast and array_module(x) is np and self._reduce_encode_fast(buf, x, out, residual):
+        if self._kernel_for("reduce_encode", x):
+            self._reduce_encode_fast(buf, x, out, residual)
             return
         self.decode_add(buf, count, x, residual)
         self.encode(x, out, residual)
         self.decode(out, count, x)
 
-    def _reduce_encode_fast(self, buf, x, out, residual) -> bool:
-        """The fused kernel, where the codec has one; False: compose the three calls."""
-        return False
+    def _kernel_for(self, operation: str, array: Any) -> bool:
+        """Whether `operation` runs its compiled kernel: the codec has one, numba is on, and the
+        array is on the host (device arrays take the array-module code)."""
+        return operation in self.kernels and array_module(array) is np
 
     def _decode_add_numpy(self, buf: np.ndarray, count: int, out: np.ndarray) -> None:
         tmp = self._buffer("f32", np.float32, count, out)
@@ -250,9 +259,8 @@ class _HalfCodec(Codec):
     def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
         self._kernel("decode_add_feedback")(buf, out, residual)
 
-    def _reduce_encode_fast(self, buf, x, out, residual) -> bool:
+    def _reduce_encode_fast(self, buf, x, out, residual) -> None:
         self._kernel("reduce_encode")(buf, x, residual, out)
-        return True
 
 
 class Fp16Codec(_HalfCodec):
@@ -392,9 +400,8 @@ class Int8Codec(Codec):
     def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
         codec_kernels.int8_decode_add_feedback(buf, out, residual, self.block)
 
-    def _reduce_encode_fast(self, buf, x, out, residual) -> bool:
+    def _reduce_encode_fast(self, buf, x, out, residual) -> None:
         codec_kernels.int8_reduce_encode(buf, x, residual, out, self.block)
-        return True
 
 
 # The registry: name -> what makes one from (block, kernels). A new codec is a Codec subclass

@@ -26,6 +26,7 @@ from mpihybrid.inputs import MAX_TOML_BYTES, InputFileError, read_text
 from mpihybrid.nn.cost import Workload
 from mpihybrid.nn.kinds import model_kind
 from mpihybrid.pipeline.schedules import ScheduleError, get_spec
+from mpihybrid.pipeline.slowdown import Slowdown
 from mpihybrid.pipeline.wire import P2PWire
 
 AUTO = "auto"  # train.schedule searched for the job at the start (cli/auto.py)
@@ -131,6 +132,7 @@ class TrainConfig:
     # updates that chunk and all-gathers the weights (in comm.param_codec)
     shard_optimizer: bool = False
     recompute: str = "none"  # none | full: keep only each micro-batch's input, redo its forward
+    slowdown: str = ""  # "RANK:KINDS:FACTOR": a straggler on purpose (pipeline/slowdown.py)
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,7 @@ class Job:
             sync_sends=self.comm.sync_sends,
             backend=backend,
             wire=wire if wire is not None else P2PWire(),
+            slowdown=Slowdown.parse(self.train.slowdown),
         )
 
 

@@ -28,6 +28,7 @@ from mpihybrid.nn.kinds import KINDS, model_kind
 from mpihybrid.nn.optim import check_settings
 from mpihybrid.nn.weights import init_problem
 from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
+from mpihybrid.pipeline.slowdown import Slowdown
 from mpihybrid.pipeline.wire import P2P_CODECS, P2P_SCOPES
 from mpihybrid.progress import TICK_S
 
@@ -61,6 +62,12 @@ def _check_names(job: Job) -> None:
     _one_of("comm.p2p_codec_scope", c.p2p_codec_scope, P2P_SCOPES)
     _one_of("comm.ring", c.ring, RINGS)
     _one_of("train.recompute", t.recompute, RECOMPUTE)
+    try:
+        slow = Slowdown.parse(t.slowdown)
+    except ValueError as exc:
+        raise ConfigError(f"train.slowdown = {exc}") from None
+    if slow is not None and slow.rank >= job.grid.pp * job.grid.dp:
+        raise ConfigError(f"train.slowdown = {t.slowdown!r}: no rank {slow.rank} in this job")
     if c.param_codec:
         _one_of("comm.param_codec", c.param_codec, PARAM_CODECS)
         if not t.shard_optimizer:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpihybrid.comm.device import array_module
-from mpihybrid.nn import kernels
+from mpihybrid.nn import gemm, kernels
 
 # B = rows (all leading dimensions flattened), C = features, K = classes
 
@@ -237,13 +237,14 @@ class Linear(Layer):
     def backward_weight(self, wcache: object) -> None:
         x, dy = wcache
         dy2 = _rows(dy)
-        self.grads["weight"] += _rows(x).T @ dy2
+        gemm.accumulate_xt_dy(self.grads["weight"], _rows(x), dy2)  # in place, no temporary
         if self.bias:
             self.grads["bias"] += dy2.sum(axis=0)
 
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
         # F: x @ W, y += b;  B: dy @ W^T (not the model's first layer);  W: x^T @ dy added to
-        # the gradient (a temporary, read and written), the bias's row sum.  Keeps x.
+        # the gradient inside the GEMM (nn/gemm; else a temporary, read and written), the bias's
+        # row sum.  Keeps x.
         i, o = self.in_features, self.out_features
         c = self._base_cost(o)
         c.gemms["F"].append((1, rows, i, o))
@@ -251,9 +252,10 @@ class Linear(Layer):
             c.gemms["B"].append((1, rows, o, i))
         c.gemms["W"].append((1, i, rows, o))
         c.elem_bytes["F"] = 8 * rows * o if self.bias else 0
-        c.elem_bytes["W"] = 12 * i * o + (4 * rows * o if self.bias else 0)
+        temporary = 0 if gemm.available() else i * o
+        c.elem_bytes["W"] = 12 * temporary + (4 * rows * o if self.bias else 0)
         c.kept_bytes = FLOAT * rows * i
-        c.temporary_bytes = FLOAT * max(i * o, rows * o, rows * i)
+        c.temporary_bytes = FLOAT * max(temporary, rows * o, rows * i)
         return c
 
     def flops(self, batch: int) -> int:

@@ -32,6 +32,7 @@ from mpihybrid.pipeline.actions import last_weight_actions, split_backwards
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.schedules import Action, message_key
+from mpihybrid.pipeline.slowdown import Slowdown
 from mpihybrid.pipeline.wire import P2PWire
 from mpihybrid.progress import progress
 from mpihybrid.trace.recorder import KIND, Recorder
@@ -65,6 +66,7 @@ class RuntimeSettings:
     sync_sends: bool = False  # Issend everywhere (comm.sync_sends): no reliance on eager buffers
     backend: Backend = field(default_factory=lambda: CPU)  # where the tensors live
     wire: P2PWire = field(default_factory=P2PWire)  # links that carry encoded tensors
+    slowdown: Slowdown | None = None  # train.slowdown: a straggler made on purpose
 
 
 class PipelineRuntime:
@@ -96,6 +98,10 @@ class PipelineRuntime:
         self.placement, self.num_microbatches = placement, num_microbatches
         self.num_stages = num_stages = placement.num_stages
         self.recorder = recorder
+        slow = settings.slowdown
+        self.slow = slow if slow is not None and slow.rank == recorder.rank else None
+        # seconds and count of each compute kind so far (train/live_stragglers reads them)
+        self.kind_seconds = {k: [0.0, 0] for k in "FBW"}
         self.backend = backend
         self.isend = pp_comm.Issend if settings.sync_sends else pp_comm.Isend
         self.loss_fn = SoftmaxCrossEntropy()
@@ -206,6 +212,12 @@ class PipelineRuntime:
     def _done(self, kind: str, a: Action, state: _Step, t0: float, nbytes: int = 0) -> None:
         # a GPU queues kernels: wait for them so the trace times the work, not its launch
         self.backend.synchronize()  # a no-op on the CPU
+        letter = kind[0].upper()
+        if self.slow is not None:
+            self.slow.after(letter, Recorder.clock() - t0)
+        total = self.kind_seconds[letter]
+        total[0] += Recorder.clock() - t0
+        total[1] += 1
         self.recorder.record(
             KIND[kind], state.step, a.stage, a.microbatch, t0, Recorder.clock(), nbytes
         )

@@ -20,13 +20,7 @@ from mpi4py import MPI
 from mpihybrid.comm.nodes import node_map, ranks_per_node
 from mpihybrid.config import Job
 from mpihybrid.predict.cluster import Cluster, find_cluster, load_cluster
-from mpihybrid.predict.model import predict
-
-ORDERS = ("pipeline-inner", "data-inner")
-
-
-def with_order(job: Job, order: str) -> Job:
-    return dataclasses.replace(job, grid=dataclasses.replace(job.grid, order=order))
+from mpihybrid.predict.model import order_predictions, with_order
 
 
 def choose_order(job: Job, nodes: list[int] | None, cluster: Cluster) -> tuple[str, str]:
@@ -43,11 +37,11 @@ def choose_order(job: Job, nodes: list[int] | None, cluster: Cluster) -> tuple[s
     on = dataclasses.replace(
         cluster, node=dataclasses.replace(cluster.node, ranks_per_node=per_node)
     )
-    rates = {order: predict(with_order(job, order), on)["throughput"] for order in ORDERS}
-    best = max(ORDERS, key=lambda o: (rates[o], o == "pipeline-inner"))
-    other = next(o for o in ORDERS if o != best)
+    best, found = order_predictions(job, on)
+    other = next(o for o in found if o != best)
+    rate = {o: f["throughput"] for o, f in found.items()}
     return best, (
-        f"grid.order = auto: {best} (predicted {rates[best]:,.0f} against {rates[other]:,.0f} "
+        f"grid.order = auto: {best} (predicted {rate[best]:,.0f} against {rate[other]:,.0f} "
         f"for {other}, on {len(counts)} node{'s' * (len(counts) > 1)} of "
         f"{'/'.join(map(str, counts))} ranks, cluster {cluster.name})"
     )

@@ -32,6 +32,7 @@ import dataclasses
 
 from mpihybrid import _numba
 from mpihybrid.comm.buckets import bucket_ranges
+from mpihybrid.comm.layout import ORDERS
 from mpihybrid.config import Job
 from mpihybrid.nn.cost import FLOAT, ChunkWork, Cost, Gemm, matmul_flops, stage_work
 from mpihybrid.nn.kinds import model_kind
@@ -290,18 +291,23 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
     }
 
 
+def with_order(job: Job, order: str) -> Job:
+    return dataclasses.replace(job, grid=dataclasses.replace(job.grid, order=order))
+
+
+def order_predictions(job: Job, cluster: Cluster) -> tuple[str, dict[str, dict]]:
+    """grid.order = auto's rule, for training (predict.auto) and predict alike: each order's
+    prediction (pipeline-inner alone where pp or dp is 1) and the faster (a tie: pipeline-inner)."""
+    both = job.grid.pp > 1 and job.grid.dp > 1
+    orders = ORDERS if both else ("pipeline-inner",)
+    found = {o: predict(with_order(job, o), cluster) for o in orders}
+    best = max(orders, key=lambda o: (found[o]["throughput"], o == "pipeline-inner"))
+    return best, found
+
+
 def _predict_auto(job: Job, cluster: Cluster) -> dict:
     """grid.order = auto, as training resolves it (predict.auto) on the cluster's nodes."""
-    orders = (
-        ("pipeline-inner", "data-inner")
-        if job.grid.pp > 1 and job.grid.dp > 1
-        else ("pipeline-inner",)
-    )
-    found = {
-        o: predict(dataclasses.replace(job, grid=dataclasses.replace(job.grid, order=o)), cluster)
-        for o in orders
-    }
-    best = max(orders, key=lambda o: (found[o]["throughput"], o == "pipeline-inner"))
+    best, found = order_predictions(job, cluster)
     found[best]["notes"].append(f"grid.order = auto: {best}")
     return found[best]
 

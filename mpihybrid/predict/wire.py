@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import math
 
+from mpihybrid.comm.buckets import ring_kind
 from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import Job
 from mpihybrid.nn.cost import FLOAT, ChunkWork
 from mpihybrid.nn.data import task_dims
 from mpihybrid.pipeline.schedules import placement_of
+from mpihybrid.pipeline.wire import encoded_peers
 from mpihybrid.predict.cluster import Cluster, Device, Link
+from mpihybrid.train import memory
 
 # ---------------------------------------------------------------------------------------------
 # placement: which ranks share a node
@@ -25,6 +28,11 @@ def job_placement(job: Job):
 
 def _node(rank: int, cluster: Cluster) -> int:
     return rank // cluster.node.ranks_per_node
+
+
+def _nodes(job: Job, cluster: Cluster) -> list[int]:
+    """The node of every world rank, as comm.nodes gives the run (the cluster's ranks a node)."""
+    return [_node(r, cluster) for r in range(job.grid.pp * job.grid.dp)]
 
 
 def _crossing(edges: list[tuple[int, int]], cluster: Cluster) -> tuple[bool, int]:
@@ -47,7 +55,8 @@ def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
             continue  # both chunks on one rank (interleaved, pp = 1)
         crosses, flows = _crossing(edges, cluster)
         link = cluster.links["network" if crosses else "node"]
-        nbytes, codec_s = p2p_bytes(job, work[c].input_bytes, crosses, cluster)
+        encoded = any(_encodes(job, a, b, cluster) for a, b in edges)
+        nbytes, codec_s = p2p_bytes(job, work[c].input_bytes, encoded, cluster)
         worst = max(worst, link.after_idle(nbytes, flows) + codec_s)
     return worst
 
@@ -68,23 +77,28 @@ def tie_seconds(job: Job, cluster: Cluster) -> float:
 
 
 def p2p_encoded(job: Job, cluster: Cluster) -> bool:
-    """Whether comm.p2p_codec would encode any pipeline link of the job (pipeline.wire)."""
+    """Whether comm.p2p_codec would encode any pipeline link of the job (pipeline.wire's rule)."""
     g, placement = job.grid, job_placement(job)
     for c in range(1, placement.num_stages):
         sources = g.layout.replica_ranks(placement.rank_of(c - 1))
         for a, b in zip(sources, g.layout.replica_ranks(placement.rank_of(c)), strict=True):
-            if a != b and (
-                job.comm.p2p_codec_scope == "all" or _node(a, cluster) != _node(b, cluster)
-            ):
+            if _encodes(job, a, b, cluster):
                 return True
     return False
 
 
-def p2p_bytes(job: Job, nbytes: int, crosses: bool, cluster: Cluster) -> tuple[int, float]:
+def _encodes(job: Job, a: int, b: int, cluster: Cluster) -> bool:
+    """Whether the pipeline link between world ranks a and b carries comm.p2p_codec's bytes:
+    the run's rule (pipeline.wire.encoded_peers), on the cluster's nodes."""
+    scope, nodes = job.comm.p2p_codec_scope, _nodes(job, cluster)
+    return job.comm.p2p_codec != "fp32" and bool(encoded_peers(scope, a, [b], nodes))
+
+
+def p2p_bytes(job: Job, nbytes: int, encoded: bool, cluster: Cluster) -> tuple[int, float]:
     """A pipeline message of `nbytes` of float32 on the wire (pipeline.wire): (its bytes there,
-    the seconds of its encode and decode) under comm.p2p_codec."""
+    the seconds of its encode and decode) where its link is `encoded` in comm.p2p_codec."""
     c = job.comm
-    if c.p2p_codec == "fp32" or not (crosses or c.p2p_codec_scope == "all"):
+    if not encoded:
         return nbytes, 0.0
     count = nbytes // FLOAT
     rate = cluster.codecs[c.p2p_codec]
@@ -176,13 +190,13 @@ def _group_nodes(job: Job, pp_rank: int, cluster: Cluster) -> dict[int, int]:
 
 def two_level(job: Job, pp_rank: int, cluster: Cluster) -> tuple[int, int, int] | None:
     """(ranks of the dp group on its fullest node, nodes it spans, pp positions whose groups
-    span nodes) when pp position `pp_rank`'s ring is the two-level one (comm.ring = auto or
-    hierarchical, its replicas on more than one node, two on one of them), else None."""
-    if job.comm.ring == "flat" or job.grid.dp == 1:
+    span nodes) when pp position `pp_rank`'s ring is the two-level one (the run's rule:
+    comm.buckets.ring_kind), else None."""
+    nodes = _nodes(job, cluster)
+    group = [nodes[r] for r in job.grid.layout.replica_ranks(pp_rank)]
+    if ring_kind(job.comm.ring, group)[0] != "hierarchical":
         return None
     per_node = _group_nodes(job, pp_rank, cluster)
-    if len(per_node) == 1 or max(per_node.values()) == 1:
-        return None  # one node, or one rank a node: the flat ring is the two-level one
     spanning = sum(_ring_crosses(job, r, cluster) for r in range(job.grid.pp))
     return max(per_node.values()), len(per_node), spanning
 
@@ -240,11 +254,10 @@ def two_level_seconds(
 
 def shard_ways(job: Job, pp_rank: int, cluster: Cluster) -> int:
     """Over how many ranks train.shard_optimizer splits a bucket's update on the rank that
-    updates most: the dp group, or under the two-level ring the group's ranks on its emptiest
-    node (comm.hier_ring: a node's ranks share its chunks; train.memory.shard_ways)."""
-    if two_level(job, pp_rank, cluster) is None:
-        return job.grid.dp
-    return min(_group_nodes(job, pp_rank, cluster).values())
+    updates most: train.memory.shard_ways (the run's rule) at its fewest over the group."""
+    nodes = _nodes(job, cluster)
+    group = job.grid.layout.replica_ranks(pp_rank)
+    return min(memory.shard_ways(job, pp_rank, r, nodes) for r in group)
 
 
 def shared_wire(lossy: bool, crosses: bool, device: Device) -> bool:

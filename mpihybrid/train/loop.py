@@ -320,7 +320,10 @@ def _step_boundary(
     if stopping:
         run.watchdog.settle()
     tracing.trace_step(job, run.trace, record, step, asked=sums[3] > 0, stopping=stopping)
-    if not quiet and t.log_every and ((step + 1) % t.log_every == 0 or step == t.steps - 1):
+    line_due = t.log_every and ((step + 1) % t.log_every == 0 or step == t.steps - 1)
+    if line_due and job.grid.dp > 1:  # collective: the live straggler line (rank 0)
+        record.stragglers.observe(world, run.runtime, run.grid.pp_rank)
+    if not quiet and line_due:
         report.log_step(  # collective: the peak memory over the ranks
             job,
             world,

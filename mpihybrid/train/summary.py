@@ -13,6 +13,7 @@ from mpihybrid.comm.device import host_array
 from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.train.evaluate import HeldOutLoss
 from mpihybrid.train.history import History
+from mpihybrid.train.live_stragglers import LiveStragglers
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Record:
     held_out: HeldOutLoss = field(default_factory=HeldOutLoss)  # losses every eval_every steps
     grad_norm: float = math.nan  # the last step's global gradient norm (train.grad_clip)
     grad_norms: list = field(default_factory=list)  # every step's of this run (train.grad_clip)
+    stragglers: LiveStragglers = field(default_factory=LiveStragglers)  # the live line
 
 
 @dataclass

@@ -1,0 +1,136 @@
+"""Stragglers: per rank and action kind, how much slower it ran than the fastest rank doing the
+same work (its stage's replicas: the relative score) and than its own best steps (the
+individual score), step by step; one-off or chronic; what it costs (from the replay).
+
+    found = stragglers(trace.events, steps)          # {"scores": [...], "named": [...]}
+
+A (rank, stage, kind) is slow in a step when its median action that step is at least
+THRESHOLD times the fastest replica of its stage in that step (the relative score; it needs
+dp > 1). It is chronic when slow in at least CHRONIC of the measured steps, one-off when slow
+in fewer; analyze names only the chronic ones. The individual score (a step against its own
+best steps: the 10th percentile of its per-step medians) is reported, never named on: with
+one replica a loaded machine slows every rank's steps together, which is no rank's fault. A
+median is not moved by the one action of a step that carries the optimizer's update.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpihybrid.analysis.rows import groups
+from mpihybrid.pipeline.slowdown import CHRONIC, THRESHOLD
+from mpihybrid.trace.recorder import COMPUTE
+
+BEST = 10  # the individual reference: this percentile of its own steps
+
+
+def stragglers(events: np.ndarray, steps: list[int], dp: int) -> dict:
+    """Scores per (rank, stage, kind) over `steps` (0-based) and the chronic stragglers."""
+    rows = events[np.isin(events["kind"], list(COMPUTE)) & np.isin(events["step"], steps)]
+    rows = rows[rows["stage"] >= 0]
+    if not len(rows):
+        return {"scores": [], "named": [], "threshold": THRESHOLD, "chronic": CHRONIC}
+    seconds = rows["end"] - rows["start"]
+    keys, key_of = groups(rows["rank"], rows["stage"], rows["kind"], rows["step"])
+    med = _group_median(key_of, seconds, len(keys))
+    scores = []
+    cells: dict[tuple[int, int, int], dict[int, float]] = {}
+    for (rank, stage, kind, step), value in zip(keys.tolist(), med.tolist(), strict=True):
+        cells.setdefault((rank, stage, kind), {})[step] = value
+    # the fastest replica of each (stage, kind, step)
+    fastest: dict[tuple[int, int, int], float] = {}
+    for (_, stage, kind), per in cells.items():
+        for step, value in per.items():
+            key = (stage, kind, step)
+            fastest[key] = min(fastest.get(key, np.inf), value)
+    for (rank, stage, kind), per in sorted(cells.items()):
+        values = np.array(list(per.values()))
+        best = float(np.percentile(values, BEST))
+        individual = values / best if best > 0 else np.ones_like(values)
+        relative = None
+        if dp > 1:
+            relative = np.array([per[s] / fastest[(stage, kind, s)] for s in per])
+        slow = int(np.sum(relative >= THRESHOLD)) if relative is not None else 0
+        scores.append(
+            {
+                "rank": rank,
+                "stage": stage,
+                "kind": COMPUTE[kind],
+                "relative": float(np.median(relative)) if relative is not None else None,
+                "individual": float(np.median(individual)),
+                "slow_steps": slow,
+                "steps": len(values),
+                "verdict": _verdict(slow, len(values)) if relative is not None else "no peers",
+            }
+        )
+    named = sorted((s for s in scores if s["verdict"] == "chronic"), key=lambda s: -s["relative"])
+    return {"scores": scores, "named": named, "threshold": THRESHOLD, "chronic": CHRONIC}
+
+
+def _group_median(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """The median of `values` in each group (one sort, no mask per group)."""
+    order = np.lexsort((values, group))
+    counts = np.bincount(group, minlength=n)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    ordered = values[order]
+    return 0.5 * (ordered[first + (counts - 1) // 2] + ordered[first + counts // 2])
+
+
+def _verdict(slow: int, steps: int) -> str:
+    if slow == 0:
+        return "healthy"
+    return "chronic" if slow >= CHRONIC * steps else "one-off"
+
+
+def straggler_cost(base, named: dict) -> dict:
+    """The step with the straggler at its peers' speed (its kind scaled by 1 / its relative
+    score, through the replay) against the step replayed as run."""
+    from mpihybrid.analysis.replay import Change, replay
+
+    score = named["relative"]
+    key = ("rank", named["rank"], named["kind"])
+    now = replay(base, Change())["step"]
+    healed = replay(base, Change(scales={key: 1.0 / score}))["step"]
+    return {"now": now, "at_peers_speed": healed, "costs": now - healed}
+
+
+def straggler_lines(found: dict) -> list[str]:
+    """The named stragglers, a line each, or a line saying there is none."""
+    how = (
+        f"(slow: its median action >= {found['threshold']:g}x the stage's fastest replica's; "
+        f"chronic: in >= {found['chronic']:.0%} of the steps)"
+    )
+    if not found["named"]:
+        scores = found["scores"]
+        if scores and all(s["relative"] is None for s in scores):
+            top = max(scores, key=lambda s: s["individual"])
+            return [
+                "straggler       none named: one replica, so no rank does another's work; "
+                f"against its own best steps the slowest is rank {top['rank']} {top['kind']} "
+                f"of stage {top['stage']}, {top['individual']:.2f}x (median)"
+            ]
+        one_off = sum(1 for s in scores if s["verdict"] == "one-off")
+        extra = f"; {one_off} one-off slow rank x kind" if one_off else ""
+        return [f"straggler       none {how}{extra}"]
+    lines = []
+    for s in found["named"]:
+        score, which = s["relative"], "its stage's fastest replica"
+        cost = s.get("cost")
+        costs = (
+            f"; at its peers' speed the step would take {1e3 * cost['at_peers_speed']:.2f} ms "
+            f"instead of {1e3 * cost['now']:.2f} ms ({-cost['costs'] / cost['now']:+.1%})"
+            if cost
+            else ""
+        )
+        lines.append(
+            f"straggler       rank {s['rank']} {s['kind']} of stage {s['stage']}: "
+            f"{score:.2f}x {which} in {s['slow_steps']} of {s['steps']} steps (chronic){costs}"
+        )
+    lines.append(f"                {how}")
+    over = found.get("oversubscribed")
+    if over:  # replicas then wait for a core by turns: a rank can lag its peers for many steps
+        lines.append(
+            f"                caveat: {over['ranks']} ranks on {over['cores']} cores: a rank that "
+            "waits for a core looks slow, so these may be the machine's, not the rank's"
+        )
+    return lines

@@ -1,0 +1,91 @@
+"""The weight gradient's GEMM accumulated in place: g += x^T @ dy as one sgemm with beta = 1.
+
+    accumulate_xt_dy(g, x, dy)      # g (in, out) += x (rows, in)^T @ dy (rows, out)
+
+numpy's `g += x.T @ dy` writes x^T dy to a fresh (in, out) array, then reads it and g again and
+writes g: a temporary as large as the weight and a pass over it after every GEMM. BLAS's sgemm
+adds into C itself (C = alpha A B + beta C), but numpy does not pass beta, so this calls the sgemm
+of the OpenBLAS that numpy bundles (found by `_blas.openblas_path`) through ctypes. Where that
+library or its sgemm is not found (numpy built on another BLAS), or an array is not a float32
+host array with unit inner stride, the numpy expression runs instead (the tested reference). The
+sum is the same GEMM's, added once: bit-identical to the reference where one BLAS block covers
+the rows, within float32 rounding otherwise (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+ENABLED = True  # False: always numpy's expression (benchmarks/gemm_ab.py times the two paths)
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS's enums
+# the sgemm symbol and its integer width: numpy's wheels bundle scipy-openblas (64-bit ints,
+# prefixed names); a system OpenBLAS has the plain 32-bit one
+_SYMBOLS = (
+    ("scipy_cblas_sgemm64_", ctypes.c_int64),
+    ("cblas_sgemm64_", ctypes.c_int64),
+    ("scipy_cblas_sgemm", ctypes.c_int),
+    ("cblas_sgemm", ctypes.c_int),
+)
+
+
+@functools.cache
+def _sgemm():
+    """numpy's OpenBLAS cblas_sgemm, typed, or None."""
+    from mpihybrid._blas import openblas_path
+
+    path = openblas_path()
+    if not path:
+        return None
+    try:
+        lib = ctypes.CDLL(path)  # numpy loaded it already: the same library and its threads
+    except OSError:
+        return None
+    for name, integer in _SYMBOLS:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            c_int, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+            fn.argtypes = [c_int, c_int, c_int, integer, integer, integer, f, p, integer, p,
+                           integer, f, p, integer]  # fmt: skip
+            fn.restype = None
+            return fn
+    return None
+
+
+def available() -> bool:
+    """Whether the in-place sgemm is found (else every call takes the numpy expression)."""
+    return _sgemm() is not None
+
+
+def _rows_ok(a) -> bool:
+    return (
+        type(a) is np.ndarray
+        and a.dtype == np.float32
+        and a.ndim == 2
+        and a.strides[1] == 4
+        and a.strides[0] % 4 == 0
+        and a.strides[0] >= 4 * a.shape[1]
+    )
+
+
+def accumulate_xt_dy(g: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
+    """g += x^T @ dy for x (rows, in), dy (rows, out), g (in, out), in place. g may be a
+    transposed view (a tied head's gradient is the embedding's, transposed): then g^T += dy^T x."""
+    sgemm = _sgemm() if ENABLED else None
+    if sgemm is None or len(x) == 0 or not (_rows_ok(x) and _rows_ok(dy)):
+        g += x.T @ dy
+    elif _rows_ok(g) and g.strides[0] == 4 * g.shape[1]:
+        _xt_dy(sgemm, g, x, dy)
+    elif _rows_ok(g.T) and g.T.strides[0] == 4 * g.shape[0]:
+        _xt_dy(sgemm, g.T, dy, x)
+    else:
+        g += x.T @ dy
+
+
+def _xt_dy(sgemm, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """c (m, n), contiguous, += a (k, m)^T @ b (k, n)."""
+    m, n, k = c.shape[0], c.shape[1], a.shape[0]
+    sgemm(_ROW_MAJOR, _TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, a.strides[0] // 4,
+          b.ctypes.data, b.strides[0] // 4, 1.0, c.ctypes.data, n)  # fmt: skip

@@ -1,0 +1,64 @@
+"""Stragglers: the rule that names one (THRESHOLD, CHRONIC: analysis/stragglers.py after the
+run, train/live_stragglers.py during it), and one made on purpose (train.slowdown, off by
+default): one rank's F, B or W actions
+take `factor` times as long, by doing real extra work after each (matrix products on the same
+core, as a slower device would), so tests and demonstrations can make a straggler that the
+analysis must find (docs/analysis.md).
+
+    slow = Slowdown.parse("1:F:1.3")      # rank 1's forwards 1.3x; "0:FBW:2": all its compute
+    slow.after("F", seconds_it_took)      # on that rank: work (factor - 1) x as long again
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+_BLOCK = 64  # a product this size takes microseconds: the clock is read between them
+# slow: an action kind's median (or mean, live) at least this times its stage's fastest
+# replica's; chronic: slow in at least this share of the steps (or step lines) seen
+THRESHOLD = 1.15
+CHRONIC = 0.5
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    rank: int
+    kinds: str  # some of "FBW"
+    factor: float
+
+    @classmethod
+    def parse(cls, text: str) -> Slowdown | None:
+        """ "RANK:KINDS:FACTOR" ("" = off); ValueError naming what is wrong."""
+        if not text:
+            return None
+        parts = text.split(":")
+        if len(parts) != 3:
+            raise ValueError(f"{text!r} is not RANK:KINDS:FACTOR (e.g. 1:F:1.3)")
+        rank, kinds, factor = parts
+        if not rank.isdigit():
+            raise ValueError(f"{text!r}: the rank must be a whole number >= 0")
+        if not kinds or any(k not in "FBW" for k in kinds):
+            raise ValueError(f"{text!r}: the kinds are some of F, B, W")
+        try:
+            value = float(factor)
+        except ValueError:
+            value = float("nan")
+        if not 1.0 <= value <= 100.0:
+            raise ValueError(f"{text!r}: the factor must be a number from 1 to 100")
+        return cls(int(rank), kinds, value)
+
+    def after(self, kind: str, seconds: float) -> None:
+        """Work (factor - 1) x `seconds` more when `kind` is slowed."""
+        if kind in self.kinds and seconds > 0:
+            burn((self.factor - 1.0) * seconds)
+
+
+def burn(seconds: float) -> None:
+    """Real arithmetic until `seconds` have passed (not a sleep: it holds the core)."""
+    a = np.full((_BLOCK, _BLOCK), 1.0 / _BLOCK, dtype=np.float32)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = a @ a

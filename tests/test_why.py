@@ -1,0 +1,152 @@
+"""The critical path, idle by cause and the replay on hand-built traces whose answer is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpihybrid.analysis.critical import critical_paths, shares
+from mpihybrid.analysis.idle import attribute_idle
+from mpihybrid.analysis.lanes import Lanes
+from mpihybrid.analysis.replay import Change, Measured, gain_table, replay
+from mpihybrid.pipeline.schedules import build_schedule, placement_of
+from mpihybrid.pipeline.simulate import Costs, simulate
+from mpihybrid.trace.read import Trace
+from mpihybrid.trace.recorder import EVENT_DTYPE, KIND
+
+
+def rows(spec: list[tuple]) -> np.ndarray:
+    """(rank, stage, kind, step, mb, start, end, peer) tuples -> event rows (replica = 0)."""
+    out = np.zeros(len(spec), dtype=EVENT_DTYPE)
+    for i, (rank, stage, kind, step, mb, start, end, peer) in enumerate(spec):
+        out[i] = (rank, stage, 0, KIND[kind], step, mb, start, end, 0, peer)
+    return out
+
+
+# one step, pp = 2, M = 1: rank 0's F feeds rank 1, whose B feeds rank 0 back
+TWO_RANKS = [
+    (0, -1, "step", 0, -1, 0.0, 10.0, -1),
+    (0, 0, "forward", 0, 0, 0.0, 2.0, -1),
+    (0, 0, "send", 0, 0, 2.0, 2.1, 1),
+    (0, 0, "recv", 0, 0, 2.1, 7.5, 1),
+    (0, 0, "backward", 0, 0, 7.5, 9.5, -1),
+    (1, -1, "step", 0, -1, 0.0, 8.0, -1),
+    (1, 1, "recv", 0, 0, 0.0, 2.3, 0),
+    (1, 1, "forward", 0, 0, 2.3, 4.3, -1),
+    (1, 1, "backward", 0, 0, 4.3, 7.2, -1),
+    (1, 1, "send", 0, 0, 7.2, 7.3, 0),
+]
+
+
+def test_critical_path_of_a_known_step():
+    (path,) = critical_paths(Lanes.of(rows(TWO_RANKS)))
+    got = [(k.kind, k.rank, round(k.start, 9), round(k.end, 9)) for k in path.links]
+    assert got == [
+        ("F", 0, 0.0, 2.0),
+        ("send", 0, 2.0, 2.1),
+        ("hop", 1, 2.1, 2.3),
+        ("F", 1, 2.3, 4.3),
+        ("B", 1, 4.3, 7.2),
+        ("send", 1, 7.2, 7.3),
+        ("hop", 0, 7.3, 7.5),
+        ("B", 0, 7.5, 9.5),
+        ("gap", 0, 9.5, 10.0),
+    ]
+    assert path.seconds == pytest.approx(10.0)
+    assert shares([path]) == pytest.approx(
+        {"B s1": 0.29, "F s0": 0.2, "F s1": 0.2, "B s0": 0.2, "runtime": 0.07, "hop": 0.04}
+    )
+
+
+def test_idle_of_a_known_step_goes_to_its_causes():
+    result = attribute_idle(Lanes.of(rows(TWO_RANKS)), [0])
+    r0, r1 = result["ranks"]
+    assert r0["idle"] == pytest.approx(6.0) and r1["idle"] == pytest.approx(3.1)
+    assert r0["causes"] == pytest.approx(
+        {"late sender": 5.2, "hop": 0.2, "gradient all-reduce": 0.0, "step boundary": 0.5,
+         "own runtime": 0.1}
+    )  # fmt: skip
+    assert r0["senders"] == pytest.approx({"rank 1 B0 of stage 1": 5.2})
+    assert r1["causes"] == pytest.approx(
+        {"late sender": 2.1, "hop": 0.2, "gradient all-reduce": 0.0, "step boundary": 0.7,
+         "own runtime": 0.1}
+    )  # fmt: skip
+    assert r1["senders"] == pytest.approx({"rank 0 F0 of stage 0": 2.1})
+
+
+def simulated_trace(name: str, pp: int, m: int, costs: Costs, steps: int = 3) -> Trace:
+    """A trace laid out by simulate(): every cross-rank input a zero-length send at its
+    producer's end and a receive from the consumer's previous action to its start."""
+    actions, placement = build_schedule(name, pp, m, 1, True), placement_of(name, pp)
+    sim = simulate(actions, placement, costs)
+    code = {"F": "forward", "B": "backward", "W": "weight"}
+    end_of = {(b.kind, b.stage, b.microbatch): t for b, t in sim.end.items()}
+    spec = []
+    for step in range(steps):
+        origin = 100.0 * step
+        last_end = {}
+        ordered = sorted(sim.start, key=lambda a: sim.start[a])
+        for r in range(pp):
+            spec.append((r, -1, "step", step, -1, origin, origin + sim.makespan, -1))
+        for a in ordered:
+            rank, t0 = placement.rank_of(a.stage), origin + sim.start[a]
+            src = a.stage - 1 if a.kind == "F" else a.stage + 1
+            if a.kind in "FB" and 0 <= src < placement.num_stages:
+                peer = placement.rank_of(src)
+                if peer != rank:
+                    t = origin + end_of[(a.kind, src, a.microbatch)]
+                    spec.append((peer, src, "send", step, a.microbatch, t, t, rank))
+                    spec.append((rank, a.stage, "recv", step, a.microbatch,
+                                 last_end.get(rank, origin), t0, peer))  # fmt: skip
+            spec.append((rank, a.stage, code[a.kind], step, a.microbatch, t0,
+                         origin + sim.end[a], -1))  # fmt: skip
+            last_end[rank] = origin + sim.end[a]
+    events = rows(spec)
+    events = events[np.argsort(events["start"], kind="stable")]
+    attrs = {"pp": pp, "dp": 1, "world_size": pp, "microbatches": m, "schedule": name,
+             "early_grad_send": True, "virtual_stages": 1}  # fmt: skip
+    return Trace(events, {}, "", attrs), sim
+
+
+@pytest.mark.parametrize("name, pp, m", [("1f1b", 2, 4), ("gpipe", 3, 3), ("zb-h1", 2, 4)])
+def test_a_simulated_trace_has_a_gapless_path_and_exact_idle(name, pp, m):
+    costs = Costs(forward=[1.0, 1.5, 1.25][:pp], backward=1.0, weight=0.5)
+    trace, sim = simulated_trace(name, pp, m, costs)
+    lanes = Lanes.of(trace.events)
+    for path in critical_paths(lanes, [1, 2]):
+        assert path.seconds == pytest.approx(sim.makespan)
+        assert all(k.kind != "gap" and k.seconds >= -1e-12 for k in path.links)
+        assert sum(k.seconds for k in path.links) == pytest.approx(sim.makespan)
+    idle = attribute_idle(lanes, [1, 2])
+    for r, row in enumerate(idle["ranks"]):
+        assert row["idle"] == pytest.approx(2 * sim.idle[r])
+        assert row["attributed"] == pytest.approx(row["idle"])
+
+
+def test_replay_of_a_simulated_trace_gives_its_makespan_and_a_change_its_simulation():
+    costs = Costs(forward=[1.0, 2.0], backward=[1.5, 1.0], weight=[0.5, 0.75], send=0.0)
+    trace, sim = simulated_trace("1f1b", 2, 4, costs)
+    base = Measured.of(trace)
+    assert replay(base, Change())["phase"] == pytest.approx(sim.makespan)
+    zb = simulate(build_schedule("zb-h1", 2, 4, 1, True), placement_of("zb-h1", 2), costs)
+    assert replay(base, Change(schedule="zb-h1"))["phase"] == pytest.approx(zb.makespan)
+    fast = Costs(forward=[1.0, 1.0], backward=costs.backward, weight=costs.weight)
+    want = simulate(build_schedule("1f1b", 2, 4, 1, True), placement_of("1f1b", 2), fast)
+    asked = replay(base, Change(scales={("stage", 1, "F"): 0.5}))
+    assert asked["phase"] == pytest.approx(want.makespan)
+    for row in gain_table(base):
+        assert row["zero"] <= row["half"] + 1e-12 <= row["now"] + 2e-12
+
+
+def test_compare_puts_a_known_difference_on_its_cost():
+    from mpihybrid.analysis.diff import diff
+
+    costs = Costs(forward=[1.0, 2.0], backward=[1.5, 1.0], weight=[0.5, 0.75], send=0.0)
+    slower = Costs(forward=[1.0, 3.0], backward=[1.5, 1.0], weight=[0.5, 0.75], send=0.0)
+    (a, sim_a), (b, sim_b) = (simulated_trace("zb-h1", 2, 4, c) for c in (costs, slower))
+    att = diff(a, b, "a", "b")["attribution"]
+    assert att["measured"] == pytest.approx(sim_b.makespan - sim_a.makespan)
+    assert att["residual"] == pytest.approx(0.0, abs=1e-9)
+    top = att["items"][0]
+    assert top["what"] == "stage 1 F" and top["ratio"] == pytest.approx(1.5)
+    assert top["seconds"] == pytest.approx(att["measured"])

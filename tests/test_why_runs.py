@@ -1,0 +1,113 @@
+"""analyze's why, whatif, compare and the pictures on a real run with a straggler made on
+purpose (train.slowdown), and every bad input of whatif: one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpihybrid.analysis.restage import BlockLayout
+from mpihybrid.nn.model import layer_counts
+from mpihybrid.trace.file import write_trace
+from mpihybrid.trace.read import WRITER_ATTRS, load
+from tests.helpers import run_mpi
+from tests.test_cli_trace import cli_here, failed
+
+# rank 3 (stage 1 of replica 1) runs each forward six times as long: far past what waiting for
+# a core does to a rank of a healthy run on an oversubscribed machine (up to 3x, docs/analysis.md)
+SLOW = "3:F:6"
+
+
+@pytest.fixture(scope="module")
+def slowed(tmp_path_factory):
+    """pp = 2 x dp = 2, 8 steps of a small MLP, rank 3's forwards slowed 6x; the run's live
+    straggler line names it."""
+    path = tmp_path_factory.mktemp("why") / "slow.h5"
+    proc = run_mpi(
+        4,
+        *("-m", "mpihybrid", "train", "--quiet", "--trace", str(path)),
+        *("--set", "grid.pp=2", "--set", "grid.dp=2", "--set", "model.hidden=128"),
+        *("--set", "model.depth=4", "--set", "train.global_batch=128"),
+        *("--set", "train.steps=8", "--set", f"train.slowdown={SLOW}"),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # the live line, from the step lines' boundaries (quiet hides the step lines, not it)
+    assert "straggler: rank 3 (stage 1) F" in proc.stdout, proc.stdout[-2000:]
+    return path
+
+
+@pytest.mark.mpi
+def test_analyze_names_the_slowed_rank_and_attributes_all_idle(slowed):
+    proc = cli_here("analyze", slowed, "--json")
+    assert proc.returncode == 0, proc.stderr
+    why = json.loads(proc.stdout)["why"]
+    named = [(s["rank"], s["stage"], s["kind"]) for s in why["stragglers"]["named"]]
+    # the slowed one first (the highest score); others may be named too when ranks share a core
+    assert named[0] == (3, 1, "F")
+    assert why["stragglers"]["named"][0]["cost"]["costs"] > 0
+    for row in why["idle"]["ranks"]:
+        assert row["attributed"] == pytest.approx(row["idle"], rel=0.02)
+    assert len(why["critical"]["paths"]) == 7  # the measured steps: 2 to 8
+    assert sum(why["critical"]["shares"].values()) == pytest.approx(1.0)
+    text = cli_here("analyze", slowed).stdout
+    assert "straggler       rank 3 F of stage 1" in text and "critical path" in text
+
+
+@pytest.mark.mpi
+def test_whatif_and_its_bad_input(slowed, tmp_path):
+    proc = cli_here("whatif", slowed, "--set", "schedule=gpipe", "--scale", "rank3.F=0.33")
+    assert proc.returncode == 0, proc.stderr
+    assert "gain ceiling" in proc.stdout and "predicted" in proc.stdout
+    doc = json.loads(cli_here("whatif", slowed, "--scale", "rank3.F=0.33", "--json").stdout)
+    assert doc["predicted"]["phase"] < doc["replayed"]["phase"]
+    # the trace's own split carried through the blocks gives the run back; a V runs on them
+    layout = BlockLayout.of(load(slowed).config, 2)
+    own = ",".join(map(str, layer_counts(layout.model, layout.ranges)))
+    doc = json.loads(cli_here("whatif", slowed, "--set", f"partition={own}", "--json").stdout)
+    assert doc["predicted"]["phase"] == pytest.approx(doc["replayed"]["phase"], rel=1e-9)
+    doc = json.loads(cli_here("whatif", slowed, "--set", "schedule=zb-v", "--json").stdout)
+    assert doc["predicted"]["phase"] > 0 and doc["change"] == "schedule=zb-v"
+    for args, needle in (
+        (("--scale", "F=-1"), "factor"),
+        (("--scale", "F=nan"), "factor"),
+        (("--scale", "stage7=2"), "2 stages"),
+        (("--scale", "disk=2"), "WHAT"),
+        (("--set", "colour=red"), "keys"),
+        (("--set", "M=0"), "M must"),
+        (("--set", "partition=9,9"), "layers"),
+        (("--set", "partition=1,1,2"), "3 counts for 2 stages"),
+        (("--set", "schedule=interleaved-1f1b"), "virtual_stages"),
+        (("--set", "schedule=nope"), "nope"),
+    ):
+        assert failed(cli_here("whatif", slowed, *args), needle), args
+    assert failed(cli_here("whatif", tmp_path / "none.h5"), "no trace")
+    trace = load(slowed)
+    attrs = {k: v for k, v in trace.attrs.items() if k not in WRITER_ATTRS}
+    for name, events, needle, said in (
+        ("one_rank.h5", trace.events[trace.events["rank"] == 0], "of 4 ranks", "of 4 ranks"),
+        ("empty.h5", trace.events[:0], "per-action", "no events"),
+    ):
+        write_trace(tmp_path / name, events=events, steps=trace.steps, config=trace.config,
+                    attrs=attrs)  # fmt: skip
+        assert failed(cli_here("whatif", tmp_path / name), needle), name
+        assert failed(cli_here("analyze", tmp_path / name), said), name
+    assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.mpi
+def test_compare_attributes_and_pictures_draw_the_path(slowed, tmp_path):
+    proc = cli_here("compare", slowed, slowed, "--json")
+    assert proc.returncode == 0, proc.stderr
+    att = json.loads(proc.stdout)["actions"]["attribution"]
+    assert att["measured"] == pytest.approx(0.0) and att["explained"] == pytest.approx(0.0)
+    out = tmp_path / "chrome.json"
+    assert cli_here("export", slowed, "--format", "chrome", "-o", out).returncode == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    critical = [e for e in events if e.get("cat") == "critical"]
+    starts = [e for e in critical if e["ph"] == "s"]
+    assert starts and len(starts) == len([e for e in critical if e["ph"] == "f"])
+    assert {e["pid"] for e in critical if e["ph"] == "X"} >= {2, 3}  # through the slow replica
+    png = tmp_path / "t.png"
+    assert cli_here("timeline", slowed, "-o", png).returncode == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
