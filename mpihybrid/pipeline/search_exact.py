@@ -117,9 +117,8 @@ def solve(
                 start[key] = model.NewIntVar(0, horizon, f"s{k}{s}_{mb}")
                 end[key] = start[key] + dur[(k, s)]
                 # the rank's gap after it: occupied (nothing else starts) but waited on by none
-                per_rank[placement.rank_of(s)].append(
-                    model.NewFixedSizeIntervalVar(start[key], dur[(k, s)] + gap, f"i{k}{s}_{mb}")
-                )
+                iv = model.NewFixedSizeIntervalVar(start[key], dur[(k, s)] + gap, f"i{k}{s}_{mb}")
+                per_rank[placement.rank_of(s)].append(iv)
 
     def after(key, before, cross: bool) -> None:
         model.Add(start[key] >= end[before] + (hop if cross else 0))
