@@ -143,7 +143,8 @@ def bound_the_exit(world, timeout_s: float) -> None:
             os._exit(EXIT_FAILED)
         time.sleep(0.005)
     _BOUND.append(open(os.devnull, "w"))  # noqa: SIM115 -- open until the process ends
-    faulthandler.dump_traceback_later(bound + FINALIZE_S, exit=True, file=_BOUND[0])
+    # a year at most: faulthandler refuses a timeout past its clock's range (1e12 s)
+    faulthandler.dump_traceback_later(min(bound + FINALIZE_S, 3.2e7), exit=True, file=_BOUND[0])
 
 
 def _debug_env() -> bool:
