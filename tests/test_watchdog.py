@@ -420,8 +420,18 @@ def test_a_stalled_rank_is_named_by_the_watchdog_and_why(tmp_path):
     ],
 )
 def test_one_rank_interrupted_or_leaving_ends_the_whole_job(tmp_path, mode, code, said):
-    proc = run_mpi(2, "tests/_mpi_inject.py", mode, "train", "--quiet", *TINY,
-                   "--set", "train.steps=6", timeout=60)  # fmt: skip
+    proc = run_mpi(
+        2,
+        "tests/_mpi_inject.py",
+        mode,
+        "train",
+        "--quiet",
+        *TINY,
+        "--set",
+        "train.steps=6",
+        timeout=60,
+        env={"TMPDIR": str(tmp_path)},
+    )  # fmt: skip  (an exit's record: not in /tmp)
     assert proc.returncode == code, proc.stderr
     assert said in proc.stderr, proc.stderr
 
