@@ -48,6 +48,8 @@ node_of() {
 }
 has_ns() { ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$1"; }
 
+# down: each step alone undoes one thing and none needs the one before, so a kill between two
+# leaves what the next `down` (every `up` runs one first) removes
 down() {
   local node ns pids
   for node in A B; do
@@ -172,10 +174,17 @@ case ${1:-} in
     need
     shift
     [ $# -ge 2 ] || { echo "usage: $0 run SPEC CMD..." >&2; exit 2; }
-    up || exit 1
+    # the traps first: a signal while the nodes come up takes them down too
     trap down EXIT
-    trap 'exit 143' TERM INT HUP  # the nodes go down on a signal too
-    launch "$@"
+    trap 'exit 143' TERM INT HUP
+    up || exit 1
+    # mpiexec in the background: bash runs a trap only once its foreground command ends, and a
+    # SIGKILL a short grace after the SIGTERM (timeout -k 5) would cut that wait, the nodes up
+    launch "$@" &
+    child=$!
+    trap 'kill -TERM "$child" 2>/dev/null; exit 143' TERM INT HUP
+    wait "$child"
+    exit $?
     ;;
   -* | "$SUBNET".* | A | B | "$PREFIX"A | "$PREFIX"B) as_ssh "$@" ;;  # called by Hydra
   *) sed -n '2,25p' "$0" >&2; exit 2 ;;

@@ -14,6 +14,9 @@ MODE:
               last step
     usr1-ckpt every rank sends itself SIGUSR1 and SIGTERM inside every checkpoint it writes
     usr1-build rank 1 sends itself SIGUSR1 while the model is being built, before any step
+    usr1-calib, term-calib  every rank sends itself SIGUSR1 (SIGTERM) in the third forward of
+              train.schedule = "auto"'s calibration steps
+    stop-end  rank 1 stops itself (SIGSTOP) once training returned, before MPI_Finalize
 """
 
 from __future__ import annotations
@@ -96,6 +99,28 @@ elif MODE == "usr1-build" and RANK == 1:
         return original_build(*args, **kwargs)
 
     run_build.build_run = build
+elif MODE in ("usr1-calib", "term-calib"):
+    from mpihybrid.cli import auto
+
+    original_calibration = auto.calibration_run
+    sig = signal.SIGUSR1 if MODE == "usr1-calib" else signal.SIGTERM
+
+    def calibration_signalled(*args, **kwargs):
+        on_third_forward(lambda: os.kill(os.getpid(), sig))
+        return original_calibration(*args, **kwargs)
+
+    auto.calibration_run = calibration_signalled
+elif MODE == "stop-end" and RANK == 1:
+    from mpihybrid.train import loop
+
+    original_run = loop.train
+
+    def stopped_after(*args, **kwargs):
+        out = original_run(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return out
+
+    loop.train = stopped_after
 elif MODE == "kill" and RANK == 1:
     on_third_forward(lambda: os.kill(os.getpid(), signal.SIGKILL))
 elif MODE == "nan-grad" and RANK == 0:

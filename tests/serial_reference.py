@@ -12,6 +12,7 @@ from mpihybrid.nn.data import build_task
 from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
 from mpihybrid.nn.optim import build_optimizer, clip_coefficient, learning_rate
+from mpihybrid.train.state import decayed_ranges
 from mpihybrid.train.tie import bind_local
 
 
@@ -22,6 +23,7 @@ def train_serial(job, norms: list | None = None) -> tuple[np.ndarray, list[float
     model = build_stage(job.model, task.in_features, task.num_classes, 0, 1, seed=job.train.seed)
     bind_local([model])  # model.tie_embeddings: the head's weight is the token table's view
     optimizer = build_optimizer(job.train, model.flat_params)
+    optimizer.decayed = decayed_ranges(model, job.train.weight_decay_on)
     loss_fn = SoftmaxCrossEntropy()
     losses = []
     for step in range(job.train.steps):

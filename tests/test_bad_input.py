@@ -75,12 +75,14 @@ def test_existing_trace_is_not_overwritten(tmp_path):
 
 def test_a_rank_failing_mid_run_ends_the_job(tmp_path):
     # a job left waiting would run into run_mpi's timeout (a hang guard, not a speed bound)
-    proc = run_mpi(4, "tests/_mpi_fault.py", timeout=60)
+    proc = run_mpi(4, "tests/_mpi_fault.py", timeout=60, env={"TMPDIR": str(tmp_path)})
     assert proc.returncode == 1, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mpihybrid: error:")]
-    assert lines == [
-        "mpihybrid: error: training failed on rank 1, step 1: RuntimeError: injected failure"
-    ], proc.stderr
+    said = "mpihybrid: error: training failed on rank 1, step 1: RuntimeError: injected failure"
+    assert len(lines) == 1 and lines[0].startswith(said), proc.stderr
+    # an untraced run's record stays in the temporary directory, and the line says where
+    (record,) = tmp_path.glob("mpihybrid-flight-*/rank1.h5")
+    assert lines[0] == f"{said} (flight record: {record})"
     assert "Traceback" not in proc.stderr and "UnboundLocalError" not in proc.stderr
 
 

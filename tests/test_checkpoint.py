@@ -187,11 +187,11 @@ def _refused(ckpt, *extra, message):
 
 
 def test_checkpoint_of_another_model_is_refused(saved):
-    _refused(saved, "--set", "model.hidden=32", message="has model =")
+    _refused(saved, "--set", "model.hidden=32", message="has model.hidden = ")
 
 
 def test_checkpoint_of_another_pp_is_refused(saved):
-    _refused(saved, "--set", "grid.pp=1", "--set", "grid.dp=4", message="has pp = 2")
+    _refused(saved, "--set", "grid.pp=1", "--set", "grid.dp=4", message="holds pp = 2 x 1 chunk(s)")
 
 
 def test_torn_checkpoint_file_is_refused(saved):

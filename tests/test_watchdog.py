@@ -47,9 +47,11 @@ def test_flight_record_keeps_the_last_rows_and_names_the_open_one():
 
 def _records(tmp_path: Path) -> Path:
     """Three of four ranks' records: ranks 0 and 2 wait on rank 3, which left none."""
-    directory = tmp_path / "run.flight"
+    directory, started = tmp_path / "run.flight", time.time()  # one run: rank 0's start, bcast
     for rank, (what, peer) in {0: ("RECV_F", 3), 1: ("grad_wait", -1), 2: ("RECV_B", 3)}.items():
-        flight = FlightRecorder(rank, pp_rank=rank % 2, dp_rank=rank // 2, world_size=4)
+        flight = FlightRecorder(
+            rank, pp_rank=rank % 2, dp_rank=rank // 2, world_size=4, run_started=started
+        )
         flight.end(flight.begin("F", step=5, stage=rank % 2, microbatch=0))
         flight.begin(what, step=5, stage=rank % 2, microbatch=1, peer=peer, tag=7)
         assert flight.write(directory, "watchdog: no progress") == directory / f"rank{rank}.h5"
@@ -111,8 +113,11 @@ def test_why_refuses_crafted_records(tmp_path):
 
 
 def _node_records(directory: Path, waits: dict[int, int], hosts: dict[int, str]) -> None:
+    started = time.time()  # one run: every rank has rank 0's start
     for rank, peer in waits.items():
-        flight = FlightRecorder(rank, pp_rank=rank % 2, dp_rank=rank // 2, world_size=len(hosts))
+        flight = FlightRecorder(
+            rank, pp_rank=rank % 2, dp_rank=rank // 2, world_size=len(hosts), run_started=started
+        )
         flight.host = hosts[rank]
         flight.end(flight.begin("F", step=9, stage=rank % 2, microbatch=0))
         flight.begin("RECV_F", step=9, stage=rank % 2, microbatch=1, peer=peer, tag=3)
@@ -415,8 +420,18 @@ def test_a_stalled_rank_is_named_by_the_watchdog_and_why(tmp_path):
     ],
 )
 def test_one_rank_interrupted_or_leaving_ends_the_whole_job(tmp_path, mode, code, said):
-    proc = run_mpi(2, "tests/_mpi_inject.py", mode, "train", "--quiet", *TINY,
-                   "--set", "train.steps=6", timeout=60)  # fmt: skip
+    proc = run_mpi(
+        2,
+        "tests/_mpi_inject.py",
+        mode,
+        "train",
+        "--quiet",
+        *TINY,
+        "--set",
+        "train.steps=6",
+        timeout=60,
+        env={"TMPDIR": str(tmp_path)},
+    )  # fmt: skip  (an exit's record: not in /tmp)
     assert proc.returncode == code, proc.stderr
     assert said in proc.stderr, proc.stderr
 

@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
+from mpihybrid import temps
 from mpihybrid.config.searched import AUTO_TIME, WARM, apply, auto_placements
 
 
@@ -243,7 +242,7 @@ def _measured(path: str, source: str):
             trace_costs(trace, source, step=s) for s in measured_steps(trace, WARM)
         ]
     finally:
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        temps.remove(os.path.dirname(path))
 
 
 def _expected(lists, placement, each, on: str) -> dict:
@@ -268,22 +267,24 @@ def calibration_run(job, world, steps: int) -> str:
     a temporary file rank 0 writes: its path (rank 0's; "" elsewhere). Collective."""
     import dataclasses
 
-    from mpihybrid.config import CheckpointConfig, TraceConfig
+    from mpihybrid.config import TraceConfig
     from mpihybrid.train.loop import train
 
     path = ""
     if world.rank == 0:
-        path = os.path.join(tempfile.mkdtemp(prefix="mpihybrid-auto-"), "calibration.h5")
+        path = os.path.join(temps.make_dir("mpihybrid-auto-"), "calibration.h5")
     path = world.bcast(path, root=0)
     t = dataclasses.replace(job.train, steps=steps, eval_every=0, log_every=0)
-    run = dataclasses.replace(
-        job, train=t, trace=TraceConfig(path=path), checkpoint=CheckpointConfig()
-    )
+    # the job's checkpoint.dir stays: a SIGTERM or SIGUSR1 then means what it means to the job
+    # (preempted before step 1, exit 3); train(calibrating=True) writes no checkpoint there
+    keep = dataclasses.replace(job.checkpoint, every=0)
+    run = dataclasses.replace(job, train=t, trace=TraceConfig(path=path), checkpoint=keep)
     try:
-        train(run, world, quiet=True)
-    except BaseException:
-        if path:
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        train(run, world, quiet=True, calibrating=True)
+    except BaseException as exc:
+        if path:  # its flight records too: the error's line must not point into it
+            temps.remove(os.path.dirname(path))
+            vars(exc).pop("flight_record", None)
         raise
     _give_back()
     return path if world.rank == 0 else ""

@@ -19,6 +19,7 @@ from typing import NoReturn
 
 import click
 
+from mpihybrid import temps
 from mpihybrid.comm.agree import first_error
 
 EXIT_FAILED = 1  # the run stopped (nan, a refused checkpoint) or a rank failed (job aborted)
@@ -112,6 +113,40 @@ def exit_stopped(world, exc) -> NoReturn:
     sys.exit(exc.exit_code)
 
 
+_BOUND: list = []  # the file faulthandler's last resort writes to, kept open to the exit
+END_FLOOR_S, FINALIZE_S = 10.0, 30.0  # rank 0's report may take a moment on a loaded machine
+
+
+def bound_the_exit(world, timeout_s: float) -> None:
+    """Collective, the run's last act before MPI_Finalize: every rank waits for all to get here
+    (a nonblocking barrier, polled) for at most comm.timeout_s, END_FLOOR_S at least (0:
+    unbounded, as the watchdog). The watchdog stopped with the run, so a rank stopped now
+    (SIGSTOP, a hung disk) would hold the job for good: the others instead say so in one line
+    and abort the job, which makes the launcher end the stopped rank too. Past the barrier
+    faulthandler's timer, a C thread that needs no interpreter lock, bounds MPI_Finalize itself
+    (FINALIZE_S more; exit 1)."""
+    import faulthandler
+
+    if timeout_s <= 0 or _BOUND:
+        return
+    bound = max(timeout_s, END_FLOOR_S)
+    request, deadline = world.Ibarrier(), time.monotonic() + bound
+    while not request.Test():
+        if time.monotonic() > deadline:
+            sys.stderr.write(
+                f"mpihybrid: error: rank {world.rank}: not every rank reached the end within "
+                f"{bound:g} s after the run (one stopped?): ending the job\n"
+            )
+            sys.stderr.flush()
+            temps.remove_all()
+            world.Abort(EXIT_FAILED)
+            os._exit(EXIT_FAILED)
+        time.sleep(0.005)
+    _BOUND.append(open(os.devnull, "w"))  # noqa: SIM115 -- open until the process ends
+    # a year at most: faulthandler refuses a timeout past its clock's range (1e12 s)
+    faulthandler.dump_traceback_later(min(bound + FINALIZE_S, 3.2e7), exit=True, file=_BOUND[0])
+
+
 def _debug_env() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
@@ -124,13 +159,16 @@ def abort_job(world, exc: BaseException, what: str, debug: bool) -> NoReturn:
     where = f"rank {world.rank}" + (f", step {step}" if step is not None else "")
     if debug:
         sys.stderr.write(traceback.format_exc())
-    sys.stderr.write(f"mpihybrid: error: {what} failed on {where}: {_one_line(exc)}\n")
+    record = getattr(exc, "flight_record", None)  # an untraced run's, in the temporary dir
+    said = f" (flight record: {record})" if record else ""
+    sys.stderr.write(f"mpihybrid: error: {what} failed on {where}: {_one_line(exc)}{said}\n")
     sys.stdout.flush()
     sys.stderr.flush()
     # The launcher forwards a rank's stderr on its own time, and MPI_Abort can end the
     # forwarding before it has read the line (the line was lost once in a loaded test run):
     # give it a moment, on this failure path only.
     time.sleep(ABORT_DRAIN_S)
+    temps.remove_all()  # os._exit skips atexit
     try:
         world.Abort(EXIT_FAILED)
     finally:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from mpihybrid.cli.commands import _debug_env, abort_job, exit_on_any_error
+from mpihybrid.cli.commands import _debug_env, abort_job, exit_on_any_error, exit_stopped
 
 
 def resolve_job(
@@ -36,11 +36,15 @@ def resolve_job(
     from mpihybrid.train.resume import (
         batch_given,
         given,
+        init_not_read,
         keep_recorded_batch,
         keep_recorded_horizon,
     )
 
     error, job = None, None
+    if resumed:  # a resume starts from its checkpoint's weights, not model.init's file
+        overrides = [*overrides, *world.bcast(init_not_read(job_file, overrides) if
+                                              world.rank == 0 else [])]  # fmt: skip
     try:
         job = load_job(job_file, overrides, world.Get_size())
         if check is not None:
@@ -71,14 +75,27 @@ def _auto_schedule(job, world):
     every rank. Any other schedule as it is."""
     from mpihybrid.cli.auto import resolve_auto
     from mpihybrid.config import AUTO, ConfigError
+    from mpihybrid.train.stops import StopRequested
 
     if job.train.schedule != AUTO:
         return job
+    if world.rank == 0:
+        from mpihybrid.pipeline.search_exact import solver_missing
+
+        missing = solver_missing()
+        if missing:  # as `schedule search` says it: the run goes on with the greedy's schedule
+            click.echo(
+                f"mpihybrid: train.schedule = 'auto': the exact search is not installed "
+                f"({missing}); the greedy list scheduler's schedule runs",
+                err=True,
+            )
     try:
         return resolve_auto(job, world)
     except ConfigError as exc:  # the same on every rank (rank 0's, broadcast)
         exit_on_any_error(world, str(exc))
-    except Exception as exc:  # rank 0 alone, while the others wait in bcast: end them all
+    except StopRequested as exc:  # a signal in the calibration steps: every rank alike
+        exit_stopped(world, exc)
+    except BaseException as exc:  # one rank alone (a SystemExit too), the others waiting
         abort_job(world, exc, "searching the schedule", _debug_env())
 
 

@@ -20,6 +20,7 @@ from mpihybrid.cli.commands import (
     _quote,
     _setup_logging,
     abort_job,
+    bound_the_exit,
     exit_on_any_error,
     exit_stopped,
 )
@@ -105,6 +106,7 @@ def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, d
         from mpihybrid.train.report import format_report
 
         click.echo(format_report(job, summary))
+    bound_the_exit(world, job.comm.timeout_s)  # no rank stopped now holds the job for good
 
 
 def _run_training(job, world, *, quiet: bool, resume_from, debug: bool, notes=None):
@@ -123,6 +125,7 @@ def _run_training(job, world, *, quiet: bool, resume_from, debug: bool, notes=No
             job, world, quiet=quiet, resume_from=resume_from, peak_flops=peak, notes=notes
         )
     except StopRequested as exc:  # every rank alike, at a step boundary
+        bound_the_exit(world, job.comm.timeout_s)
         exit_stopped(world, exc)
     except (CheckpointError, DeviceError) as exc:  # on every rank alike, before any training
         if world.rank == 0:
@@ -175,6 +178,11 @@ def _preflight(job, resume: bool, force: bool = False) -> list[str] | None:
         raise checkpoint.CheckpointError(
             f"--resume: no complete checkpoint in checkpoint.dir = {root!r}"
         )
+    if job.model.init and not candidates:  # as a checkpoint's weights are checked on restore
+        from mpihybrid.nn.weights import nonfinite_problem
+
+        if wrong := nonfinite_problem(job.model.init):
+            raise ConfigError(wrong)
     if candidates:  # refuse another model now; a damaged one is restore_all's to skip
         newest = Path(candidates[0])
         try:

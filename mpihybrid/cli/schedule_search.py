@@ -7,6 +7,7 @@ mpihybrid schedule search --trace runs/zbv.h5 --placement v --time-limit 30
 
 from __future__ import annotations
 
+import math
 import sys
 
 import click
@@ -22,14 +23,17 @@ def _fail(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512M', '1e9' -> bytes (binary K/M/G/T)."""
+def parse_bytes(text: str) -> float:
+    """'2GiB', '512M', '1e9' -> bytes (binary K/M/G/T); 'inf', '1e400': math.inf (no limit)."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     scale = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}.get(t[-1:], 1)
     try:
-        return int(float(t[:-1] if scale > 1 else t) * scale)
+        value = float(t[:-1] if scale > 1 else t) * scale
     except ValueError:
-        raise ValueError(f"--memory {text!r}: give bytes or a K/M/G suffix, e.g. 2GiB") from None
+        value = math.nan
+    if math.isnan(value):
+        raise ValueError(f"--memory {text!r}: give bytes or a K/M/G suffix, e.g. 2GiB")
+    return value if math.isinf(value) else int(value)
 
 
 def search_job(job_file: str, overrides: list[str]):
@@ -145,7 +149,7 @@ def schedule_search(
         try:
             check_target(csv_path, overwrite)
         except (OSError, ValueError) as exc:
-            _fail(f"--csv {csv_path}: {exc} (--overwrite replaces it)")
+            _fail(f"--csv: {exc}")  # names the path, and --overwrite only where it helps
     try:
         costs, pp, m, job = _costs(trace_path, job_file, list(overrides), pp, microbatches)
         for name, value, top in (("--pp", pp, MAX_PP), ("--microbatches", m, MAX_M)):
@@ -154,7 +158,8 @@ def schedule_search(
         if memory:
             from mpihybrid.analysis.search_inputs import inflight_for_bytes
 
-            max_inflight = inflight_for_bytes(job, parse_bytes(memory))
+            nbytes = parse_bytes(memory)  # inf: no limit (search holds a rank's whole share)
+            max_inflight = math.inf if nbytes == math.inf else inflight_for_bytes(job, nbytes)
         styles = ("loop", "v") if placement == "both" else (placement,)
         result = search(
             costs,
@@ -192,9 +197,10 @@ def _costs(trace_path, job_file, overrides, pp, m):
         tpp, tm = int(trace.attrs["pp"]), int(trace.attrs["microbatches"])
         if pp not in (None, tpp):
             raise ValueError(f"{trace_path} ran at pp={tpp}: its costs are of {tpp} ranks")
-        return costs, tpp, m or tm, None
+        return costs, tpp, tm if m is None else m, None
     if job_file:
         job = search_job(job_file, overrides)  # a ConfigError is a ValueError
-        return job_costs(job), pp or job.grid.pp, m or job.train.microbatches, job
-    pp = pp or 4
-    return unit_costs(pp), pp, m or 8, None
+        pp = job.grid.pp if pp is None else pp
+        return job_costs(job), pp, job.train.microbatches if m is None else m, job
+    pp = 4 if pp is None else pp  # 0 is refused by the caller, not read as "the default"
+    return unit_costs(max(pp, 1)), pp, 8 if m is None else m, None

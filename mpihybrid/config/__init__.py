@@ -37,6 +37,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OPTIMIZERS = ("sgd", "adamw")
+DECAY_ON = ("matrices", "matrices+embeddings", "all")  # train.weight_decay_on
 GRID_ORDERS = (*ORDERS, "auto")  # auto: the one predict ranks first (predict.auto)
 PARAM_CODECS = ("fp32", "bf16", "int8")  # the weight all-gather of train.shard_optimizer
 RECOMPUTE = ("none", "full")
@@ -77,6 +78,7 @@ class ModelConfig:
     init: str = ""  # gpt: start from this .safetensors file (weights export) instead of the seed
     tie_embeddings: bool = False  # gpt, llama: the head's weight is the token table (nanoGPT's wte)
     vocab_parallel: bool = False  # gpt: table and head split by vocabulary over the pp ranks
+    gelu: str = "tanh"  # gpt: GELU's form, tanh (GPT-2's) | erf (exact: nanoGPT's, torch's)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,9 @@ class TrainConfig:
     grad_clip: float = 0.0  # clip the global gradient norm (all stages) to this; 0 = off
     momentum: float = 0.9  # sgd
     weight_decay: float = 0.0
+    # what weight_decay decays: matrices (2-D weights: not biases, LayerNorm gains or the
+    # embeddings; nanoGPT's and Megatron's rule) | matrices+embeddings | all (the rule before)
+    weight_decay_on: str = "matrices"
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # adamw
     seed: int = 0  # parameter initialisation
     eval_every: int = 0  # held-out loss every this many steps and after the last (0 = never)

@@ -13,6 +13,7 @@ from mpihybrid.comm.device import DEVICES
 from mpihybrid.comm.settings import PROGRESS
 from mpihybrid.config import (
     AUTO,
+    DECAY_ON,
     GRID_ORDERS,
     OPTIMIZERS,
     PARAM_CODECS,
@@ -46,6 +47,7 @@ def _check_names(job: Job) -> None:
         raise ConfigError(f"comm.cuda_aware = {c.cuda_aware!r}: choose auto, true or false")
     _one_of("model.kind", m.kind, tuple(KINDS))
     _one_of("model.activation", m.activation, ("relu", "gelu"))
+    _one_of("model.gelu", m.gelu, ("tanh", "erf"))
     _one_of("data.kind", d.kind, KINDS[m.kind].data_kinds)
     try:
         if t.schedule != AUTO:
@@ -53,6 +55,7 @@ def _check_names(job: Job) -> None:
     except ScheduleError as exc:
         raise ConfigError(f"train.schedule = {t.schedule!r}: {exc}") from None
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+    _one_of("train.weight_decay_on", t.weight_decay_on, DECAY_ON)
     _one_of("comm.codec", c.codec, CODECS)
     _one_of("comm.overlap", c.overlap, PROGRESS)
     _one_of("comm.p2p_codec", c.p2p_codec, P2P_CODECS)
@@ -193,13 +196,19 @@ def _check_schedule(job: Job) -> None:
         raise
 
 
+NO_LIMIT = {("train", "schedule_inflight")}  # limits where inf reads as "no limit"
+
+
 def _check_finite(job: Job) -> None:
-    """No float setting may be nan or inf (TOML and --set both accept them)."""
+    """No float setting may be nan or inf (TOML and --set both accept them), but a limit of
+    NO_LIMIT may be inf."""
     for section in SECTIONS:
         part = getattr(job, section)
         for f in fields(part):
             value = getattr(part, f.name)
             values = value if isinstance(value, list) else [value]
+            if (section, f.name) in NO_LIMIT and value == math.inf:
+                continue
             if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 raise ConfigError(f"{section}.{f.name} = {value!r}: must be a finite number")
 
@@ -210,7 +219,7 @@ PLACEMENTS = ("", "loop", "v")  # train.schedule_placement (config.searched.auto
 def _check_auto(job: Job) -> None:
     """train.schedule = "auto": the search splits the blocks into pp (loop) or 2 pp (V) chunks."""
     m, g, t = job.model, job.grid, job.train
-    if t.schedule_inflight and t.schedule_inflight < 1:
+    if t.schedule_inflight and not t.schedule_inflight >= 1:  # NaN too; inf: no limit
         raise ConfigError(
             f"train.schedule_inflight = {t.schedule_inflight}: at least 1 "
             "micro-batch of a rank's share (0: pp)"

@@ -50,6 +50,7 @@ class SGD:
     ):
         """state_size: elements of state (default params.size; a shard holds fewer)."""
         self.params, self.lr, self.momentum, self.weight_decay = params, lr, momentum, weight_decay
+        self.decayed: list[tuple[int, int]] | None = None  # [lo, hi) decayed; None: all
         n = params.size if state_size is None else state_size
         self.buf = array_module(params).zeros(n, params.dtype) if momentum else None
         self.step_count = 0
@@ -65,13 +66,14 @@ class SGD:
         self.g_scale = self.params.dtype.type(coef)
 
     def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
-        self.apply(self.params[lo:hi], grads[lo:hi], lo, hi)
+        for a, b, decay in decay_pieces(lo, hi, self.decayed):
+            self.apply(self.params[a:b], grads[a:b], a, b, decay)
 
-    def apply(self, p: np.ndarray, g: np.ndarray, lo: int, hi: int) -> None:
+    def apply(self, p: np.ndarray, g: np.ndarray, lo: int, hi: int, decay: bool = True) -> None:
         """p -= the step from g (slices of one length); the state at [lo, hi)."""
         if self.g_scale != 1:
             g = g * self.g_scale
-        if self.weight_decay:
+        if self.weight_decay and decay:
             g = g + self.weight_decay * p
         if self.buf is not None:
             buf = self.buf[lo:hi]
@@ -111,6 +113,7 @@ class AdamW:
     ):
         """state_size: elements of state (default params.size; a shard holds fewer)."""
         self.params, self.lr, self.eps, self.weight_decay = params, lr, eps, weight_decay
+        self.decayed: list[tuple[int, int]] | None = None  # [lo, hi) decayed; None: all
         self.beta1, self.beta2 = betas
         xp = array_module(params)
         n = params.size if state_size is None else state_size
@@ -142,10 +145,14 @@ class AdamW:
         self.g_scale = self.params.dtype.type(coef)
 
     def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
-        self.apply(self.params[lo:hi], grads[lo:hi], lo, hi)
+        for a, b, on in decay_pieces(lo, hi, self.decayed):
+            self.apply(self.params[a:b], grads[a:b], a, b, on)
 
-    def apply(self, params: np.ndarray, grads: np.ndarray, lo: int, hi: int) -> None:
-        """params -= the step from grads (slices of one length); the state at [lo, hi)."""
+    def apply(
+        self, params: np.ndarray, grads: np.ndarray, lo: int, hi: int, on: bool = True
+    ) -> None:
+        """params -= the step from grads (slices of one length); the state at [lo, hi); on:
+        whether these parameters decay."""
         decay, b1, b2, scale, shift = self._scalars
         if self.fused:
             kernels.adamw_update(
@@ -158,7 +165,7 @@ class AdamW:
                 b2,
                 scale,
                 shift,
-                bool(self.weight_decay),
+                bool(self.weight_decay) and on,
                 self.g_scale,
             )
             return
@@ -169,7 +176,7 @@ class AdamW:
             tmp = self.tmp[: end - start]
             if self.g_scale != 1:  # g * coef stored in the block, as a separate clip pass would
                 g *= self.g_scale
-            if self.weight_decay:
+            if self.weight_decay and on:
                 p *= decay
             m -= g  # m = b1 m + (1 - b1) g, as g + b1 (m - g): no temporary
             m *= b1
@@ -214,6 +221,7 @@ class ShardedOptimizer:
             self.master = xp.empty(n, params.dtype)
             self.load_master(params)
         self.inner = build_optimizer(cfg, params, state_size=n)
+        self.decayed: list[tuple[int, int]] | None = None  # of the whole buffer; None: all
 
     @property
     def step_count(self) -> int:
@@ -237,9 +245,10 @@ class ShardedOptimizer:
         self.inner.scale_gradients(coef)
 
     def update(self, grads: np.ndarray, lo: int, hi: int) -> None:
-        at = self._at(lo)
-        p = self.params[lo:hi] if self.master is None else self.master[at : at + hi - lo]
-        self.inner.apply(p, grads[lo:hi], at, at + hi - lo)
+        for a, b, on in decay_pieces(lo, hi, self.decayed):
+            at = self._at(a)
+            p = self.params[a:b] if self.master is None else self.master[at : at + b - a]
+            self.inner.apply(p, grads[a:b], at, at + b - a, on)
 
     def master_of(self, lo: int, hi: int) -> np.ndarray | None:
         """The owner's fp32 weights at [lo, hi) (None without a master copy)."""
@@ -261,6 +270,24 @@ class ShardedOptimizer:
         """The master copy from whole-buffer weights (at the start and after a resume)."""
         if self.master is not None:
             self.gather(weights, self.master)
+
+
+def decay_pieces(lo: int, hi: int, decayed: list[tuple[int, int]] | None):
+    """[lo, hi) cut where weight decay starts or stops: (a, b, decays) pieces in order.
+    decayed: the sorted, disjoint [lo, hi) ranges that decay (None: everything does)."""
+    if decayed is None:
+        yield lo, hi, True
+        return
+    at = lo
+    for a, b in decayed:
+        if b <= at or a >= hi:
+            continue
+        if a > at:
+            yield at, a, False
+        yield max(a, at), min(b, hi), True
+        at = min(b, hi)
+    if at < hi:
+        yield at, hi, False
 
 
 def build_optimizer(cfg, params: np.ndarray, state_size: int | None = None):

@@ -22,6 +22,7 @@ import numpy as np
 
 from mpihybrid.comm.device import array_module
 from mpihybrid.nn import kernels
+from mpihybrid.nn.gelu import GELUErf
 from mpihybrid.nn.layers import FLOAT, GELU, Cost, Layer, LayerNorm, Linear, layer_costs
 from mpihybrid.nn.vocab import Positions
 
@@ -301,7 +302,7 @@ def gpt_blocks(cfg, seq_len: int, vocab: int) -> list[list[Layer]]:
             [
                 LayerNorm(width),
                 Linear(width, ffn, init_std=GPT_INIT_STD),
-                GELU(),
+                GELU() if getattr(cfg, "gelu", "tanh") == "tanh" else GELUErf(),
                 Linear(ffn, width, init_std=out_std),
             ]
         )

@@ -14,7 +14,8 @@ PyTorch model that loads the file must follow it to compute the same logits,
 benchmarks/torch_logits.py): GELU in its tanh form (nanoGPT: erf), an LM head with a bias
 (nanoGPT: none), LayerNorm eps 1e-5 and biases everywhere else as nanoGPT's bias=True.
 A file without `lm_head.bias` (nanoGPT's own) loads with a zero bias, one without
-`lm_head.weight` (tied, as Hugging Face writes it) with the head = wte.
+`lm_head.weight` (tied, as Hugging Face writes it) with the head = wte, one without any bias
+(nanoGPT's bias = False) with every bias zero.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def config_of(cfg, seq_len: int, vocab: int) -> dict:
         "n_inner": cfg.ffn or 4 * cfg.hidden,
         "bias": True,
         "dropout": 0.0,
-        "gelu": "tanh",  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); nanoGPT: erf
+        # tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); erf (model.gelu): nanoGPT's
+        "gelu": getattr(cfg, "gelu", "tanh"),
         "lm_head_bias": True,  # nanoGPT's lm_head has none
         "layer_norm_eps": 1e-5,
         "attention_scale": "1/sqrt(head_dim)",
@@ -177,6 +179,8 @@ def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) ->
         return f"model.init = {str(p)!r}: not a readable safetensors file ({exc})"
     want = expected_shapes(blocks)
     lenient = {HEAD_BIAS, HEAD} if WTE in have else {HEAD_BIAS}
+    if biasless(have):  # nanoGPT's bias = False: every bias starts at zero (load_into)
+        lenient |= {name for name in want if name.endswith(".bias")}
     for name, shape in want.items():
         if name not in have:
             if name in lenient:
@@ -196,6 +200,12 @@ def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) ->
     if extra:
         return f"model.init = {str(p)!r}: {len(extra)} tensors the model has not ({extra[0]}, ...)"
     return _heads_problem(cfg, p)
+
+
+def biasless(names) -> bool:
+    """nanoGPT's bias = False: no Linear or LayerNorm bias in the file (the attention's mask
+    buffer, `.attn.bias`, is no parameter)."""
+    return not any(k.endswith(".bias") and not k.endswith(".attn.bias") for k in names)
 
 
 def _heads_problem(cfg, p: Path) -> str:
@@ -245,6 +255,31 @@ def init_problem(cfg, seq_len: int, vocab: int) -> str:
     return check_file(cfg, seq_len, vocab, cfg.init, gpt_blocks(cfg, seq_len, vocab))
 
 
+def nonfinite_problem(path: str | Path) -> str:
+    """The first tensor of a model.init file holding a NaN or an infinity, in one line ("" =
+    none): read once, a tensor at a time, before any rank starts from it. A file without biases
+    (nanoGPT's bias = False) is said here, once."""
+    import logging
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        if biasless(f.keys()):
+            logging.getLogger("mpihybrid").info(
+                "model.init = %r has no biases (nanoGPT's bias = False): every bias starts at "
+                "zero, so the model computes the file's function",
+                str(path),
+            )
+        for name in sorted(f.keys()):
+            bad = np.count_nonzero(~np.isfinite(f.get_tensor(name)))
+            if bad:
+                return (
+                    f"model.init = {str(path)!r}: {name} holds {bad} non-finite values (nan or "
+                    "inf); a run cannot start from it"
+                )
+    return ""
+
+
 def load_into(stage, path: str | Path, num_blocks: int) -> None:
     """A stage's parameters from a file that check_file accepted (fp32 in the stage's layout)."""
     from safetensors import safe_open
@@ -263,7 +298,7 @@ def fill(stage, get, keys: set, num_blocks: int) -> None:
                 value = get(name)
             elif name == HEAD:
                 value, transposed = get(WTE), True  # tied: the head is wte
-            else:  # lm_head.bias of a nanoGPT file: none
+            else:  # lm_head.bias of a nanoGPT file, any bias of a bias = False one: none
                 value = np.zeros(target.shape, np.float32)
             value = value.T if transposed else value
             target[...] = value.astype(target.dtype, copy=False)

@@ -183,7 +183,7 @@ def search(
     (a watchdog's progress)."""
     tick = tick or _progress
     rows = builtin_rows(costs, pp, m)
-    limit = _checked_limit(default_limit(rows, pp) if max_inflight is None else max_inflight)
+    limit = _checked_limit(default_limit(rows, pp) if max_inflight is None else max_inflight, m)
     split = split and costs.can_split
     notes = [] if costs.can_split else [f"{costs.source}: backwards ran whole, so B/W not split"]
     found: list[Candidate] = []
@@ -273,14 +273,15 @@ def _keep_builtin(best: Candidate, rows, costs, m, limit, *, placements, notes) 
     return Candidate(placement, ranges, lists, sim, row["schedule"], sim_costs)
 
 
-def _checked_limit(limit: float) -> float:
-    """The memory limit, refused below one micro-batch (no schedule holds less)."""
+def _checked_limit(limit: float, m: int) -> float:
+    """The memory limit, refused below one micro-batch (no schedule holds less) or NaN; above m
+    (inf, 1e30: no limit) it is m, since a rank never holds more than its share of all m."""
     if not limit >= 1:
         raise ScheduleError(
             f"a memory limit of {limit:g} micro-batches of a rank's share: no schedule holds "
             "less than one (the smallest limit any schedule meets is 1)"
         )
-    return float(limit)
+    return float(min(limit, m))
 
 
 def _exact(per_split, found, m, limit, split, *, time_limit, deterministic, notes, solves):
@@ -433,14 +434,17 @@ def format_result(result: SearchResult, grid: bool = True) -> str:
         f"the built-in {best.how}'s order and split (nothing found beat its step by "
         f"{TIE_MARGIN:.0%})",
     )
+    # proved under the simulator's timing, the optimizer's tail aside (the exact model has none)
     proof = {
-        "optimal": "optimal: proved",
+        "optimal": "optimal: proved"
+        + (" (as simulated, the optimizer's updates aside)" if any(result.costs.tail) else ""),
         "feasible": f"best found, proven gap {result.gap:.1%}",
         "heuristic": "no proven bound",
     }.get(result.status, result.status)
     lines = [
         f"schedule search: pp={result.pp} M={result.m}, costs: {result.costs.source}; at most "
-        f"{result.max_inflight:g} micro-batches of a rank's share alive per rank",
+        f"{result.max_inflight:g} micro-batches of a rank's share alive per rank"
+        + (" (all of them: no limit)" if result.max_inflight >= result.m else ""),
         f"found: {pl.style} placement ({where}), {[len(r) for r in best.ranges]} "
         f"{'(the trace' + chr(39) + 's stages)' if result.costs.fixed else 'blocks per stage'}, "
         f"by {how}; {proof}",

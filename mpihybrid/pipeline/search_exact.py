@@ -4,11 +4,13 @@
     result.lists, result.status ("optimal" | "feasible"), result.makespan, result.bound
 
 Variables: the start of every F, B and W (stage, micro-batch) on its rank's timeline. Constraints:
-a rank runs one action at a time (NoOverlap of its intervals, each action lasting its cost plus
-the rank's gap); F of stage s waits for F of s-1, B of s for F of s and B of s+1, W for its B,
-each `send` later where the tensor crosses ranks; a micro-batch's activations on a stage are
-alive from its F's start to its W's end (its B's end where backwards are whole) and a rank holds
-at most limit[r] chunk micro-batches at once (a Cumulative). Objective: the last end (the
+a rank runs one action at a time, the next `gap` after the last one's end at the earliest
+(NoOverlap of intervals of cost plus gap; the end that others wait for and the makespan counts
+is the cost's: pipeline/simulate.py's timing, one model, the optimizer's tail aside); F of stage
+s waits for F of s-1, B of s for F of s and B of s+1, W for its B, each `send` later where the
+tensor crosses ranks; a micro-batch's activations on a stage are alive from its F's start to its
+W's end (its B's end where backwards are whole) and a rank holds at most limit[r] chunk
+micro-batches at once (a Cumulative). Objective: the last end (the
 step's makespan). Costs are scaled to integer ticks (SCALE ticks for the longest action), so the
 proven bound is of the rounded costs; the lists found are simulated again with the real ones.
 
@@ -62,6 +64,16 @@ def _cp_model():
     return cp_model
 
 
+def solver_missing() -> str | None:
+    """SolverMissing's line where OR-Tools cannot be imported (the greedy's schedule is what the
+    search gives then), else None."""
+    try:
+        _cp_model()
+    except SolverMissing as exc:
+        return str(exc)
+    return None
+
+
 def _value(x, s: int) -> float:
     return x if isinstance(x, (int, float)) else x[s]
 
@@ -92,11 +104,11 @@ def solve(
             return _value(costs.weight if kind == "W" else costs.backward, s)
         return _value(costs.backward, s) + _value(costs.weight, s)
 
-    longest = max(cost(k, s) for k in kinds for s in range(n)) + costs.gap
+    longest = max(cost(k, s) for k in kinds for s in range(n))
     tick = longest / SCALE
-    dur = {(k, s): max(1, round((cost(k, s) + costs.gap) / tick)) for k in kinds for s in range(n)}
-    hop = round(costs.send / tick)
-    horizon = sum(dur[(k, s)] for k in kinds for s in range(n)) * m + 2 * n * (hop + 1)
+    dur = {(k, s): max(1, round(cost(k, s) / tick)) for k in kinds for s in range(n)}
+    hop, gap = round(costs.send / tick), round(costs.gap / tick)
+    horizon = sum(dur[(k, s)] + gap for k in kinds for s in range(n)) * m + 2 * n * (hop + 1)
     start, end, per_rank = {}, {}, {r: [] for r in range(placement.pp)}
     for s in range(n):
         for mb in range(m):
@@ -104,9 +116,9 @@ def solve(
                 key = (k, s, mb)
                 start[key] = model.NewIntVar(0, horizon, f"s{k}{s}_{mb}")
                 end[key] = start[key] + dur[(k, s)]
-                per_rank[placement.rank_of(s)].append(
-                    model.NewFixedSizeIntervalVar(start[key], dur[(k, s)], f"i{k}{s}_{mb}")
-                )
+                # the rank's gap after it: occupied (nothing else starts) but waited on by none
+                iv = model.NewFixedSizeIntervalVar(start[key], dur[(k, s)] + gap, f"i{k}{s}_{mb}")
+                per_rank[placement.rank_of(s)].append(iv)
 
     def after(key, before, cross: bool) -> None:
         model.Add(start[key] >= end[before] + (hop if cross else 0))
@@ -137,7 +149,7 @@ def solve(
     model.Add(makespan >= _fill_ticks(placement, m, dur, hop, kinds))  # implied: helps the proof
     model.Minimize(makespan)
     if hint is not None:
-        _add_hint(model, start, makespan, hint, placement, dur=dur, hop=hop)
+        _add_hint(model, start, makespan, hint, placement, dur=dur, hop=hop, gap=gap)
     solver, status, seconds = _run(
         cp_model, model, time_limit=time_limit, deterministic=deterministic, workers=workers
     )
@@ -201,15 +213,16 @@ def _solve_ticking(solver, model) -> int:
     return codes[0]
 
 
-def _add_hint(model, start, makespan, hint, placement, *, dur, hop) -> None:
-    """The hint's start times as the model counts them (its own durations in ticks, a gap
-    inside each, no tail), so a hint whose order the model allows is a solution to start from."""
+def _add_hint(model, start, makespan, hint, placement, *, dur, hop, gap) -> None:
+    """The hint's start times as the model counts them (its own durations and gap in ticks, no
+    tail), so a hint whose order the model allows is a solution to start from."""
     n = placement.num_stages
     ticks = Costs(
         forward=[dur[("F", s)] for s in range(n)],
         backward=[dur[("B", s)] for s in range(n)],
         weight=[dur.get(("W", s), 0) for s in range(n)],
         send=hop,
+        gap=gap,
     )
     result = simulate(hint, placement, ticks)
     for a, t in result.start.items():

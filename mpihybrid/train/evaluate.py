@@ -1,6 +1,6 @@
 """The model on samples it does not train on: the held-out loss every train.eval_every steps
 and the held-out accuracy at the end, every replica's pipeline running its share. Both run the
-stages forward only, in pieces of a micro-batch (at most EVAL_LOGITS logits), and are collective.
+stages forward only, in pieces sized by memory (eval_pieces), and are collective.
 """
 
 from __future__ import annotations
@@ -20,13 +20,21 @@ from mpihybrid.trace.recorder import Recorder
 log = logging.getLogger("mpihybrid")
 
 EVAL_LOGITS = 1 << 22  # logits held at once by the evaluation (16 MiB of float32)
+EVAL_BYTES = 1 << 25  # activations a piece holds on its widest stage (32 MiB)
 
 
 def eval_pieces(job: Job, rows: int, classes: int, tokens: int) -> int:
-    """Rows forward at once in an evaluation: a training micro-batch (so its memory is within
-    the steps' and a stage waits on the one before it about one forward), at most EVAL_LOGITS
-    logits."""
-    return max(1, min(job.microbatch_size, EVAL_LOGITS // max(tokens * classes, 1), rows))
+    """Rows forward at once in an evaluation: as many as keep the widest stage's activations
+    within EVAL_BYTES (what a forward keeps per sample, nn.cost's count) and the logits within
+    EVAL_LOGITS. Pieces of a training micro-batch made the final evaluation of a wide MLP 15 %
+    slower (thousands of small GEMMs and messages); one whole piece once made the next stage
+    wait 3 s on it without a tick of its watchdog. A piece this size is a fraction of a second
+    of a stage's forward, and every piece ticks it (pipeline.runtime.forward_only)."""
+    from mpihybrid.nn.cost import stage_work
+
+    per_sample = max(c.activation_bytes for c in stage_work(job.workload)) / job.microbatch_size
+    fits = int(EVAL_BYTES // max(per_sample, 1.0))
+    return max(1, min(fits, EVAL_LOGITS // max(tokens * classes, 1), rows))
 
 
 def heldout_accuracy(world: MPI.Comm, job: Job, run) -> float:

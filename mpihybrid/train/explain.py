@@ -21,7 +21,6 @@ from mpihybrid.train.flight import FLIGHT_ROWS, MAX_WORLD, RECORD_ATTRS, RECORD_
 MAX_FILES = 1 << 16  # record files read from one directory
 MAX_TEXT = 200  # characters of any string a record holds (a reason, a host name)
 MAX_RANK_LINES = 64  # ranks described one by one; the rest are counted
-OLD_SLACK_S = 5.0  # a record written before its run started (clocks of two nodes differ)
 
 
 def _text(value) -> str:
@@ -87,17 +86,16 @@ def _trace_started(path: Path) -> float | None:
 
 
 def _this_run(found: dict, started: float | None) -> tuple[dict, list[str]]:
-    """The records of the run explained: those written after it started -- the trace's run
-    when the trace says when it started, else the newest run among the records (their
-    run_started attribute). An earlier run ended before this one began."""
+    """The records of the run explained, by its identity: the run_started every rank of a run
+    got from rank 0 at its start (the same bits in each record and in the trace's
+    run_started_at), the trace's run when there is a trace, else the newest run among the
+    records. Not a time window: a restart a second after a stall is another run."""
     if started is None:
         starts = [float(a["run_started"]) for a, _ in found.values() if "run_started" in a]
         started = max(starts) if starts else None
     if started is None:  # records of an older version: no way to tell runs apart
         return found, []
-    keep = {
-        r: rec for r, rec in found.items() if float(rec[0]["written_at"]) >= started - OLD_SLACK_S
-    }
+    keep = {r: rec for r, rec in found.items() if _started(rec[0]) == started}
     left = sorted(set(found) - set(keep))
     if not left:
         return keep, []
@@ -110,6 +108,11 @@ def _this_run(found: dict, started: float | None) -> tuple[dict, list[str]]:
         since = f" (it started at {_stamp(started)})" if started is not None else ""
         return {}, [f"no flight record of this run{since}: only {what}; the run wrote none"]
     return keep, [f"left out: {what}"]
+
+
+def _started(attrs: dict) -> float | None:
+    value = attrs.get("run_started")
+    return float(value) if value is not None else None
 
 
 def _read_record(file: Path) -> tuple[int, tuple[dict, np.ndarray]]:

@@ -58,11 +58,15 @@ def train(
     backend: Backend | None = None,
     peak_flops: float | None = None,
     notes: dict | None = None,
+    calibrating: bool = False,
 ) -> Summary | None:
     """Run the job on every rank of `world`; rank 0 gets the Summary, the others None.
 
     notes: more trace attributes (strings) from the caller, e.g. how grid.order = auto was
     resolved (predict.auto: `order_choice`).
+
+    calibrating: auto's steps before the job's own: the job's stop handling (its checkpoint.dir
+    decides what SIGTERM/SIGUSR1 mean), no checkpoint written, a stop raised as before step 1.
 
     peak_flops: one rank's GEMM rate (FLOP/s, e.g. the local cluster file's), for the roofline
     share in the step line (train.log_every); None leaves it out.
@@ -89,7 +93,7 @@ def train(
     if backend.xp is not np and not quiet:
         log.info("rank %d: %s", world.rank, backend.describe())  # which GPU, which MPI path
     signals, flight, flight_dir, dog = _watch(job, world)
-    run, record = None, Record()
+    run, record = None, Record(calibrating=calibrating)
     try:
         i = flight.begin("build")
         run = build.build_run(job, world, backend)
@@ -115,7 +119,7 @@ def train(
         )
     except BaseException as exc:
         dog.settle()
-        flight.write(flight_dir, _ended_by(exc))
+        _keep_flight_record(job, flight, flight_dir, exc)
         if isinstance(exc, StopRequested) and run is not None:
             run.release()  # every rank stopped at the same boundary: collectives are safe
         raise
@@ -190,6 +194,22 @@ def _steps(
     runtime_s = Recorder.clock() - t_start - record.held_out.seconds  # the steps, not evals
     record.peak_rss = peak_rss_bytes()  # the steps' peak, before evaluation allocates its own
     return _finish(job, world, run, record, runtime_s=runtime_s, collect=collect)
+
+
+def _keep_flight_record(job: Job, flight, flight_dir, exc: BaseException) -> None:
+    """This rank's flight record of an abnormal end. An untraced run (no trace, no checkpoint.dir)
+    keeps none of an agreed stop (every rank at a boundary: nothing for `why` to tell, nothing
+    left in the temporary directory); of an error it keeps it there, and the error's one line
+    names it (exc.flight_record)."""
+    untraced = not (job.trace.path or job.checkpoint.dir)
+    if untraced and isinstance(exc, StopRequested):
+        return
+    path = flight.write(flight_dir, _ended_by(exc))
+    if untraced and path is not None:
+        try:
+            exc.flight_record = path
+        except AttributeError:  # an exception type without attributes: the line stays bare
+            pass
 
 
 def _ended_by(exc: BaseException) -> str:
@@ -327,10 +347,10 @@ def _step_boundary(
             )
     every = job.checkpoint.every
     path = None
-    if stop == "preempt" or (every and (step + 1) % every == 0):
+    if not record.calibrating and (stop == "preempt" or (every and (step + 1) % every == 0)):
         path = _save_checkpoint(job, world, run, record, step)
-    if stop is not None:
-        raise stop_exception(stop, step + 1, path)
+    if stop is not None:  # a calibration's steps are none of the job's: it stops before step 1
+        raise stop_exception(stop, 0 if record.calibrating else step + 1, path)
 
 
 def _save_checkpoint(job: Job, world: MPI.Comm, run: Run, record: Record, step: int) -> str:
@@ -420,8 +440,8 @@ def _checkpoint_if_signalled(job: Job, world: MPI.Comm, run: Run, record: Record
     world.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
     usr1, term, _ = counts
     every, steps = job.checkpoint.every, job.train.steps
-    if not (usr1 or term) or steps == record.start:
-        return
+    if not (usr1 or term) or steps == record.start or record.calibrating:
+        return  # a calibration's: the signal stays counted, the job stops before its step 1
     saved = ""
     if job.checkpoint.dir and not (every and steps % every == 0):
         path = _save_checkpoint(job, world, run, record, steps - 1)

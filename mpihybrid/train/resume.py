@@ -104,3 +104,23 @@ def keep_recorded_batch(job: Job, world, given: bool) -> Job:
             job.grid.dp,
         )
     return resumed
+
+
+def init_not_read(path: str | Path | None, overrides: list[str]) -> list[str]:
+    """model.init is where a run's weights start; a run that resumes from a complete checkpoint
+    in checkpoint.dir starts from that one's, so the file is neither read nor needed (moved,
+    spelled `./x` or left out): the override that drops it, said in one line, or []."""
+    from mpihybrid.config import build_job
+
+    try:
+        job = build_job(load_table(path), overrides)
+    except (ConfigError, OSError):
+        return []  # load_job says what is wrong
+    if not job.model.init or not job.checkpoint.dir or not complete(job.checkpoint.dir):
+        return []
+    log.info(
+        "model.init = %r is not read: the run resumes from the weights in checkpoint.dir = %r",
+        job.model.init,
+        job.checkpoint.dir,
+    )
+    return ['model.init=""']

@@ -69,6 +69,24 @@ def build_states(job: Job, stages: dict[int, Stage], gradcomm: GradientComm) -> 
             optimizer = ShardedOptimizer(t, st.flat_params, reducer.owned, reducer.lossy_gather)
         else:
             optimizer = build_optimizer(t, st.flat_params)
+        optimizer.decayed = decayed_ranges(st, t.weight_decay_on)
         reducer.hold = t.grad_clip > 0  # the updates wait for the global norm (train/clip.py)
         states[s] = StageState(s, st, optimizer, reducer)
     return states
+
+
+def decayed_ranges(stage: Stage, rule: str) -> list[tuple[int, int]] | None:
+    """The [lo, hi) ranges of a stage's flat parameters that train.weight_decay decays under
+    train.weight_decay_on: "matrices" every 2-D weight but the embeddings' tables, "matrices+
+    embeddings" those too (nanoGPT's rule), "all" everything (None)."""
+    from mpihybrid.nn.transformer import Embedding
+
+    if rule == "all":
+        return None
+    tensors = [(layer, shape) for layer in stage.layers for shape in layer.param_shapes().values()]
+    out = []
+    for (layer, shape), lo in zip(tensors, stage.tensor_offsets, strict=True):
+        table = isinstance(layer, Embedding)
+        if len(shape) >= 2 and (not table or rule == "matrices+embeddings"):
+            out.append((lo, lo + math.prod(shape)))
+    return out

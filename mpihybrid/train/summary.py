@@ -28,6 +28,7 @@ class Record:
     # the step line counts from (step, rank 0's clock, held-out seconds) of the line before
     log_from: tuple[int, float, float] = (0, 0.0, 0.0)
     usr1_warned: bool = False  # said once: SIGUSR1 came but there is no checkpoint.dir
+    calibrating: bool = False  # train.schedule = "auto"'s steps before the job's (train())
     held_out: HeldOutLoss = field(default_factory=HeldOutLoss)  # losses every eval_every steps
     grad_norm: float = math.nan  # the last step's global gradient norm (train.grad_clip)
     grad_norms: list = field(default_factory=list)  # every step's of this run (train.grad_clip)

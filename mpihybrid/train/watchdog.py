@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mpihybrid import temps
 from mpihybrid.progress import TICK_S, watch, watched
 from mpihybrid.train.flight import FlightRecorder, describe
 
@@ -232,6 +233,7 @@ class Watchdog:
         sys.stderr.write(f"mpihybrid: error: rank {rank}: {why}{where}\n")
         sys.stderr.flush()
         self._stop.wait(self.say_s)
+        temps.remove_all()  # this process's temporaries (an exit skips atexit)
         try:
             self.abort(code)
         except Exception:  # the job must end all the same

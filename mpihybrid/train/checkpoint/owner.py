@@ -28,7 +28,12 @@ RESUMABLE = (
     "comm.*",
     "trace.*",
     "checkpoint.*",
+    "model.init",  # where the run's weights started: the checkpoint holds them now
 )
+
+
+# what a job written before a setting existed did, where that is not the setting's default now
+BEFORE_IT_EXISTED = {"train.weight_decay_on": "all"}
 
 
 def job_differences(stored_toml: str, job, ignore: tuple[str, ...] = RESUMABLE) -> list[str]:
@@ -42,6 +47,7 @@ def job_differences(stored_toml: str, job, ignore: tuple[str, ...] = RESUMABLE) 
     except (tomllib.TOMLDecodeError, TypeError):
         return ["its stored job is not readable TOML"]
     mine = tomllib.loads(to_toml(job))
+    defaults = tomllib.loads(to_toml(type(job)()))  # a setting added since: its default there
     found = []
     for section, values in mine.items():
         other = theirs.get(section, {})
@@ -49,6 +55,13 @@ def job_differences(stored_toml: str, job, ignore: tuple[str, ...] = RESUMABLE) 
         for key, value in values.items():
             name = f"{section}.{key}"
             if name in ignore or f"{section}.*" in ignore or other.get(key) == value:
+                continue
+            if name == "train.weight_decay_on" and not (
+                values.get("weight_decay") or other.get("weight_decay")
+            ):
+                continue  # no decay either side: what it would decay does not matter
+            before = BEFORE_IT_EXISTED.get(name, defaults.get(section, {}).get(key))
+            if key not in other and before == value:
                 continue
             there = _toml_value(other[key]) if key in other else "(unset)"
             found.append(f"{name} = {there} there, {_toml_value(value)} here")

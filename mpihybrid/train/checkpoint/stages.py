@@ -92,16 +92,49 @@ def check_compatible(manifest: dict, job, path: Path) -> None:
             "and the head differently (resume with the same setting; weights export, then "
             "model.init, carries the weights across)"
         )
+    _check_chunking(manifest, job, path)
     for key, value in mine.items():
-        if manifest.get(key) != value:
+        theirs = manifest.get(key)
+        if key == "model" and isinstance(theirs, dict):  # the weights hold model.init's start
+            older = asdict(type(job.model)())  # a setting added since: its default there
+            theirs, value = _without_init({**older, **theirs}), _without_init(value)
+            if theirs != value:  # the first key that differs, once
+                name = next(k for k in sorted({*theirs, *value}) if theirs.get(k) != value.get(k))
+                key, theirs, value = f"model.{name}", theirs.get(name), value.get(name)
+        if theirs != value:
             raise CheckpointError(
-                f"checkpoint {path} has {key} = {manifest.get(key)!r} but this job has {value!r}"
+                f"checkpoint {path} has {key} = {theirs!r} but this job has {value!r}"
             )
     if manifest["step"] > job.train.steps:
         raise CheckpointError(
             f"checkpoint {path} is at step {manifest['step']}, past train.steps = {job.train.steps}"
         )
     check_shards_cover(manifest, job, path)
+
+
+def _check_chunking(manifest: dict, job, path: Path) -> None:
+    """A checkpoint's stages are its placement's chunks: another pp or chunks per rank (a V
+    schedule's 2 after a loop's 1) is refused naming both and, for a GPT, the way across."""
+    theirs = (manifest.get("pp"), manifest.get("virtual_stages"))
+    mine = (job.grid.pp, job.train.virtual_stages)
+    if theirs == mine:
+        return
+    across = ""
+    if job.model.kind == "gpt":
+        across = (
+            f"; to go across, `mpihybrid weights export {path.parent} -o W.safetensors`, then "
+            "start this job in another checkpoint.dir with model.init = W.safetensors (the "
+            "weights, not the optimizer state)"
+        )
+    raise CheckpointError(
+        f"checkpoint {path} holds pp = {theirs[0]} x {theirs[1]} chunk(s) per rank and this job "
+        f"runs {job.train.schedule} at pp = {mine[0]} x {mine[1]}: a checkpoint resumes only "
+        f"under a schedule of its own placement and chunks{across}"
+    )
+
+
+def _without_init(model: dict) -> dict:
+    return {k: v for k, v in model.items() if k != "init"}
 
 
 def load_rank(path: Path, state, *, dp_rank: int, same_dp: bool, manifest=None) -> None:
