@@ -84,8 +84,14 @@ def accumulate_xt_dy(g: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
         g += x.T @ dy
 
 
+def _address(a: np.ndarray) -> int:
+    # not a.ctypes.data: that object holds a cycle back to the array, so every call would leave
+    # garbage for the cycle collector (tests/test_soak.py sees it as memory growing per step)
+    return a.__array_interface__["data"][0]
+
+
 def _xt_dy(sgemm, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     """c (m, n), contiguous, += a (k, m)^T @ b (k, n)."""
     m, n, k = c.shape[0], c.shape[1], a.shape[0]
-    sgemm(_ROW_MAJOR, _TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, a.strides[0] // 4,
-          b.ctypes.data, b.strides[0] // 4, 1.0, c.ctypes.data, n)  # fmt: skip
+    sgemm(_ROW_MAJOR, _TRANS, _NO_TRANS, m, n, k, 1.0, _address(a), a.strides[0] // 4,
+          _address(b), b.strides[0] // 4, 1.0, _address(c), n)  # fmt: skip
