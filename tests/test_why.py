@@ -150,3 +150,12 @@ def test_compare_puts_a_known_difference_on_its_cost():
     top = att["items"][0]
     assert top["what"] == "stage 1 F" and top["ratio"] == pytest.approx(1.5)
     assert top["seconds"] == pytest.approx(att["measured"])
+
+
+def test_the_live_line_says_when_ranks_share_a_core():
+    # the quick start runs 4 ranks on 2 cores: a rank waiting for a core is not a slow rank
+    from mpihybrid.train.live_stragglers import _caveat
+
+    assert _caveat([("node0", 2), ("node0", 2), ("node1", 2)]) == ""
+    crowded = _caveat([("node0", 2)] * 4)
+    assert "4 ranks share 2 cores on node0" in crowded and "waiting for a core" in crowded

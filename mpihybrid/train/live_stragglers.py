@@ -7,16 +7,21 @@ together (its mean since the first line against its fastest peer's):
 
     straggler: rank 3 (stage 1) F 1.31x its stage's fastest replica in 4 of 5 step lines
 
+On a host with more ranks than cores the line says that a rank waiting for a core looks slow
+for that alone (the quick start's 4 ranks on 2 cores), as analyze does.
+
     watch = LiveStragglers(); watch.observe(world, runtime, pp_rank)   # collective
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
 from mpihybrid.pipeline.slowdown import CHRONIC, THRESHOLD
+from mpihybrid.sysinfo import hostname
 
 log = logging.getLogger("mpihybrid")
 KINDS = "FBW"
@@ -30,6 +35,7 @@ class LiveStragglers:
         self.told: set[tuple[int, str]] = set()
         self.last = np.zeros((2, len(KINDS)))
         self.since: np.ndarray | None = None  # every rank's seconds and counts at the first line
+        self.caveat = ""  # rank 0: what an oversubscribed host makes of the scores
 
     def observe(self, world, runtime, pp_rank: int) -> None:
         """Collective over `world`: score the interval since the last call (rank 0 logs)."""
@@ -38,12 +44,14 @@ class LiveStragglers:
         self.last = now
         with np.errstate(invalid="ignore", divide="ignore"):
             mean = np.where(count > 0, seconds / np.maximum(count, 1), np.nan)
-        rows = world.gather((pp_rank, mean, _stages(runtime), now), root=0)
+        host = (hostname(), os.cpu_count() or 1) if self.since is None else None
+        rows = world.gather((pp_rank, mean, _stages(runtime), now, host), root=0)
         if rows is None:
             return
         totals = np.array([r[3] for r in rows])
         if self.since is None:  # the first line: warm-up (kernels compile, buffers fault in)
             self.since = totals
+            self.caveat = _caveat([r[4] for r in rows])
             return
         self.lines += 1
         seconds, count = (totals - self.since).transpose(1, 0, 2)
@@ -72,8 +80,24 @@ class LiveStragglers:
                     log.warning(
                         f"straggler: rank {rank} (stage {stages}) {kind} "
                         f"{overall[rank][k] / best[k]:.2f}x its stage's fastest replica, slow in "
-                        f"{slow} of {self.lines} step lines"
+                        f"{slow} of {self.lines} step lines{self.caveat}"
                     )
+
+
+def _caveat(hosts: list[tuple[str, int]]) -> str:
+    """ ", but ..." where a host runs more ranks than it has cores, else ""."""
+    ranks: dict[str, int] = {}
+    for name, _ in hosts:
+        ranks[name] = ranks.get(name, 0) + 1
+    cores = dict(hosts)
+    crowded = [name for name, n in ranks.items() if n > cores[name]]
+    if not crowded:
+        return ""
+    name = crowded[0]
+    return (
+        f" (but {ranks[name]} ranks share {cores[name]} cores on {name}: a rank waiting for a "
+        "core looks slow for that alone)"
+    )
 
 
 def _stages(runtime) -> str:
