@@ -142,7 +142,7 @@ def bench_train(
     throughputs = [steps * per_step / run[0] for run in runs]
     median = statistics.median(throughputs)
     chosen = throughputs.index(median) if median in throughputs else 0
-    wall, step_time, report, events = runs[chosen]
+    wall, _, report, events = runs[chosen]
     rates = roofs[chosen]  # the GEMM rate of each rank right after the median repeat
     flops_per_token = sum(block_costs(blocks))  # per row: a token (gpt) or a sample (mlp)
     assert gemm_flops(gemms) == flops_per_token * rows, "GEMM list and cost model disagree"
@@ -154,7 +154,9 @@ def bench_train(
         "measured_steps": steps,
         "throughput": median,
         "throughputs": throughputs,
-        "step_time": step_time,
+        # the median over the repeats, as the throughput: with an even count the median is
+        # between two repeats, and the first alone (the chosen one) may be the slow one
+        "step_time": statistics.median(run[1] for run in runs),
         "bubble": report["bubble"]["measured"],
         "bubble_predicted": report["bubble"]["formula"],
         "bubble_simulated": report["bubble"]["predicted"],

@@ -64,7 +64,7 @@ class LiveStragglers:
             line = np.array([rows[i][1] for i in peers])
             line = np.min(np.where(np.isnan(line), np.inf, line), axis=0)
             ref[position] = (line, np.min(overall[peers], axis=0))
-        for rank, (position, means, stages, _) in enumerate(rows):
+        for rank, (position, means, stages, *_) in enumerate(rows):
             if len(replicas[position]) < 2:
                 continue  # one replica: nothing does the same work
             fastest, best = ref[position]

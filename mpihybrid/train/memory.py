@@ -119,6 +119,10 @@ def rank_memory(
         "temporaries": max(share["temporary"], *(work[s].largest_temporary for s in mine)),
         "runtime": int(base_bytes),
     }
+    # the held-out evaluation runs its pieces (train.evaluate) where the step's activations are
+    # freed: the rank needs the larger of the two, so only what a piece holds beyond them counts
+    parts["evaluation"] = max(0, _evaluation_bytes(job, work, mine) - parts["activations"]
+                              - parts["temporaries"])  # fmt: skip
     total = sum(parts.values())
     held = ("parameters", "gradients", "optimizer state", "tied embedding", "ring buffers")
     state = sum(parts[k] for k in held)
@@ -204,6 +208,22 @@ def _live_activations(
     if recompute:  # and one micro-batch's forward cache lives again during its backward
         live.peak_total_bytes = peak + max(work[s].activation_bytes for s in mine)
     return live
+
+
+def _evaluation_bytes(job: Job, work: list[ChunkWork], mine: list[int]) -> int:
+    """What an evaluation piece holds on this rank at most: its widest chunk's activations for
+    the piece's rows (EVAL_BYTES at most) and, on the last chunk's rank, its logits."""
+    from mpihybrid.nn.cost import FLOAT
+    from mpihybrid.nn.kinds import model_kind
+    from mpihybrid.train.evaluate import EVAL_BYTES, EVAL_LOGITS
+
+    per_sample = max(work[s].activation_bytes for s in mine) / job.microbatch_size
+    held = min(EVAL_BYTES, per_sample * max(job.data.test_samples, 1))
+    if len(work) - 1 in mine:
+        _, classes = task_dims(job.data)
+        tokens = model_kind(job.model.kind).tokens_per_sample(job.data.seq_len)
+        held += FLOAT * min(EVAL_LOGITS, max(job.data.test_samples, 1) * tokens * classes)
+    return int(held)
 
 
 def rank_estimate(
