@@ -353,7 +353,7 @@ def clean_stale_temporaries(path: str | os.PathLike) -> list[Path]:
         return removed
     for name in names:
         match = pattern.fullmatch(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             try:
                 (path.parent / name).unlink()
             except OSError:
@@ -362,7 +362,8 @@ def clean_stale_temporaries(path: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (another user's counts as running)."""
     if pid == os.getpid():
         return True
     try:

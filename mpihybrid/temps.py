@@ -16,6 +16,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+from mpihybrid.files import pid_alive
+
 _MADE: list[Path] = []
 
 
@@ -50,20 +52,8 @@ def sweep(prefix: str) -> list[Path]:
     host = socket.gethostname()
     for path in Path(tempfile.gettempdir()).glob(f"{prefix}*@*"):
         pid, _, rest = path.name[len(prefix) :].partition("@")
-        if rest.rsplit(".", 1)[0] != host or not pid.isdigit() or _alive(int(pid)):
+        if rest.rsplit(".", 1)[0] != host or not pid.isdigit() or pid_alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         gone.append(path)
     return gone
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's: alive
-        return True
-    return True

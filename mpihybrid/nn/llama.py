@@ -22,7 +22,6 @@ import math
 import numpy as np
 
 from mpihybrid.comm.device import array_module
-from mpihybrid.nn import kernels
 from mpihybrid.nn.layers import FLOAT, Cost, Layer, Linear
 from mpihybrid.nn.transformer import GPT_INIT_STD, CausalAttention, Embedding, Residual
 
@@ -53,13 +52,7 @@ class TokenEmbedding(Embedding):
         return self.params["tokens"].take(x, axis=0), x
 
     def backward_weight(self, wcache: object) -> None:
-        tokens, dy = wcache
-        rows, ids = dy.reshape(-1, self.dim), tokens.reshape(-1)
-        table = self.grads["tokens"]
-        if kernels.fast(rows, table) and type(ids) is np.ndarray:
-            kernels.embedding_backward(ids, rows, table)
-        else:  # repeated ids add up (add.at), never overwrite
-            array_module(dy).add.at(table, ids, rows)
+        self.add_token_rows(*wcache)  # no position table to add to
 
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
         # F: gather the rows of the table (8 a value); W: add.at of the rows (24)

@@ -59,13 +59,17 @@ class Embedding(Layer):
 
     def backward_weight(self, wcache: object) -> None:
         tokens, dy = wcache
+        self.add_token_rows(tokens, dy)
+        self.grads["positions"][: tokens.shape[-1]] += dy.reshape(-1, *dy.shape[-2:]).sum(axis=0)
+
+    def add_token_rows(self, tokens: np.ndarray, dy: np.ndarray) -> None:
+        """The token table's gradient: each token's row of dy added to its row (repeats add)."""
         rows, ids = dy.reshape(-1, self.dim), tokens.reshape(-1)
         table = self.grads["tokens"]
         if kernels.fast(rows, table) and type(ids) is np.ndarray:
             kernels.embedding_backward(ids, rows, table)
         else:  # numpy's add.at, or a device's scatter-add: the same order, the same bits
             array_module(dy).add.at(table, ids, rows)
-        self.grads["positions"][: tokens.shape[-1]] += dy.reshape(-1, *dy.shape[-2:]).sum(axis=0)
 
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
         # rows = tokens. F: gather the rows of the table, add the positions (20 a value);
