@@ -224,12 +224,11 @@ class PipelineRuntime:
         letter = kind[0].upper()
         if self.slow is not None:
             self.slow.after(letter, Recorder.clock() - t0)
+        t1 = Recorder.clock()  # one reading: the kind's total and the trace row agree
         total = self.kind_seconds[letter]
-        total[0] += Recorder.clock() - t0
+        total[0] += t1 - t0
         total[1] += 1
-        self.recorder.record(
-            KIND[kind], state.step, a.stage, a.microbatch, t0, Recorder.clock(), nbytes
-        )
+        self.recorder.record(KIND[kind], state.step, a.stage, a.microbatch, t0, t1, nbytes)
 
     def _forward(self, a: Action, state: _Step, t0: float) -> None:
         s, mb = a.stage, a.microbatch

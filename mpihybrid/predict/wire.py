@@ -46,7 +46,7 @@ def _crossing(edges: list[tuple[int, int]], cluster: Cluster) -> tuple[bool, int
 
 def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
     """The slowest pipeline hop (activation or its gradient) between neighbouring chunks."""
-    layout, placement = job.grid.layout, job_placement(job)
+    layout, placement, nodes = job.grid.layout, job_placement(job), _nodes(job, cluster)
     worst = 0.0
     for c in range(1, len(work)):
         sources = layout.replica_ranks(placement.rank_of(c - 1))
@@ -55,7 +55,7 @@ def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
             continue  # both chunks on one rank (interleaved, pp = 1)
         crosses, flows = _crossing(edges, cluster)
         link = cluster.links["network" if crosses else "node"]
-        encoded = any(_encodes(job, a, b, cluster) for a, b in edges)
+        encoded = any(_encodes(job, a, b, nodes) for a, b in edges)
         nbytes, codec_s = p2p_bytes(job, work[c].input_bytes, encoded, cluster)
         worst = max(worst, link.after_idle(nbytes, flows) + codec_s)
     return worst
@@ -78,19 +78,19 @@ def tie_seconds(job: Job, cluster: Cluster) -> float:
 
 def p2p_encoded(job: Job, cluster: Cluster) -> bool:
     """Whether comm.p2p_codec would encode any pipeline link of the job (pipeline.wire's rule)."""
-    g, placement = job.grid, job_placement(job)
+    g, placement, nodes = job.grid, job_placement(job), _nodes(job, cluster)
     for c in range(1, placement.num_stages):
         sources = g.layout.replica_ranks(placement.rank_of(c - 1))
         for a, b in zip(sources, g.layout.replica_ranks(placement.rank_of(c)), strict=True):
-            if _encodes(job, a, b, cluster):
+            if _encodes(job, a, b, nodes):
                 return True
     return False
 
 
-def _encodes(job: Job, a: int, b: int, cluster: Cluster) -> bool:
+def _encodes(job: Job, a: int, b: int, nodes: list[int]) -> bool:
     """Whether the pipeline link between world ranks a and b carries comm.p2p_codec's bytes:
     the run's rule (pipeline.wire.encoded_peers), on the cluster's nodes."""
-    scope, nodes = job.comm.p2p_codec_scope, _nodes(job, cluster)
+    scope = job.comm.p2p_codec_scope
     return job.comm.p2p_codec != "fp32" and bool(encoded_peers(scope, a, [b], nodes))
 
 
