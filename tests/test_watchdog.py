@@ -224,6 +224,22 @@ def test_watchdog_ends_a_stalled_rank_naming_its_wait(tmp_path, capsys):
     assert (tmp_path / "f" / "rank1.h5").exists()
 
 
+def test_a_rank_woken_from_a_suspension_does_not_blame_its_wait(tmp_path):
+    """Open MPI's mpiexec sends SIGCONT before it ends a job: a rank stopped with SIGSTOP woke,
+    found its receive open for longer than the timeout, and named itself as the stall (.ci/run,
+    Open MPI leg). A tick far later than asked restarts the stall clock instead."""
+    dog, flight, aborted = _dog(tmp_path, timeout_s=5.0, tick_s=1.0)
+    flight.begin("RECV_F", step=3, stage=1, microbatch=2, peer=0, tag=4)
+    t0 = flight.last_activity
+    dog.look(t0 + 1.0)
+    for t in (30.0, 31.0, 32.0, 33.0, 34.0):  # asleep for 29 s, then four ticks awake
+        dog.look(t0 + t)
+    assert aborted == []
+    with pytest.raises(Ended):
+        dog.look(t0 + 35.5)  # 5.5 s awake and still waiting: a stall
+    assert aborted == [1]
+
+
 def test_watchdog_off_never_fires_and_a_long_wait_is_reported_when_it_ends(tmp_path, caplog):
     dog, flight, aborted = _dog(tmp_path, timeout_s=0.0)
     i = flight.begin("RECV_B", step=2, stage=0, microbatch=0, peer=1, tag=9)

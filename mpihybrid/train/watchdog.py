@@ -41,6 +41,7 @@ log = logging.getLogger("mpihybrid")
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 INTERRUPT = signal.SIGINT
 EXIT_INTERRUPTED = 130  # what a shell reports for a job ended by Ctrl-C (128 + SIGINT)
+SUSPENDED_S = 2.0  # a tick this much later than asked: the process was stopped, not slow
 
 
 class StopSignals:
@@ -115,6 +116,8 @@ class Watchdog:
         self.forced = False  # a second interrupt, over a second after the first
         self._stop = threading.Event()
         self._warned: tuple | None = None  # the open row a "waited long" warning named
+        self._looked_at: float | None = None  # the thread's last look
+        self.resumed_at = float("-inf")  # when this process last woke from a suspension
         self._thread = threading.Thread(target=self._loop, name="mpihybrid-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -163,7 +166,17 @@ class Watchdog:
             elif self._stop.wait(self.tick_s):
                 break
             if not self._stop.is_set():
-                self.check(time.monotonic())
+                self.look(time.monotonic())
+
+    def look(self, now: float) -> None:
+        """One tick of the thread. A tick that comes far later than asked means this process was
+        suspended (SIGSTOP, a paused host; Open MPI's mpiexec sends SIGCONT before it ends a job):
+        the time it slept is not this rank's stall, and blaming it on the wait it was in would
+        name the wrong rank, so the stall clock restarts from the wake-up."""
+        last, self._looked_at = self._looked_at, now
+        if last is not None and now - last > self.tick_s + max(SUSPENDED_S, self.tick_s):
+            self.resumed_at = now
+        self.check(now)
 
     def _read_signals(self, fd: int) -> None:
         try:
@@ -197,7 +210,7 @@ class Watchdog:
                     f"{self.grace():.0f} s ({self._waiting(now)})",
                     130 if self.first_interrupt_at is not None else 1,
                 )
-        idle = now - self.flight.last_activity
+        idle = now - max(self.flight.last_activity, self.resumed_at)
         row = self.flight.open_row()
         if self.timeout_s > 0 and idle > self.timeout_s:
             self.fire(
