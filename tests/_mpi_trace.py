@@ -33,7 +33,9 @@ def main(out_path: str) -> None:
 
     for i in range(num_events(rank)):
         start = rec.clock()
-        rec.record(i % len(KINDS), i, rank, 10 * i + rank, start, start + 1e-3, 1000 * rank + i, 0)
+        rec.record(
+            i % len(KINDS), i, rank, 10 * i + rank, start, start + 1e-3, 1000 * rank + i, 0, 1e-4
+        )
     local = rec.events.copy()
     local["start"] += offset
     local["end"] += offset

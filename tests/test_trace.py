@@ -42,6 +42,7 @@ def sample_events(n: int, seed: int = 0) -> np.ndarray:
                 start + float(rng.uniform(0, 1e-2)),
                 int(rng.integers(1 << 20)),
                 int(rng.integers(-1, 4)),
+                float(rng.uniform(0, 1e-2)),  # the action's thread CPU seconds
             )
         rows.append(rec.events.copy())
     events = np.concatenate(rows)
@@ -108,6 +109,25 @@ def test_recorder_clock_moves_forward():
 
 
 # --- write / load ------------------------------------------------------------------------------
+
+
+def test_a_version_2_trace_reads_with_no_cpu_time(tmp_path):
+    """Schema version 3 added the events' cpu column; an older file's rows read with NaN."""
+    from mpihybrid.trace.recorder import EVENT_DTYPE_V2
+
+    path = tmp_path / "run.h5"
+    events = write_sample(path)
+    with h5py.File(path, "r+") as f:
+        old = np.zeros(len(events), EVENT_DTYPE_V2)
+        for name in EVENT_DTYPE_V2.names:
+            old[name] = events[name]
+        del f["events"]
+        f.create_dataset("events", data=old)
+        f.attrs["schema_version"] = 2
+    got = load(path).events
+    assert got.dtype == EVENT_DTYPE and np.isnan(got["cpu"]).all()
+    for name in EVENT_DTYPE_V2.names:
+        np.testing.assert_array_equal(got[name], events[name])
 
 
 def test_round_trip(tmp_path):

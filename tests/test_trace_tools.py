@@ -86,7 +86,7 @@ def pipeline_trace(path, steps=4, first_slow=100.0, config=CONFIG, attrs=ATTRS, 
             for kind, a, b in (("forward", f0, f1), ("backward", b0, b1), ("step", 0, 4)):
                 stage = -1 if kind == "step" else rank
                 rows.append((rank, stage, 0, KIND[kind], t, 0 if stage >= 0 else -1,
-                             o + k * a, o + k * b, 0, -1))  # fmt: skip
+                             o + k * a, o + k * b, 0, -1, k * (b - a)))  # fmt: skip
     events = np.array(rows, dtype=EVENT_DTYPE)
     metrics = {"step": np.arange(steps), "loss": [1.0] * steps, "accuracy": [0.5] * steps}
     write_trace(path, events=events, steps=metrics, config=config, attrs=attrs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -16,10 +18,11 @@ from mpihybrid.trace.recorder import EVENT_DTYPE, KIND
 
 
 def rows(spec: list[tuple]) -> np.ndarray:
-    """(rank, stage, kind, step, mb, start, end, peer) tuples -> event rows (replica = 0)."""
+    """(rank, stage, kind, step, mb, start, end, peer[, cpu]) tuples -> event rows (replica =
+    0; the CPU time NaN, as a GPU's, unless given)."""
     out = np.zeros(len(spec), dtype=EVENT_DTYPE)
-    for i, (rank, stage, kind, step, mb, start, end, peer) in enumerate(spec):
-        out[i] = (rank, stage, 0, KIND[kind], step, mb, start, end, 0, peer)
+    for i, (rank, stage, kind, step, mb, start, end, peer, *cpu) in enumerate(spec):
+        out[i] = (rank, stage, 0, KIND[kind], step, mb, start, end, 0, peer, *(cpu or [np.nan]))
     return out
 
 
@@ -159,3 +162,74 @@ def test_the_live_line_says_when_ranks_share_a_core():
     assert _caveat([("node0", 2), ("node0", 2), ("node1", 2)]) == ""
     crowded = _caveat([("node0", 2)] * 4)
     assert "4 ranks share 2 cores on node0" in crowded and "waiting for a core" in crowded
+
+
+def _replicas(wall: float, cpu: float, steps: int = 6) -> np.ndarray:
+    """dp = 2 at pp = 1: ranks 0 and 1 run one F a step; rank 1's takes `wall` x rank 0's
+    time on the clock and `cpu` x its CPU time."""
+    spec = []
+    for step in range(steps):
+        t = 10.0 * step
+        spec.append((0, 0, "forward", step, 0, t, t + 1.0, -1, 1.0))
+        spec.append((1, 0, "forward", step, 0, t, t + wall, -1, cpu))
+    out = rows(spec)
+    out["replica"][out["rank"] == 1] = 1
+    return out
+
+
+@pytest.mark.parametrize(
+    "wall, cpu, verdict",
+    [(1.3, 1.3, "chronic"), (1.3, 1.02, "waited"), (1.02, 1.02, "healthy"),
+     (1.3, np.nan, "chronic")],
+)  # fmt: skip
+def test_a_rank_slow_on_the_clock_only_waited_for_a_core(wall, cpu, verdict):
+    """Slow in wall time and in CPU time: a straggler; in wall time alone it waited for a core
+    (another process on it), which is the host's doing: reported, never named. Without CPU
+    times (NaN: a GPU run, a version 2 trace) the wall clock decides, as before."""
+    from mpihybrid.analysis.stragglers import straggler_lines, stragglers
+
+    found = stragglers(_replicas(wall, cpu), list(range(6)), dp=2)
+    (score,) = [s for s in found["scores"] if s["rank"] == 1]
+    assert score["verdict"] == verdict
+    assert [s["rank"] for s in found["named"]] == ([1] if verdict == "chronic" else [])
+    text = "\n".join(straggler_lines(found))
+    assert ("waited for a core" in text) == (verdict == "waited"), text
+
+
+class _Runtime:
+    stages = {0}
+
+    def __init__(self):
+        self.kind_seconds = {k: [0.0, 0, 0.0] for k in "FBW"}
+
+
+class _Gather:
+    """world.gather over two replicas in one process: rank 1's row is scaled."""
+
+    def __init__(self, wall: float, cpu: float):
+        self.wall, self.cpu = wall, cpu
+
+    def gather(self, row, root=0):
+        pp_rank, mean, stages, now, host = row
+        other_now = now.copy()
+        other_now[0] *= self.wall
+        other_now[2] *= self.cpu
+        other_mean = mean.copy()
+        other_mean[0] *= self.wall
+        other_mean[1] *= self.cpu
+        return [row, (pp_rank, other_mean, stages, other_now, host)]
+
+
+@pytest.mark.parametrize("cpu, logged", [(1.3, True), (1.0, False)])
+def test_the_live_line_names_a_rank_only_when_its_cpu_time_is_slow_too(cpu, logged, caplog):
+    from mpihybrid.train.live_stragglers import LiveStragglers
+
+    watch, runtime, world = LiveStragglers(), _Runtime(), _Gather(1.3, cpu)
+    with caplog.at_level(logging.WARNING, logger="mpihybrid"):
+        for line in range(8):
+            runtime.kind_seconds["F"] = [0.01 * (line + 1), 4 * (line + 1), 0.01 * (line + 1)]
+            watch.observe(world, runtime, 0)
+    said = [r.getMessage() for r in caplog.records if "straggler:" in r.getMessage()]
+    assert bool(said) == logged, said
+    if logged:
+        assert said[0].startswith("straggler: rank 1 (stage 0) F 1.30x")

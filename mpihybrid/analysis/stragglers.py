@@ -11,6 +11,11 @@ in fewer; analyze names only the chronic ones. The individual score (a step agai
 best steps: the 10th percentile of its per-step medians) is reported, never named on: with
 one replica a loaded machine slows every rank's steps together, which is no rank's fault. A
 median is not moved by the one action of a step that carries the optimizer's update.
+
+Where the trace has the actions' thread CPU time (a CPU run, schema version 3), a step counts
+as slow only when the CPU time is slow by the same rule: a rank whose wall time is slow and
+whose CPU time is not waited for a core (another process, or more ranks than cores), which is
+the host's doing, not the rank's work; it is reported as such ("waited"), never named.
 """
 
 from __future__ import annotations
@@ -30,41 +35,67 @@ def stragglers(events: np.ndarray, steps: list[int], dp: int) -> dict:
     rows = rows[rows["stage"] >= 0]
     if not len(rows):
         return {"scores": [], "named": [], "threshold": THRESHOLD, "chronic": CHRONIC}
-    seconds = rows["end"] - rows["start"]
     keys, key_of = groups(rows["rank"], rows["stage"], rows["kind"], rows["step"])
-    med = _group_median(key_of, seconds, len(keys))
+    wall = _cells(keys, _group_median(key_of, rows["end"] - rows["start"], len(keys)))
+    cpu = _cells(keys, _group_median(key_of, rows["cpu"], len(keys)))
+    wall_fastest, cpu_fastest = _fastest(wall), _fastest(cpu)
     scores = []
-    cells: dict[tuple[int, int, int], dict[int, float]] = {}
-    for (rank, stage, kind, step), value in zip(keys.tolist(), med.tolist(), strict=True):
-        cells.setdefault((rank, stage, kind), {})[step] = value
-    # the fastest replica of each (stage, kind, step)
-    fastest: dict[tuple[int, int, int], float] = {}
-    for (_, stage, kind), per in cells.items():
-        for step, value in per.items():
-            key = (stage, kind, step)
-            fastest[key] = min(fastest.get(key, np.inf), value)
-    for (rank, stage, kind), per in sorted(cells.items()):
+    for (rank, stage, kind), per in sorted(wall.items()):
         values = np.array(list(per.values()))
         best = float(np.percentile(values, BEST))
         individual = values / best if best > 0 else np.ones_like(values)
-        relative = None
+        relative = cpu_relative = None
+        slow = waited = 0
         if dp > 1:
-            relative = np.array([per[s] / fastest[(stage, kind, s)] for s in per])
-        slow = int(np.sum(relative >= THRESHOLD)) if relative is not None else 0
+            relative = np.array([per[s] / wall_fastest[(stage, kind, s)] for s in per])
+            mine = cpu[(rank, stage, kind)]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                cpu_relative = np.array([mine[s] / cpu_fastest[(stage, kind, s)] for s in per])
+            known = np.isfinite(cpu_relative)  # NaN: no CPU time (a GPU run, an older trace)
+            on_cpu = ~known | (cpu_relative >= THRESHOLD)
+            slow = int(np.sum((relative >= THRESHOLD) & on_cpu))
+            waited = int(np.sum((relative >= THRESHOLD) & ~on_cpu))
+        verdict = _verdict(slow, waited, len(values)) if relative is not None else "no peers"
         scores.append(
             {
                 "rank": rank,
                 "stage": stage,
                 "kind": COMPUTE[kind],
                 "relative": float(np.median(relative)) if relative is not None else None,
+                "cpu_relative": _median_or_none(cpu_relative),
                 "individual": float(np.median(individual)),
                 "slow_steps": slow,
+                "waited_steps": waited,
                 "steps": len(values),
-                "verdict": _verdict(slow, len(values)) if relative is not None else "no peers",
+                "verdict": verdict,
             }
         )
     named = sorted((s for s in scores if s["verdict"] == "chronic"), key=lambda s: -s["relative"])
     return {"scores": scores, "named": named, "threshold": THRESHOLD, "chronic": CHRONIC}
+
+
+def _cells(keys: np.ndarray, med: np.ndarray) -> dict[tuple[int, int, int], dict[int, float]]:
+    """{(rank, stage, kind): {step: the group's median}}."""
+    cells: dict[tuple[int, int, int], dict[int, float]] = {}
+    for (rank, stage, kind, step), value in zip(keys.tolist(), med.tolist(), strict=True):
+        cells.setdefault((rank, stage, kind), {})[step] = value
+    return cells
+
+
+def _fastest(cells: dict) -> dict[tuple[int, int, int], float]:
+    """The fastest replica of each (stage, kind, step) (NaN where none is known)."""
+    fastest: dict[tuple[int, int, int], float] = {}
+    for (_, stage, kind), per in cells.items():
+        for step, value in per.items():
+            key = (stage, kind, step)
+            fastest[key] = np.fmin(fastest.get(key, np.nan), value)
+    return fastest
+
+
+def _median_or_none(values: np.ndarray | None) -> float | None:
+    if values is None or not np.isfinite(values).any():
+        return None
+    return float(np.median(values[np.isfinite(values)]))
 
 
 def _group_median(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
@@ -76,10 +107,12 @@ def _group_median(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     return 0.5 * (ordered[first + (counts - 1) // 2] + ordered[first + counts // 2])
 
 
-def _verdict(slow: int, steps: int) -> str:
-    if slow == 0:
-        return "healthy"
-    return "chronic" if slow >= CHRONIC * steps else "one-off"
+def _verdict(slow: int, waited: int, steps: int) -> str:
+    if slow >= CHRONIC * steps:
+        return "chronic"
+    if waited + slow >= CHRONIC * steps:
+        return "waited"  # slow on the wall clock, not in CPU time: it waited for a core
+    return "one-off" if slow or waited else "healthy"
 
 
 def straggler_cost(base, named: dict) -> dict:
@@ -111,7 +144,7 @@ def straggler_lines(found: dict) -> list[str]:
             ]
         one_off = sum(1 for s in scores if s["verdict"] == "one-off")
         extra = f"; {one_off} one-off slow rank x kind" if one_off else ""
-        return [f"straggler       none {how}{extra}"]
+        return [f"straggler       none {how}{extra}", *_waited_lines(scores)]
     lines = []
     for s in found["named"]:
         score, which = s["relative"], "its stage's fastest replica"
@@ -127,10 +160,25 @@ def straggler_lines(found: dict) -> list[str]:
             f"{score:.2f}x {which} in {s['slow_steps']} of {s['steps']} steps (chronic){costs}"
         )
     lines.append(f"                {how}")
+    lines += _waited_lines(found["scores"])
     over = found.get("oversubscribed")
     if over:  # replicas then wait for a core by turns: a rank can lag its peers for many steps
         lines.append(
             f"                caveat: {over['ranks']} ranks on {over['cores']} cores: a rank that "
             "waits for a core looks slow, so these may be the machine's, not the rank's"
         )
+    return lines
+
+
+def _waited_lines(scores: list[dict]) -> list[str]:
+    """The rank x kinds slow on the wall clock only: they waited for a core (not named)."""
+    lines = []
+    for s in sorted(scores, key=lambda s: -(s["relative"] or 0)):
+        if s["verdict"] == "waited":
+            lines.append(
+                f"                rank {s['rank']} {s['kind']} of stage {s['stage']} took "
+                f"{s['relative']:.2f}x its stage's fastest replica on the clock but "
+                f"{s['cpu_relative']:.2f}x in CPU time: it waited for a core (another process "
+                "on its core, or more ranks than cores), the host's doing, not the rank's"
+            )
     return lines

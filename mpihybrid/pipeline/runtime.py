@@ -20,6 +20,7 @@ untouched. bytes_sent and the trace count the bytes that went on the wire.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,8 +102,12 @@ class PipelineRuntime:
         self.recorder = recorder
         slow = settings.slowdown
         self.slow = slow if slow is not None and slow.rank == recorder.rank else None
-        # seconds and count of each compute kind so far (train/live_stragglers reads them)
-        self.kind_seconds = {k: [0.0, 0] for k in "FBW"}
+        # seconds, count and thread CPU seconds of each compute kind so far (train/
+        # live_stragglers reads them). The CPU time tells a rank that waited for a core from one
+        # that worked longer; a GPU's time is not the host thread's, so it is not read there.
+        self.kind_seconds = {k: [0.0, 0, 0.0] for k in "FBW"}
+        self.cpu_clock = time.thread_time if backend.name == "cpu" else None
+        self.cpu0 = float("nan")  # the thread's CPU clock when the running action started
         self.backend = backend
         self.isend = pp_comm.Issend if settings.sync_sends else pp_comm.Isend
         self.loss_fn = SoftmaxCrossEntropy()
@@ -174,12 +179,14 @@ class PipelineRuntime:
         state = _Step(step, batches, self._post_receives(), Liveness(self.split_backward))
         if self.vocab is not None:
             self.vocab.begin(state)
-        run, clock = self._run, Recorder.clock
+        run, clock, cpu = self._run, Recorder.clock, self.cpu_clock
         poll, flight, rows = self.poll, self.flight, self.flight_rows
         for j, a in enumerate(self.actions):
             if flight is not None:
                 kind, stage, mb, peer, tag = rows[j]
                 i = flight.begin(kind, step + 1, stage, mb, peer, tag)
+            if cpu is not None:
+                self.cpu0 = cpu()
             run[a.kind](a, state, clock())
             if flight is not None:
                 flight.end(i)
@@ -225,10 +232,12 @@ class PipelineRuntime:
         if self.slow is not None:
             self.slow.after(letter, Recorder.clock() - t0)
         t1 = Recorder.clock()  # one reading: the kind's total and the trace row agree
+        cpu = self.cpu_clock() - self.cpu0 if self.cpu_clock is not None else float("nan")
         total = self.kind_seconds[letter]
         total[0] += t1 - t0
         total[1] += 1
-        self.recorder.record(KIND[kind], state.step, a.stage, a.microbatch, t0, t1, nbytes)
+        total[2] += cpu
+        self.recorder.record(KIND[kind], state.step, a.stage, a.microbatch, t0, t1, nbytes, -1, cpu)
 
     def _forward(self, a: Action, state: _Step, t0: float) -> None:
         s, mb = a.stage, a.microbatch

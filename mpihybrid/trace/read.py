@@ -21,9 +21,9 @@ import h5py
 import numpy as np
 
 from mpihybrid.files import h5_dataset_problem
-from mpihybrid.trace.recorder import EVENT_DTYPE, KIND, KINDS
+from mpihybrid.trace.recorder import EVENT_DTYPE, EVENT_DTYPE_V2, KIND, KINDS
 
-SCHEMA_VERSION = 2  # 2: written as the run goes (resizable, steps/step, finished)
+SCHEMA_VERSION = 3  # 2: written as the run goes (resizable, steps/step, finished); 3: events' cpu
 FORMAT = "mpihybrid-trace"
 
 # root attributes the writer owns; callers cannot set them through `attrs`
@@ -187,6 +187,13 @@ def _read_part(path: Path, f: h5py.File, trace: Trace) -> None:
 
 def _events(path: Path, f: h5py.File, size: int) -> np.ndarray:
     ds = _dataset(path, f, "events", size)
+    if ds.ndim == 1 and ds.dtype.names == EVENT_DTYPE_V2.names:  # version <= 2: no cpu column
+        old = ds[...]
+        rows = np.zeros(len(old), EVENT_DTYPE)
+        for name in old.dtype.names:
+            rows[name] = old[name]
+        rows["cpu"] = np.nan
+        return rows
     if ds.dtype.names != EVENT_DTYPE.names or ds.ndim != 1:
         raise TraceError(
             f"{path} has events with columns {ds.dtype.names}, expected {EVENT_DTYPE.names}"

@@ -54,8 +54,11 @@ EVENT_DTYPE = np.dtype(
         ("end", "<f8"),
         ("bytes", "<i8"),
         ("peer", "<i4"),
+        ("cpu", "<f8"),
     ]
 )
+# the columns of schema version 2 and before (no cpu): a reader fills cpu with NaN
+EVENT_DTYPE_V2 = np.dtype([(n, EVENT_DTYPE[n]) for n in EVENT_DTYPE.names if n != "cpu"])
 # the compute kinds as the schedule letters F, B, W (what a trace row ran, as an Action kind)
 COMPUTE = {KIND["forward"]: "F", KIND["backward"]: "B", KIND["weight"]: "W"}
 # model.vocab_parallel's passes: a rank's compute too (its busy time, the bubble)
@@ -110,6 +113,7 @@ class Recorder:
         end: float,
         nbytes: int = 0,
         peer: int = -1,
+        cpu: float = float("nan"),
     ) -> None:
         # hot path: one tuple store; the check stops an unknown code wrapping silently in u1
         if not 0 <= kind < len(KINDS):
@@ -133,6 +137,7 @@ class Recorder:
             end,
             nbytes,
             peer,
+            cpu,
         )
         self._n += 1
 

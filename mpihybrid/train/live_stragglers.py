@@ -7,8 +7,10 @@ together (its mean since the first line against its fastest peer's):
 
     straggler: rank 3 (stage 1) F 1.31x its stage's fastest replica in 4 of 5 step lines
 
-On a host with more ranks than cores the line says that a rank waiting for a core looks slow
-for that alone (the quick start's 4 ranks on 2 cores), as analyze does.
+On a CPU run a rank counts as slow only when its actions' thread CPU time is slow by the same
+rule, as analyze counts it: slow on the clock alone, it waited for a core (another process on
+its core, more ranks than cores), which is the host's doing. On a host with more ranks than
+cores the line still says that a rank waiting for a core may look slow for that alone.
 
     watch = LiveStragglers(); watch.observe(world, runtime, pp_rank)   # collective
 """
@@ -33,17 +35,15 @@ class LiveStragglers:
         self.lines = 0
         self.slow: dict[tuple[int, str], int] = {}
         self.told: set[tuple[int, str]] = set()
-        self.last = np.zeros((2, len(KINDS)))
-        self.since: np.ndarray | None = None  # every rank's seconds and counts at the first line
+        self.last = np.zeros((3, len(KINDS)))  # every kind's seconds, count, CPU seconds
+        self.since: np.ndarray | None = None  # every rank's totals at the first line
         self.caveat = ""  # rank 0: what an oversubscribed host makes of the scores
 
     def observe(self, world, runtime, pp_rank: int) -> None:
         """Collective over `world`: score the interval since the last call (rank 0 logs)."""
-        now = np.array([[runtime.kind_seconds[k][i] for k in KINDS] for i in (0, 1)])
-        seconds, count = now - self.last
+        now = np.array([[runtime.kind_seconds[k][i] for k in KINDS] for i in (0, 1, 2)])
+        mean = _means(now - self.last)
         self.last = now
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mean = np.where(count > 0, seconds / np.maximum(count, 1), np.nan)
         host = (hostname(), os.cpu_count() or 1) if self.since is None else None
         rows = world.gather((pp_rank, mean, _stages(runtime), now, host), root=0)
         if rows is None:
@@ -54,34 +54,53 @@ class LiveStragglers:
             self.caveat = _caveat([r[4] for r in rows])
             return
         self.lines += 1
-        seconds, count = (totals - self.since).transpose(1, 0, 2)
-        overall = np.where(count > 0, seconds / np.maximum(count, 1), np.inf)
+        overall = np.array([_means(t, empty=np.inf) for t in totals - self.since])
         replicas: dict[int, list[int]] = {}  # pp rank -> the world ranks at that position
         for rank, row in enumerate(rows):
             replicas.setdefault(row[0], []).append(rank)
-        ref = {}  # pp rank -> (its fastest replica this line, over all lines), once per position
-        for position, peers in replicas.items():
-            line = np.array([rows[i][1] for i in peers])
-            line = np.min(np.where(np.isnan(line), np.inf, line), axis=0)
-            ref[position] = (line, np.min(overall[peers], axis=0))
-        for rank, (position, means, stages, *_) in enumerate(rows):
-            if len(replicas[position]) < 2:
+        for peers in replicas.values():
+            if len(peers) < 2:
                 continue  # one replica: nothing does the same work
-            fastest, best = ref[position]
-            for k, kind in enumerate(KINDS):
-                if not 0 < fastest[k] < np.inf or not means[k] >= THRESHOLD * fastest[k]:
-                    continue
-                key = (rank, kind)
-                self.slow[key] = self.slow.get(key, 0) + 1
-                slow = self.slow[key]
-                chronic = slow >= MIN_LINES and slow >= CHRONIC * self.lines
-                if key not in self.told and chronic and overall[rank][k] >= THRESHOLD * best[k]:
-                    self.told.add(key)
-                    log.warning(
-                        f"straggler: rank {rank} (stage {stages}) {kind} "
-                        f"{overall[rank][k] / best[k]:.2f}x its stage's fastest replica, slow in "
-                        f"{slow} of {self.lines} step lines{self.caveat}"
-                    )
+            line = np.array([rows[i][1] for i in peers])  # [peer, wall|cpu, kind]
+            best = overall[peers]
+            for j, rank in enumerate(peers):
+                for k, kind in enumerate(KINDS):
+                    if _slow(line[:, :, k], j):
+                        score = overall[rank][0][k] / best[:, 0, k].min()
+                        self._count(rank, kind, score, _slow(best[:, :, k], j), rows)
+
+    def _count(self, rank: int, kind: str, score: float, overall: bool, rows: list) -> None:
+        """A slow line for (rank, kind); the first time it is chronic and slow over all the
+        lines together (`overall`), one line (rank 0)."""
+        key = (rank, kind)
+        self.slow[key] = self.slow.get(key, 0) + 1
+        slow = self.slow[key]
+        chronic = slow >= MIN_LINES and slow >= CHRONIC * self.lines
+        if key not in self.told and chronic and overall:
+            self.told.add(key)
+            log.warning(
+                f"straggler: rank {rank} (stage {rows[rank][2]}) {kind} {score:.2f}x its "
+                f"stage's fastest replica, slow in {slow} of {self.lines} step lines{self.caveat}"
+            )
+
+
+def _means(totals: np.ndarray, empty: float = np.nan) -> np.ndarray:
+    """[wall, cpu] x kind: the mean action's seconds from (seconds, count, cpu seconds)."""
+    seconds, count, cpu = totals
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, np.stack([seconds, cpu]) / np.maximum(count, 1), empty)
+
+
+def _slow(means: np.ndarray, j: int) -> bool:
+    """Peer j's mean (row j of [peer, wall|cpu]) is THRESHOLD x the fastest peer's on the
+    clock, and in CPU time too where the run measures it (NaN: a GPU's)."""
+    wall, cpu = means[:, 0], means[:, 1]
+    fastest = np.min(np.where(np.isnan(wall), np.inf, wall))
+    if not 0 < fastest < np.inf or not wall[j] >= THRESHOLD * fastest:
+        return False
+    if np.isnan(cpu).any():
+        return True
+    return bool(cpu[j] >= THRESHOLD * np.min(cpu))
 
 
 def _caveat(hosts: list[tuple[str, int]]) -> str:
