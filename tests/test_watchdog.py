@@ -299,6 +299,25 @@ def test_timeout_is_validated():
     assert load_job(None, ["comm.timeout_s=1"], 4).comm.timeout_s == 1
 
 
+def test_stop_wakes_the_thread_out_of_its_tick(tmp_path):
+    """The thread waits on the signals' pipe a tick at a time; stop() wakes it at once (every
+    run's end waited up to a tick: about a second a process, minutes over the test suite)."""
+    r, w = os.pipe()
+
+    class Signals:  # no signal ever arrives
+        wakeup_r = r
+
+    dog = Watchdog(FlightRecorder(rank=0, world_size=1), Signals(), 0.0, [].append,
+                   lambda: tmp_path, tick_s=60.0)  # fmt: skip
+    dog.start()
+    t0 = time.monotonic()
+    dog.stop()
+    assert time.monotonic() - t0 < 30.0  # not the 60 s tick
+    dog.stop()  # twice is harmless
+    os.close(r)
+    os.close(w)
+
+
 def test_progress_ticks_the_running_watchdog_only(tmp_path):
     dog, flight, aborted = _dog(tmp_path, timeout_s=5.0)
     progress("searching a schedule")  # no watchdog runs: nothing to tick, no error

@@ -115,6 +115,9 @@ class Watchdog:
         self.first_interrupt_at: float | None = None
         self.forced = False  # a second interrupt, over a second after the first
         self._stop = threading.Event()
+        # stop() wakes the thread's select() through a pipe (made by start()): without it every
+        # run's end waited for the thread's next tick (up to a second a process)
+        self._wake: tuple[int, int] | None = None
         self._warned: tuple | None = None  # the open row a "waited long" warning named
         self._looked_at: float | None = None  # the thread's last look
         self.resumed_at = float("-inf")  # when this process last woke from a suspension
@@ -122,6 +125,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         watch(self.flight)
+        self._wake = os.pipe()
         self._thread.start()
         return self
 
@@ -129,7 +133,13 @@ class Watchdog:
         if watched() is self.flight:
             watch(None)
         self._stop.set()
+        wake, self._wake = self._wake, None
+        if wake is None:
+            return  # never started, or stopped already
+        os.write(wake[1], b"x")  # the thread may sit in select() for up to a tick
         self._thread.join()
+        for end in wake:
+            os.close(end)
 
     def at_boundary(self) -> None:
         """The main thread reached a step boundary (the signals' grace restarts from here)."""
@@ -158,10 +168,11 @@ class Watchdog:
 
     def _loop(self) -> None:
         fd = self.signals.wakeup_r if self.signals is not None else -1
+        woken = self._wake[0]
         while not self._stop.is_set():
             if fd >= 0:
-                ready, _, _ = select.select([fd], [], [], self.tick_s)
-                if ready:
+                ready, _, _ = select.select([fd, woken], [], [], self.tick_s)
+                if fd in ready:
                     self._read_signals(fd)
             elif self._stop.wait(self.tick_s):
                 break
