@@ -207,7 +207,7 @@ def rows(spec: list[tuple]) -> np.ndarray:
     """(rank, stage, replica, kind, step, mb, start, end) tuples -> event rows."""
     out = np.zeros(len(spec), dtype=EVENT_DTYPE)
     for i, (rank, stage, replica, kind, step, mb, start, end) in enumerate(spec):
-        out[i] = (rank, stage, replica, KIND[kind], step, mb, start, end, 0, -1)
+        out[i] = (rank, stage, replica, KIND[kind], step, mb, start, end, 0, -1, np.nan)
     return out
 
 

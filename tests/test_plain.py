@@ -82,7 +82,7 @@ def test_analyze_prints_them_first():
     for step, origin in ((0, 0.0), (1, 1.0), (2, 2.0)):
         for a, t in sim.start.items():
             row = (placement.rank_of(a.stage), a.stage, 0, KIND[code[a.kind]], step,
-                   a.microbatch, origin + t, origin + sim.end[a], 0, -1)  # fmt: skip
+                   a.microbatch, origin + t, origin + sim.end[a], 0, -1, np.nan)  # fmt: skip
             events.append(row)
     ev = np.array(events, dtype=EVENT_DTYPE)
     config = {"pp": 2, "dp": 1, "schedule": "1f1b", "microbatches": 4}

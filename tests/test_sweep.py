@@ -91,7 +91,7 @@ def test_cells_keep_the_microbatch_size_and_skip_what_a_schedule_rejects():
 def _events(rows):
     out = np.zeros(len(rows), EVENT_DTYPE)
     for i, (rank, kind, step, stage, mb, start, end, nbytes) in enumerate(rows):
-        out[i] = (rank, stage, 0, KIND[kind], step, mb, start, end, nbytes, -1)
+        out[i] = (rank, stage, 0, KIND[kind], step, mb, start, end, nbytes, -1, np.nan)
     return out
 
 
