@@ -1,7 +1,8 @@
 """whatif measured: the replay of each run itself, and predictions of a change against a real
 run of that change (docs/analysis.md). Reads the traces benchmarks/replay_traces.sh wrote, one
 folder per round; with several rounds a pair's predicted and measured steps are each the median
-over the rounds (the machine's load drifts between runs):
+over the rounds (the machine's load drifts between runs), and the floor line says how far the
+same unchanged job's runs differ between rounds (what no prediction from another run can beat):
 
     python benchmarks/whatif_pairs.py runs/r1 [runs/r2 runs/r3]
 """
@@ -60,6 +61,30 @@ def main(folders: list[str]) -> None:
     if errs:
         worst = max(errs)
         print(f"  median {statistics.median(errs):.1%}, worst {worst:.1%} over {len(errs)} pairs")
+    _floor(rounds)
+
+
+def _floor(rounds: list[dict]) -> None:
+    """The machine's floor under those errors: the same job, unchanged, predicted from half the
+    rounds (the median of their replays) and measured in the other half (the median of their
+    steps); no change to predict, so every error is the run-to-run spread that the pairs above
+    carry too. With 2 or 3 rounds, single runs of one round against another."""
+    if len(rounds) < 2:
+        return
+    halves = [(rounds[0::2], rounds[1::2]), (rounds[1::2], rounds[0::2])]
+    if len(rounds) < 4:
+        halves = [([a], [b]) for i, a in enumerate(rounds) for b in rounds[i + 1 :]]
+    errs = []
+    for one, other in halves:
+        for name in sorted(set.intersection(*(set(r) for r in rounds))):
+            got = statistics.median(replay(r[name], Change())["step"] for r in one)
+            want = statistics.median(measured_figures(r[name])["step"] for r in other)
+            errs.append(abs(got / want - 1))
+    how = "halves of the rounds" if len(rounds) >= 4 else "one round against another"
+    print(
+        f"the floor: the same job replayed and measured in other runs ({how}): median "
+        f"{statistics.median(errs):.1%}, worst {max(errs):.1%} over {len(errs)} pairs"
+    )
 
 
 def _own(base: dict) -> list[float]:
