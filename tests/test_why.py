@@ -239,15 +239,12 @@ def test_the_live_line_names_a_rank_only_when_its_cpu_time_is_slow_too(cpu, logg
 def test_a_change_of_m_scales_the_costs_by_the_cost_model_not_linearly():
     """Half the rows cost more than half: a layer call's fixed cost and its weights' traffic
     stay (predict's cost model); where the trace's job is unreadable, linear in the rows."""
-    from types import SimpleNamespace
-
-    from mpihybrid.analysis.replay import row_factors
+    from mpihybrid.predict.rows import row_factors
 
     job = (Path(__file__).resolve().parent.parent / "mpihybrid/jobs/gpt_bench.toml").read_text()
-    base = SimpleNamespace(m=4, config=job)
-    half = row_factors(base, 8, 2)
+    half = row_factors(job, 4, 8, 2)
     for kind in "FBW":
         assert all(0.5 < x < 0.75 for x in half[kind]), half
-    assert row_factors(base, 4, 2) == {k: [1.0, 1.0] for k in "FBW"}
-    assert row_factors(SimpleNamespace(m=4, config="not toml ["), 8, 2)["F"] == [0.5, 0.5]
-    assert row_factors(base, 8, 3)["W"] == [0.5] * 3  # not the trace's stages: linear
+    assert row_factors(job, 4, 4, 2) == {k: [1.0, 1.0] for k in "FBW"}
+    assert row_factors("not toml [", 4, 8, 2) is None
+    assert row_factors(job, 4, 8, 3) is None  # not the trace's stages

@@ -9,10 +9,9 @@ Each measured step's costs (analysis.search_inputs.trace_costs of that step and 
 simulated with the change's schedule; a step's prediction is the slowest replica's pipeline
 phase plus the run's mean time outside the phase (the step's start, its metrics, the wait for
 the gradient ring), which no change here touches. A change of M scales each stage's F, B and
-W by what predict's cost model (the packaged `local` cluster: its GEMMs' memory traffic and a
-fixed cost per layer call) says the new micro-batch's rows cost against the run's, linearly in
-the rows where the trace's job cannot be read, and keeps the hop, the gap and the optimizer's
-tail. A change of placement or split (another number of stages, a V
+W by Change.rows (the whatif command gives predict's cost model of the new rows against the
+run's: predict/rows.py), linearly in the rows without it, and keeps the hop, the gap and the
+optimizer's tail. A change of placement or split (another number of stages, a V
 instead of a loop) needs each layer's cost, which a trace of stages does not hold: refused.
 """
 
@@ -44,6 +43,9 @@ class Change:
     # ("stage", s, kind) | ("rank", r, kind) | ("all", -1, kind) -> factor (kind "F", "B", "W"
     # or "*"); "hop", "gap", "tail" -> factor
     scales: dict = field(default_factory=dict)
+    # a change of M: per kind, each stage's cost of a micro-batch against the run's (predict.
+    # rows.row_factors, what the whatif command passes); None: linear in the rows
+    rows: dict[str, list[float]] | None = None
 
     def text(self) -> str:
         parts = [f"schedule={self.schedule}"] if self.schedule else []
@@ -264,7 +266,9 @@ def sim_costs(base: Measured, costs, change: Change, replica: int, m: int) -> Co
     unsplit = [x == 0 for x in w]  # its backwards ran whole: "B" scales the whole one
     if any(unsplit):
         f, b, w, whole = _split_unknown(costs, f, b, w, whole)
-    factor = row_factors(base, m, n)
+    linear = base.m / m  # a micro-batch's rows, relative to the run's
+    rows = change.rows if change.rows and m != base.m else None
+    factor = {k: list(rows[k]) if rows else [linear] * n for k in KINDS}
     ranks = base.replica_ranks[replica]
     placement_ranks = costs.stage_ranks or tuple(range(n))
     plain = {"hop": 1.0, "gap": 1.0, "tail": 1.0}  # the costs not of one stage's kind
@@ -351,39 +355,3 @@ def _gain(base, plan, now: float, what: str, key) -> dict:
 
 def relative_error(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured if measured > 0 else math.nan
-
-
-ROW_MODEL = "local"  # the packaged cluster whose cost model scales a micro-batch's rows
-
-
-def row_factors(base: Measured, m: int, units: int) -> dict[str, list[float]]:
-    """Per kind and stage: what an action costs at M = `m` against the run's M. Not linear in
-    the rows: a layer call's fixed cost and its weights' traffic stay (predict's cost model of
-    ROW_MODEL, the shape only: the trace's measured costs are what it scales); linear where the
-    trace's job cannot be read or its stages are not the trace's."""
-    linear = {k: [base.m / m] * units for k in KINDS}
-    if m == base.m:
-        return linear
-    from mpihybrid.config import ConfigError, build_job, tomllib
-    from mpihybrid.nn.cost import stage_work
-    from mpihybrid.predict.cluster import find_cluster, load_cluster
-    from mpihybrid.predict.model import action_seconds
-
-    try:
-        job = build_job(tomllib.loads(base.config or ""))
-        then = stage_work(job.workload)
-        train = dataclasses.replace(job.train, microbatches=m)
-        now = stage_work(dataclasses.replace(job, train=train).workload)
-        cluster = load_cluster(find_cluster(ROW_MODEL))
-    except (ConfigError, tomllib.TOMLDecodeError, ValueError, TypeError, KeyError, OSError):
-        return linear
-    if len(then) != units or len(now) != units:
-        return linear
-    out = {}
-    for k in KINDS:
-        was = [action_seconds(w, k, cluster) for w in then]
-        out[k] = [
-            action_seconds(w, k, cluster) / x if x > 0 else linear[k][s]
-            for s, (w, x) in enumerate(zip(now, was, strict=True))
-        ]
-    return out
