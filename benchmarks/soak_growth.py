@@ -30,11 +30,11 @@ TINY = ["model.hidden=8", "model.depth=2", "train.log_every=0", "trace.flush_ste
 
 
 def soak(steps: int, overrides: list[str], python: bool = True) -> dict:
-    """One run of 3 x steps; Python's allocated bytes and VmRSS at each mark, and the largest
+    """One run of 4 x steps; Python's allocated bytes and VmRSS at each mark, and the largest
     growth per step between two marks, with the allocation sites that grew most. python=False:
     VmRSS alone (tracemalloc's own records grow the resident set with every live allocation)."""
     # one step past the last mark: the run's end (its last flush, its report) is not measured
-    job = load_job(None, [*TINY, f"train.steps={3 * steps + 1}", *overrides], 1)
+    job = load_job(None, [*TINY, f"train.steps={4 * steps + 1}", *overrides], 1)
     marks: dict[int, tuple] = {}
     step_once = loop._train_step
 
@@ -54,7 +54,7 @@ def soak(steps: int, overrides: list[str], python: bool = True) -> dict:
         loop._train_step = step_once
         tracemalloc.stop()
     out = {"steps": steps, "python_bytes_per_step": [], "rss_bytes_per_step": [], "sites": []}
-    for a, b in ((steps, 2 * steps), (2 * steps, 3 * steps)):
+    for a, b in ((steps, 2 * steps), (2 * steps, 3 * steps), (3 * steps, 4 * steps)):
         stats = marks[b][0].compare_to(marks[a][0], "lineno") if python else []
         out["python_bytes_per_step"].append(sum(st.size_diff for st in stats) / steps)
         out["rss_bytes_per_step"].append((marks[b][1] - marks[a][1]) / steps)

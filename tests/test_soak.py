@@ -27,5 +27,7 @@ def test_python_memory_is_flat_over_the_steps(tmp_path, traced):
     # before: 64 bytes a step with a trace (two Python floats and their list slots), 1.6 KB
     # without one (every step's event rows). The first interval still fills fixed rings (the
     # flight record's 512 rows take step numbers past Python's small ints, the untraced run's
-    # last-steps window reaches its size); the second grows only by a few objects
-    assert out["python_bytes_per_step"][-1] < 16, out  # 3 KB over 400 steps
+    # last-steps window reaches its size); later ones grow only by a few objects. A leak grows
+    # in every interval; a table that doubles once (h5py's object registry: one 9 KB block when
+    # the trace's events gained a column) lands in one of them: the smaller of the last two.
+    assert min(out["python_bytes_per_step"][1:]) < 16, out  # 6 KB over 400 steps
