@@ -34,7 +34,8 @@ import json
 import os
 
 from mpihybrid import temps
-from mpihybrid.config.searched import AUTO_TIME, WARM, apply, auto_placements
+from mpihybrid.config import WARM
+from mpihybrid.config.searched import AUTO_TIME, apply, auto_placements
 
 
 def costs_of(job, link: tuple[float, float] = (0.0, 0.0)):

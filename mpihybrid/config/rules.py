@@ -11,7 +11,7 @@ from mpihybrid.comm.buckets import RINGS
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
 from mpihybrid.comm.settings import PROGRESS
-from mpihybrid.config import (
+from mpihybrid.config.job import (
     AUTO,
     DECAY_ON,
     GRID_ORDERS,
@@ -19,11 +19,11 @@ from mpihybrid.config import (
     PARAM_CODECS,
     RECOMPUTE,
     SECTIONS,
+    WARM,
     ConfigError,
     Job,
     ModelConfig,
 )
-from mpihybrid.config.searched import WARM
 from mpihybrid.nn.kinds import KINDS, model_kind
 from mpihybrid.nn.optim import check_settings
 from mpihybrid.nn.weights import init_problem

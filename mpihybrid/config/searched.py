@@ -13,9 +13,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-# a calibration run's first steps left out (cli/auto.py): a fresh process's first step is
-# 1.5x, its second 1.1x the later ones (gpt_bench, zb-h1: 398, 301, then 272-287 ms)
-WARM = 2
+from mpihybrid.config import resolve
+
 AUTO_TIME = 4.0  # the exact search's deterministic time limit, over every split it solves (~ s)
 
 
@@ -26,7 +25,6 @@ def auto_placements(train) -> tuple[str, ...]:
 
 def apply(job, payload: dict, world_size: int):
     """The job running the searched schedule: csv:auto@HASH registered here, its split."""
-    from mpihybrid.config import resolve
     from mpihybrid.pipeline.csv_schedule import register
     from mpihybrid.pipeline.search import SEARCHES
 
