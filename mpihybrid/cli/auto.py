@@ -271,10 +271,7 @@ def calibration_run(job, world, steps: int) -> str:
     from mpihybrid.config import TraceConfig
     from mpihybrid.train.loop import train
 
-    path = ""
-    if world.rank == 0:
-        path = os.path.join(temps.make_dir("mpihybrid-auto-"), "calibration.h5")
-    path = world.bcast(path, root=0)
+    path = _agreed(world, lambda: os.path.join(temps.make_dir("mpihybrid-auto-"), "calibration.h5"))
     t = dataclasses.replace(job.train, steps=steps, eval_every=0, log_every=0)
     # the job's checkpoint.dir stays: a SIGTERM or SIGUSR1 then means what it means to the job
     # (preempted before step 1, exit 3); train(calibrating=True) writes no checkpoint there
@@ -307,23 +304,13 @@ def _give_back() -> None:
 def _agreed(world, decide_on_rank0):
     """decide_on_rank0() on rank 0, its payload on every rank; its one-line error raised as a
     ConfigError on every rank alike."""
+    from mpihybrid.comm.agree import rank0_decides
     from mpihybrid.config import ConfigError
-
-    error, payload = None, None
-    if world is None or world.rank == 0:
-        error, payload = _one_line(decide_on_rank0)
-    if world is not None:
-        error, payload = world.bcast((error, payload), root=0)
-    if error:
-        raise ConfigError(f"train.schedule = 'auto': {error}")
-    return payload
-
-
-def _one_line(fn) -> tuple[str | None, dict | None]:
     from mpihybrid.pipeline.actions import ScheduleError
     from mpihybrid.trace.read import TraceError
 
-    try:
-        return None, fn()
-    except (ScheduleError, TraceError, OSError, ValueError) as exc:
-        return str(exc).splitlines()[0], None
+    expected = (ScheduleError, TraceError, OSError, ValueError)
+    payload, error = rank0_decides(world, decide_on_rank0, expected=expected)
+    if error:
+        raise ConfigError(f"train.schedule = 'auto': {error}")
+    return payload
