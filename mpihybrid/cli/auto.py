@@ -223,12 +223,7 @@ def expected_of_run(job, path: str, source: str) -> dict:
 
 def _expected_of_job(job, each) -> dict:
     """_expected of the job's own schedule (as resolved) on a run of it."""
-    from mpihybrid.pipeline.schedules import build_schedule, placement_of
-
-    t, pp = job.train, job.grid.pp
-    lists = build_schedule(t.schedule, pp, t.microbatches, t.virtual_stages, t.early_grad_send)
-    placement = placement_of(t.schedule, pp, t.virtual_stages)
-    return _expected(lists, placement, each, "its own calibration run")
+    return _expected(job.schedule.lists(), job.schedule.placement, each, "its own calibration run")
 
 
 def _measured(path: str, source: str):

@@ -34,12 +34,13 @@ from mpihybrid.config.job import (
     GridConfig,
     Job,
     ModelConfig,
+    Searched,
     TraceConfig,
     TrainConfig,
 )
 from mpihybrid.config.rules import validate
 from mpihybrid.inputs import MAX_TOML_BYTES, InputFileError, read_text
-from mpihybrid.pipeline.schedules import ScheduleError, get_spec
+from mpihybrid.pipeline.actions import ScheduleError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,6 +63,7 @@ __all__ = [  # the settings (config/job.py) are read from here as from their own
     "GridConfig",
     "Job",
     "ModelConfig",
+    "Searched",
     "TraceConfig",
     "TrainConfig",
     "build_job",
@@ -204,7 +206,7 @@ def _schedule_chunks(job: Job) -> Job:
     if t.schedule == AUTO:  # the search decides (cli/auto.py), then the job is resolved again
         return job
     try:
-        fixed = get_spec(t.schedule).chunks
+        fixed = job.schedule_spec.chunks
     except ScheduleError as exc:
         raise ConfigError(f"train.schedule = {t.schedule!r}: {exc}") from None
     if fixed > 1 and t.virtual_stages == 1:

@@ -8,6 +8,7 @@ config/rules.py checks it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -18,7 +19,9 @@ from mpihybrid.comm.layout import ORDERS, Layout
 from mpihybrid.comm.settings import GradientSettings, RingSettings
 from mpihybrid.nn.cost import Workload
 from mpihybrid.nn.kinds import model_kind
+from mpihybrid.pipeline.plan import Schedule, ScheduleError, make_schedule, spec_of
 from mpihybrid.pipeline.slowdown import Slowdown
+from mpihybrid.pipeline.spec import ScheduleSpec
 from mpihybrid.pipeline.wire import P2PWire
 
 AUTO = "auto"  # train.schedule searched for the job at the start (cli/auto.py)
@@ -169,6 +172,16 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class Searched:
+    """A schedule the search found (train.schedule = "auto"): its name csv:auto@HASH, its CSV
+    text, and the search's record (JSON), as config.searched.apply gives them to the job."""
+
+    name: str
+    csv: str
+    record: str
+
+
+@dataclass(frozen=True)
 class Job:
     grid: GridConfig = field(default_factory=GridConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -177,6 +190,40 @@ class Job:
     comm: CommConfig = field(default_factory=CommConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # not a section: a searched schedule's CSV and record (config.searched.apply), which no file
+    # holds; the schedule value takes them while train.schedule names it
+    searched: Searched | None = field(default=None, metadata={"section": False})
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """train.schedule as one value (pipeline/plan.py), made once for this job (a job made
+        with other settings makes its own): placement, every rank's compute lists, a CSV's text,
+        a searched schedule's record. ScheduleError where the settings make none (validate
+        says so first, as a ConfigError)."""
+        t, found = self.train, self._found()
+        if t.schedule == AUTO:
+            raise ScheduleError("train.schedule = 'auto' is searched before the run is built")
+        return make_schedule(
+            t.schedule,
+            self.grid.pp,
+            t.microbatches,
+            t.virtual_stages,
+            t.early_grad_send,
+            csv=found.csv if found else None,
+            search=found.record if found else None,
+        )
+
+    @property
+    def schedule_spec(self) -> ScheduleSpec:
+        """train.schedule's spec (a searched one's of its CSV): its chunks and rules, before
+        any list is built. ScheduleError for an unknown name or an unreadable CSV."""
+        found = self._found()
+        return spec_of(self.train.schedule, found.csv if found else None)
+
+    def _found(self) -> Searched | None:
+        """The searched schedule while train.schedule names it."""
+        found = self.searched
+        return found if found is not None and found.name == self.train.schedule else None
 
     @property
     def microbatch_size(self) -> int:
@@ -237,5 +284,6 @@ class Job:
         )
 
 
-SECTIONS = {f.name: f.type for f in fields(Job)}
-SECTION_TYPES = {f.name: f.default_factory for f in fields(Job)}
+_SECTIONS = [f for f in fields(Job) if f.metadata.get("section", True)]
+SECTIONS = {f.name: f.type for f in _SECTIONS}
+SECTION_TYPES = {f.name: f.default_factory for f in _SECTIONS}

@@ -27,7 +27,7 @@ from mpihybrid.config.job import (
 from mpihybrid.nn.kinds import KINDS, model_kind
 from mpihybrid.nn.optim import check_settings
 from mpihybrid.nn.weights import init_problem
-from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
+from mpihybrid.pipeline.schedules import ScheduleError, check_config
 from mpihybrid.pipeline.slowdown import Slowdown
 from mpihybrid.pipeline.wire import P2P_CODECS, P2P_SCOPES
 from mpihybrid.progress import TICK_S
@@ -51,7 +51,7 @@ def _check_names(job: Job) -> None:
     _one_of("data.kind", d.kind, KINDS[m.kind].data_kinds)
     try:
         if t.schedule != AUTO:
-            get_spec(t.schedule)  # a registered name, or csv:PATH of a readable schedule
+            _ = job.schedule_spec  # a registered name, csv:PATH of a readable CSV, or searched
     except ScheduleError as exc:
         raise ConfigError(f"train.schedule = {t.schedule!r}: {exc}") from None
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
@@ -180,16 +180,17 @@ def _check_schedule(job: Job) -> None:
     if t.schedule == AUTO:
         _check_auto(job)
         return
+    spec = job.schedule_spec
     try:
-        check_config(t.schedule, g.pp, t.microbatches, t.virtual_stages)
+        check_config(spec, g.pp, t.microbatches, t.virtual_stages)
         if t.schedule.startswith("csv:"):  # its lists: every F/B/W once, no deadlock
-            build_schedule(t.schedule, g.pp, t.microbatches, t.virtual_stages)
+            _ = job.schedule  # the value, made here once (Job.schedule)
     except ScheduleError as exc:
         raise ConfigError(str(exc).splitlines()[0]) from None  # the grid stays out
     try:
         _check_partition(m, g.pp, t.virtual_stages)
     except ConfigError as exc:
-        if get_spec(t.schedule).chunks > 1:  # virtual_stages came from the schedule
+        if spec.chunks > 1:  # virtual_stages came from the schedule
             raise ConfigError(
                 f"{exc} ({t.schedule} runs {t.virtual_stages} chunks per rank)"
             ) from None

@@ -39,7 +39,6 @@ MAX_ENUMERATED = 20_000  # splits enumerated before only the balanced one is tri
 # simulated step, or that built-in (its placement, its split, its order) is the answer: a tie on
 # costs that are not the run's is no reason to run an untried grid
 TIE_MARGIN = 0.02
-SEARCHES: dict[str, str] = {}  # csv:auto@HASH -> its search's JSON (cli/auto.py; the trace's)
 
 
 def judge(lists: dict, placement: Placement, costs: Costs, m: int) -> SimResult:
@@ -48,11 +47,6 @@ def judge(lists: dict, placement: Placement, costs: Costs, m: int) -> SimResult:
     if costs.vocab:
         lists = add_vocab_passes(lists, placement, m, costs, simulate)
     return simulate(lists, placement, costs)
-
-
-def search_attrs(schedule: str) -> dict:
-    """The trace attribute of a searched schedule: {"schedule_search": JSON} or {}."""
-    return {"schedule_search": SEARCHES[schedule]} if schedule in SEARCHES else {}
 
 
 @dataclass

@@ -301,8 +301,9 @@ def describe(
 ) -> str:
     """Grid + predicted and simulated bubble + peak activations per stage, for one schedule.
     grid: "full", "auto" (summarised past GRID_RANKS ranks or GRID_ROWS rows) or "none".
-    vocab: with model.vocab_parallel's passes (vocab_passes.py)."""
+    vocab: with model.vocab_parallel's passes (vocab_passes.py). name: or its spec."""
     spec = get_spec(name)
+    name = spec.name
     actions = build_schedule(name, pp, m, v, early_grad_send)
     placement = placement_of(name, pp, v)
     costs = unit_costs(actions)
