@@ -9,10 +9,10 @@ kept), searches the split and the order under
 the memory limit (`train.schedule_inflight` micro-batches of a rank's share, 0: pp) with
 pipeline/search.py, deterministically (one solver worker, a deterministic time limit), and
 broadcasts torch's CSV of the lists and the split. Every rank then runs the job as
-`train.schedule = "csv:auto@HASH"` with that split: the CSV is registered in this process
-(csv_schedule.register), so the trace keeps it (`schedule_csv`) like any csv: schedule, and the
-costs and the prediction go with it (`schedule_search`, JSON; `analyze` prints measured against
-predicted). A resumed run keeps the split of its newest checkpoint and searches only the order.
+`train.schedule = "csv:auto@HASH"` with that split: the job carries the CSV and the search's
+record (config.searched.apply; its schedule value, pipeline/plan.py, takes them), so the trace
+keeps the CSV (`schedule_csv`) like any csv: schedule's, and the costs and the prediction with
+it (`schedule_search`, JSON; `analyze` prints measured against predicted). A resumed run keeps the split of its newest checkpoint and searches only the order.
 
 Blocks timed one after another in one process are not what a run pays: the ranks share the
 machine's caches and memory bandwidth, and a stage's passes interleave with another's (on
