@@ -12,7 +12,8 @@ broadcasts torch's CSV of the lists and the split. Every rank then runs the job 
 `train.schedule = "csv:auto@HASH"` with that split: the job carries the CSV and the search's
 record (config.searched.apply; its schedule value, pipeline/plan.py, takes them), so the trace
 keeps the CSV (`schedule_csv`) like any csv: schedule's, and the costs and the prediction with
-it (`schedule_search`, JSON; `analyze` prints measured against predicted). A resumed run keeps the split of its newest checkpoint and searches only the order.
+it (`schedule_search`, JSON; `analyze` prints measured against predicted). A resumed run keeps
+the split of its newest checkpoint and searches only the order.
 
 Blocks timed one after another in one process are not what a run pays: the ranks share the
 machine's caches and memory bandwidth, and a stage's passes interleave with another's (on

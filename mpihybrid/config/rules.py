@@ -24,9 +24,8 @@ from mpihybrid.config.job import (
     Job,
     ModelConfig,
 )
-from mpihybrid.nn.kinds import KINDS, model_kind
+from mpihybrid.nn.kinds import KINDS, kinds_with, model_kind
 from mpihybrid.nn.optim import check_settings
-from mpihybrid.nn.weights import init_problem
 from mpihybrid.pipeline.schedules import ScheduleError, check_config
 from mpihybrid.pipeline.slowdown import Slowdown
 from mpihybrid.pipeline.wire import P2P_CODECS, P2P_SCOPES
@@ -98,7 +97,7 @@ def validate(job: Job) -> None:
     if wrong := vocab_parallel_problem(job):
         raise ConfigError(wrong)
     # the kind's own rules, and the settings of other kinds it refuses (nn/kinds.py)
-    if wrong := KINDS[m.kind].check(m) or (m.init and init_problem(m, d.seq_len, d.vocab)):
+    if wrong := KINDS[m.kind].check(m) or (m.init and _init_problem(m, d.seq_len, d.vocab)):
         raise ConfigError(wrong)
     _check_data(job)
     _check_schedule(job)
@@ -284,13 +283,26 @@ def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:
         )
 
 
+def _init_problem(m: ModelConfig, seq_len: int, vocab: int) -> str:
+    """model.init against the kind that would start from it (nn/kinds.py: ModelKind.init)."""
+    check = model_kind(m.kind).init
+    if check is None:
+        return (
+            f"model.init = {m.init!r}: starts {kinds_with('init')} only (model.kind = {m.kind!r})"
+        )
+    return check(m, seq_len, vocab)
+
+
 def vocab_parallel_problem(job: Job) -> str:
     """model.vocab_parallel's rules (nn/vocab.py), in one line, or ""."""
     m = job.model
     if not m.vocab_parallel:
         return ""
-    if m.kind != "gpt":
-        return f"model.vocab_parallel: a gpt's (model.kind = {m.kind!r} has no vocabulary)"
+    if not model_kind(m.kind).vocab_parallel:
+        return (
+            f"model.vocab_parallel: {kinds_with('vocab_parallel')}'s (model.kind = {m.kind!r} "
+            "splits no vocabulary)"
+        )
     if job.grid.pp < 2:
         return (
             f"model.vocab_parallel needs grid.pp >= 2 (pp = {job.grid.pp}: one rank holds the "

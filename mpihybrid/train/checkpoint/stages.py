@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mpihybrid.comm.agree import agree, rank0_decides
 from mpihybrid.comm.device import copy_from_host, host_array
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.train.checkpoint import disk
 from mpihybrid.train.checkpoint.disk import (
     CheckpointDamaged,
@@ -114,13 +115,14 @@ def check_compatible(manifest: dict, job, path: Path) -> None:
 
 def _check_chunking(manifest: dict, job, path: Path) -> None:
     """A checkpoint's stages are its placement's chunks: another pp or chunks per rank (a V
-    schedule's 2 after a loop's 1) is refused naming both and, for a GPT, the way across."""
+    schedule's 2 after a loop's 1) is refused naming both and, for a kind a weights file starts
+    (nn/kinds.py: ModelKind.init), the way across."""
     theirs = (manifest.get("pp"), manifest.get("virtual_stages"))
     mine = (job.grid.pp, job.train.virtual_stages)
     if theirs == mine:
         return
     across = ""
-    if job.model.kind == "gpt":
+    if model_kind(job.model.kind).init is not None:  # its weights export starts a job
         across = (
             f"; to go across, `mpihybrid weights export {path.parent} -o W.safetensors`, then "
             "start this job in another checkpoint.dir with model.init = W.safetensors (the "
