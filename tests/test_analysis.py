@@ -16,6 +16,7 @@ from mpihybrid.analysis.metrics import analyze, bubble_summary
 from mpihybrid.analysis.report import format_analysis
 from mpihybrid.config import load_job
 from mpihybrid.nn.model import build_stage
+from mpihybrid.pipeline.plan import make_schedule
 from mpihybrid.pipeline.schedules import Placement, build_schedule, lower, placement_of
 from mpihybrid.pipeline.simulate import Costs, bubble_formula, peak_inflight, simulate
 from mpihybrid.trace.read import Trace, load
@@ -228,7 +229,7 @@ def test_measured_bubble_of_known_gaps_is_exact():
         (3, 1, 1, "forward", 1, 0, 200.5, 201.0),
         (3, 1, 1, "weight", 1, 0, 201.0, 201.5),
     ]
-    result = bubble_summary(rows(spec), "1f1b", 2, 1)
+    result = bubble_summary(rows(spec), make_schedule("1f1b", 2, 1))
     expected = {0: 1 - 2 / 4, 1: 1 - 1.5 / 4, 2: 0.0, 3: 1 - 1.0 / 2}
     assert result["per_rank"] == pytest.approx(expected, abs=1e-12)
     assert result["measured"] == pytest.approx(sum(expected.values()) / 4, abs=1e-12)
@@ -254,7 +255,7 @@ def test_trace_laid_out_by_the_simulator_measures_what_it_predicts(name, pp, m, 
             spec.append((rank, a.stage, 0, code[a.kind], step, a.microbatch, origin + t,
                          origin + sim.end[a]))  # fmt: skip
     events = rows(spec)
-    result = bubble_summary(events[np.argsort(events["start"])], name, pp, m, v)
+    result = bubble_summary(events[np.argsort(events["start"])], make_schedule(name, pp, m, v))
     assert result["measured"] == pytest.approx(sim.bubble_fraction, abs=1e-12)
     assert result["predicted"] == pytest.approx(sim.bubble_fraction, abs=1e-12)
     assert result["measured"] == pytest.approx(bubble_formula(name, pp, m, v), abs=1e-12)
@@ -291,9 +292,8 @@ def test_simulated_trace_with_gaps_tails_and_whole_backwards_measures_what_it_pr
         for a, t in sim.start.items()
     ]  # fmt: skip
     events = rows(spec)
-    result = bubble_summary(
-        events[np.argsort(events["start"])], name, pp, m, v, skip_steps=1, early_grad_send=True
-    )
+    ran = make_schedule(name, pp, m, v, early_grad_send=True)
+    result = bubble_summary(events[np.argsort(events["start"])], ran, skip_steps=1)
     assert sim.bubble_fraction > 0.0
     assert result["measured"] == pytest.approx(sim.bubble_fraction, abs=1e-9)
     assert result["predicted"] == pytest.approx(sim.bubble_fraction, abs=1e-9)
@@ -318,7 +318,7 @@ def test_predicted_bubble_averages_each_steps_simulation_as_the_measured_one_doe
              100.0 * step + t, 100.0 * step + sim.end[a])
             for a, t in sim.start.items()
         ]  # fmt: skip
-    result = bubble_summary(rows(spec), "1f1b", 2, 4, 1, skip_steps=1)
+    result = bubble_summary(rows(spec), make_schedule("1f1b", 2, 4), skip_steps=1)
     assert result["steps"] == [1, 2]
     assert result["predicted"] == pytest.approx(sum(sims) / 2, abs=1e-12)
     assert result["measured"] == pytest.approx(sum(sims) / 2, abs=1e-12)

@@ -11,6 +11,7 @@ from mpihybrid.analysis.metrics import analyze
 from mpihybrid.cli import main
 from mpihybrid.config import ConfigError, load_job
 from mpihybrid.pipeline.csv_schedule import dump_csv, from_trace, parse_csv, read_csv
+from mpihybrid.pipeline.plan import trace_schedule
 from mpihybrid.pipeline.schedules import (
     SCHEDULES,
     ScheduleError,
@@ -136,15 +137,18 @@ def test_a_trace_carrying_its_csv_resolves_to_that_copy(tmp_path):
         build_schedule("gpipe", 2, 2), placement_of("gpipe", 2, 1)).start)  # fmt: skip
     zbv = TORCH_ZBV.read_bytes().decode()
     name = f"csv:{tmp_path / 'gone.csv'}"
-    first = from_trace({"schedule": name, "schedule_csv": zbv})
-    second = from_trace({"schedule": name, "schedule_csv": gpipe})
-    assert first != second and first.startswith(name)
-    assert build_schedule(first, 2, 4, 2) == build_schedule("zb-v", 2, 4, 2)
-    assert build_schedule(second, 2, 2, 1) == build_schedule("gpipe", 2, 2)
-    assert from_trace({"schedule": "zb-v"}) == "zb-v"
-    assert from_trace({"schedule": name}) == name  # an older trace: the file, as before
+    trace = {"schedule": name, "pp": 2, "virtual_stages": 2, "early_grad_send": False}
+    first = trace_schedule({**trace, "schedule_csv": zbv, "microbatches": 4})
+    second = trace_schedule(
+        {**trace, "schedule_csv": gpipe, "microbatches": 2, "virtual_stages": 1}
+    )
+    assert first.name == second.name == name and first.csv == zbv and second.csv == gpipe
+    assert first.lists() == build_schedule("zb-v", 2, 4, 2)
+    assert second.lists() == build_schedule("gpipe", 2, 2)
+    assert from_trace({"schedule": "zb-v"}) == ("zb-v", None)
+    assert from_trace({"schedule": name}) == (name, None)  # an older trace: the file, as before
     with pytest.raises(ScheduleError, match="cannot read it"):
-        build_schedule(name, 2, 4, 2)
+        trace_schedule({**trace, "microbatches": 4})
 
 
 @pytest.mark.mpi

@@ -92,3 +92,30 @@ def test_a_third_kind_is_one_entry(monkeypatch):
         resolve(build_job({}, [*sets, "model.hidden=1"]), 2)
     with pytest.raises(ConfigError, match="data.kind = 'markov': unknown; choose one of teacher"):
         resolve(build_job({}, [*sets, "data.kind=markov"]), 2)
+
+
+def _kind_tests(source: str) -> list[str]:
+    """Every comparison of a value with a kind's name ("gpt", "llama", "mlp") in `source`."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            names = [node.left, *node.comparators]
+            found += [n.value for n in names if isinstance(n, ast.Constant) and n.value in KINDS]
+    return found
+
+
+def test_no_kind_is_tested_by_name_outside_nn():
+    """What a kind is or allows (ties, a file to start from, a split vocabulary, the way across
+    a checkpoint's chunks) is asked of its entry in nn/kinds.py, not of its name."""
+    from tests.helpers import ROOT
+
+    package = ROOT / "mpihybrid"
+    wrong = [
+        f"{path.relative_to(ROOT)}: {', '.join(found)}"
+        for path in sorted(package.rglob("*.py"))
+        if (package / "nn") not in path.parents and (found := _kind_tests(path.read_text()))
+    ]
+    assert not wrong, "a model kind tested by name outside nn/:\n" + "\n".join(wrong)
+    assert _kind_tests('if m.kind != "gpt" or "llama" == k:\n    pass') == ["gpt", "llama"]

@@ -347,15 +347,21 @@ def test_bench_names_what_auto_chose():
     import json
 
     from mpihybrid.cli.bench_train import _schedule_name
-    from mpihybrid.pipeline.search import SEARCHES
+    from mpihybrid.config import Searched
+    from mpihybrid.pipeline.csv_schedule import dump_csv
+    from mpihybrid.pipeline.plan import make_schedule
+    from mpihybrid.pipeline.simulate import simulate, unit_costs
 
-    job = build_job({"grid": {"pp": 2}, "model": {"depth": 4}})
+    job = build_job({"grid": {"pp": 2, "dp": 1}, "model": {"depth": 4}})
     assert _schedule_name(job) == job.train.schedule  # not searched: as it is
+    zbv = make_schedule("zb-v", 2, 4, 2)
+    text = dump_csv(
+        zbv.lists(), simulate(zbv.lists(), zbv.placement, unit_costs(zbv.lists())).start
+    )
     name = "csv:auto@0123456789ab"
-    SEARCHES[name] = json.dumps({"placement": "v", "found_by": "zb-v"})
-    try:
-        searched = dataclasses.replace(job, train=dataclasses.replace(job.train, schedule=name))
-        split = job.model.partition
-        assert _schedule_name(searched) == f"{name} (auto: v by zb-v, split {split})"
-    finally:
-        del SEARCHES[name]
+    found = Searched(name, text, json.dumps({"placement": "v", "found_by": "zb-v"}))
+    train = dataclasses.replace(job.train, schedule=name, virtual_stages=2)
+    searched = dataclasses.replace(job, train=train, searched=found)
+    split = job.model.partition
+    assert _schedule_name(searched) == f"{name} (auto: v by zb-v, split {split})"
+    assert searched.schedule.lists() == zbv.lists() and searched.schedule.csv == text

@@ -41,7 +41,10 @@ def modules(root: Path = PACKAGE) -> dict[str, Path]:
 
 
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The package's modules that `name` imports (from x import y counts x, and x.y if a module)."""
+    """The package's modules that `name` imports, at module level or inside a function: `from
+    x import y` counts x.y if it is a module, and x if y is a name of x's own. So `from pkg
+    import submodule` in a child of pkg adds no edge to pkg (pkg's __init__ has run anyway),
+    while a child that imports a name of its parent's does (a loop if the parent imports it)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -52,13 +55,14 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 parts = name.split(".")
                 keep = len(parts) - node.level + (path.name == "__init__.py")
                 base = ".".join(parts[:keep] + ([base] if base else []))
-            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            subs = [f"{base}.{a.name}" for a in node.names]
+            owns = any(s not in known for s in subs)  # a name of the package's own
+            targets = ([base] if owns else []) + subs
         else:
             continue
         found.update(t for t in targets if t in known)
     found.discard(name)
-    # a package's __init__ runs before its children anyway: child -> parent adds no edge
-    return {t for t in found if not name.startswith(t + ".")}
+    return found
 
 
 def layer(name: str) -> int:
@@ -128,6 +132,22 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
     edges = {"mpihybrid.comm.a": {"mpihybrid.cli.b"}, "mpihybrid.cli.b": {"mpihybrid.comm.a"}}
     assert find_cycle(edges) == ["mpihybrid.cli.b", "mpihybrid.comm.a", "mpihybrid.cli.b"]
     assert upward_imports(edges) == ["mpihybrid.comm.a (layer 1) imports mpihybrid.cli.b (layer 9)"]
+
+
+def test_a_loop_through_a_parent_and_a_lazy_import_is_seen(tmp_path):
+    """config/__init__.py imported config.rules inside a function while rules imported the
+    job's classes from config: a child importing its parent's names is an edge, a lazy import
+    is one too; `from pkg import submodule` in a child is no edge to pkg."""
+    pkg = tmp_path / "mpihybrid" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("def f():\n    from mpihybrid.pkg.rules import check\n")
+    (pkg / "rules.py").write_text("from mpihybrid.pkg import Job\n")
+    (pkg / "other.py").write_text("from mpihybrid.pkg import rules\nfrom . import rules\n")
+    known = modules(pkg.parent)
+    edges = {name: imports(name, path, known) for name, path in known.items()}
+    assert edges["mpihybrid.pkg.other"] == {"mpihybrid.pkg.rules"}
+    assert find_cycle(edges) == ["mpihybrid.pkg", "mpihybrid.pkg.rules", "mpihybrid.pkg"]
 
 
 def long_modules(root: Path = PACKAGE, limit: int = MAX_MODULE_LINES) -> list[str]:

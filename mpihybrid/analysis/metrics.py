@@ -24,8 +24,8 @@ from mpihybrid.analysis.messages import Messages, match_messages, message_latenc
 from mpihybrid.analysis.oversubscription import oversubscription
 from mpihybrid.analysis.rows import durations, group_max, group_min, group_sum, groups
 from mpihybrid.nn.kinds import KINDS as KINDS_OF_MODEL
-from mpihybrid.pipeline.csv_schedule import from_trace
 from mpihybrid.pipeline.liveness import replay_rows
+from mpihybrid.pipeline.plan import Schedule, trace_schedule
 from mpihybrid.trace.read import Trace
 from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS, VOCAB_PASSES, step_times
 
@@ -48,22 +48,14 @@ def _measured_steps(events: np.ndarray, skip_steps: int) -> np.ndarray:
 # the bubble
 
 
-def bubble_summary(
-    events: np.ndarray,
-    schedule: str,
-    pp: int,
-    num_microbatches: int,
-    virtual_stages: int = 1,
-    *,
-    skip_steps: int = 1,
-    early_grad_send: bool = False,
-) -> dict:
+def bubble_summary(events: np.ndarray, schedule: Schedule, *, skip_steps: int = 1) -> dict:
     """Idle fraction of the pipeline phase, measured from the events and predicted by simulate().
 
     measured: per step and replica, the phase spans the earliest F/B/W start to the latest F/B/W
     end over that replica's ranks; a rank's idle = phase - its F+B+W time. The mean of idle/phase
     over ranks and steps (the first `skip_steps` are warm-up and left out while later ones exist).
-    predicted: simulate() of the schedule as the run executed it (early_grad_send), once per
+    predicted: simulate() of the schedule as the run executed it (its value: pipeline.plan, as
+    the run or the trace made it; its lists send gradients early where the run did), once per
     phase with that phase's own costs (stage_costs: each stage's mean F, B, W and whole B, the
     extra time of its last weight-gradient action, a rank's gap between actions) and the window's
     mean message latency (message_latency) on every cross-rank dependency; the mean over phases, as
@@ -73,7 +65,6 @@ def bubble_summary(
     Returns {"measured", "predicted", "per_rank": {rank: measured}, "costs" (the window's
     means), "steps"}.
     """
-    from mpihybrid.pipeline.schedules import build_schedule, placement_of
     from mpihybrid.pipeline.simulate import Costs, simulate
 
     working = list(COMPUTE) + [KIND[k] for k in VOCAB_PASSES]
@@ -95,11 +86,10 @@ def bubble_summary(
     per_rank = {int(r): float(f) for r, f in zip(ranks, means, strict=True)}
     measured = float(fraction.mean()) if len(fraction) else 0.0
 
-    num_stages = pp * virtual_stages
+    actions, placement = schedule.lists(), schedule.placement
+    num_stages = placement.num_stages
     send = message_latency(events[np.isin(events["step"], steps)], mean=True)
     costs = stage_costs(compute, num_stages, send) | {"send": send}
-    actions = build_schedule(schedule, pp, num_microbatches, virtual_stages, early_grad_send)
-    placement = placement_of(schedule, pp, virtual_stages)
     order = np.argsort(phase_of, kind="stable")
     cut = np.flatnonzero(np.diff(phase_of[order])) + 1
     predicted = [
@@ -187,8 +177,8 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     if not trace.has_actions:
         return _steps_only(trace, run, config, skip_steps)
     pp, dp, m = run["pp"], run["dp"], run["microbatches"]
-    schedule = from_trace(attrs)  # a csv: schedule from the trace's copy of its CSV
-    v, early = run["virtual_stages"], run["early_grad_send"]
+    schedule = trace_schedule(attrs)  # a csv: schedule from the trace's copy of its CSV
+    v = run["virtual_stages"]
     num_stages = pp * v
     all_steps = ev[ev["kind"] == KIND["step"]]
     steps = _measured_steps(all_steps, skip_steps)
@@ -196,9 +186,9 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
     of = {name: window[window["kind"] == KIND[name]] for name in KINDS}
 
     ranks = _rank_rows(window)
-    bubble = bubble_summary(ev, schedule, pp, m, v, skip_steps=skip_steps, early_grad_send=early)
-    bubble["formula"] = bubble_formula(schedule, pp, m, v)
-    bubble["formula_text"] = bubble_text(schedule)
+    bubble = bubble_summary(ev, schedule, skip_steps=skip_steps)
+    bubble["formula"] = bubble_formula(schedule.spec, pp, m, v)
+    bubble["formula_text"] = bubble_text(schedule.spec)
     for row in ranks:
         row["bubble"] = bubble["per_rank"].get(row["rank"])
 
@@ -220,9 +210,7 @@ def analyze(trace: Trace, skip_steps: int = 1) -> dict:
         "window": _window(steps, step_time),
         "counts": {name: int(np.sum(ev["kind"] == KIND[name])) for name in KINDS},
         "ranks": ranks,
-        "stages": _stage_rows(
-            window, of, bubble["costs"], schedule=schedule, pp=pp, m=m, v=v, early=early
-        ),
+        "stages": _stage_rows(window, of, bubble["costs"], schedule=schedule),
         "bubble": bubble,
         "bytes": _bytes_sent(ev, sends, ev[ev["kind"] == KIND["allreduce"]], messages),
         "messages": {"sends": int(np.sum(sends["microbatch"] >= 0)), "matched": len(messages)},
@@ -353,18 +341,14 @@ def _rank_rows(ev: np.ndarray) -> list[dict]:
     return ranks
 
 
-def _stage_rows(
-    ev: np.ndarray, of: dict, costs: dict, *, schedule: str, pp: int, m: int, v: int, early: bool
-) -> list[dict]:
+def _stage_rows(ev: np.ndarray, of: dict, costs: dict, *, schedule: Schedule) -> list[dict]:
     """Per stage: seconds in each SPLIT column, mean F/B/W, activations in flight measured and
     predicted by the schedule."""
-    from mpihybrid.pipeline.schedules import build_schedule, placement_of
     from mpihybrid.pipeline.simulate import peak_inflight
 
-    num_stages = pp * v
+    num_stages = schedule.placement.num_stages
     peak_count, peak_bytes = _peak_activations(ev, num_stages)
-    placement = placement_of(schedule, pp, v)
-    predicted_peak = peak_inflight(build_schedule(schedule, pp, m, v, early), placement)
+    predicted_peak = peak_inflight(schedule.lists(), schedule.placement)
     per_stage = {}
     for name in SPLIT:
         rows = of[name][(of[name]["stage"] >= 0) & (of[name]["stage"] < num_stages)]

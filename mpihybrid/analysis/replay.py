@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpihybrid.pipeline.plan import Schedule, ScheduleError, make_schedule, trace_schedule
 from mpihybrid.pipeline.search_costs import CostsError
 from mpihybrid.pipeline.simulate import Costs, simulate
 
@@ -85,12 +86,12 @@ class Measured:
     global_batch: int | None
     source: str
     config: str = ""  # the trace's job (TOML): its blocks, for a change of placement
+    ran: Schedule | None = None  # the schedule as it ran (a csv: one from the trace's copy)
 
     @classmethod
     def of(cls, trace, path: str = "the trace") -> Measured:
         from mpihybrid.analysis.metrics import flat_config
         from mpihybrid.analysis.search_inputs import measured_steps, trace_costs
-        from mpihybrid.pipeline.csv_schedule import from_trace
         from mpihybrid.trace.recorder import COMPUTE, KIND, step_times
 
         attrs, ev = trace.attrs, trace.events
@@ -127,11 +128,14 @@ class Measured:
         if str(attrs.get("order", "pipeline-inner")) == "data-inner":
             ranks = [[r * dp + k for r in range(pp)] for k in range(dp)]
         gb = flat_config(trace).get("train.global_batch")
+        try:
+            ran = trace_schedule(attrs)
+        except ScheduleError as exc:
+            raise ReplayError(f"{path}: {exc}") from None
         return cls(
-            from_trace(attrs), pp, dp, int(attrs["microbatches"]),
-            int(attrs.get("virtual_stages", 1)), bool(attrs.get("early_grad_send", False)),
+            ran.name, pp, dp, ran.microbatches, ran.virtual_stages, ran.early_grad_send,
             steps[: len(costs)], costs, times, phases, ranks,
-            int(gb) if gb is not None else None, path, trace.config,
+            int(gb) if gb is not None else None, path, trace.config, ran,
         )  # fmt: skip
 
     @property
@@ -153,24 +157,18 @@ def schedule_of(base: Measured, change: Change, mean_costs=None):
     """((compute lists, placement), the BlockLayout that carries the trace's costs to its
     stages, None where they are the trace's own): ReplayError when it cannot run at this pp and
     M, or needs another placement and the trace's job does not say its blocks."""
-    from mpihybrid.pipeline.schedules import (
-        ScheduleError,
-        build_schedule,
-        check_config,
-        chunks_for,
-        placement_of,
-    )
+    from mpihybrid.pipeline.schedules import chunks_for
 
     name = change.schedule or base.schedule
     m = change.microbatches or base.m
-    mine = placement_of(base.schedule, base.pp, base.v)
+    mine = base.ran.placement
     if name == "auto":
         return _searched(base, m, mine, mean_costs), None
     try:
         v = change.virtual_stages or (chunks_for(name, base.v) if change.schedule else base.v)
-        check_config(name, base.pp, m, v)
-        actions = build_schedule(name, base.pp, m, v, base.early)
-        placement = placement_of(name, base.pp, v)
+        csv = base.ran.csv if name == base.schedule else None  # the trace's copy of its CSV
+        ran = make_schedule(name, base.pp, m, v, base.early, csv=csv)
+        actions, placement = ran.lists(), ran.placement
     except ScheduleError as exc:
         raise ReplayError(f"whatif: {exc}") from None
     if placement.stage_ranks == mine.stage_ranks and not change.partition:

@@ -129,13 +129,14 @@ def inflight_for_bytes(job, nbytes: int) -> float:
     holds one micro-batch."""
     import dataclasses
 
-    from mpihybrid.pipeline.schedules import build_schedule, placement_of
+    from mpihybrid.pipeline.plan import make_schedule
     from mpihybrid.pipeline.simulate import peak_per_rank
     from mpihybrid.train.memory import rank_estimate
 
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, schedule="1f1b"))
     pp, m = job.grid.pp, job.train.microbatches
-    peaks = peak_per_rank(build_schedule("1f1b", pp, m, 1), placement_of("1f1b", pp))
+    plain = make_schedule("1f1b", pp, m)  # as its paper draws it
+    peaks = peak_per_rank(plain.lists(), plain.placement)
     fits, smallest = math.inf, 0.0
     for r in range(pp):
         parts = rank_estimate(job, r)

@@ -9,10 +9,11 @@ kept), searches the split and the order under
 the memory limit (`train.schedule_inflight` micro-batches of a rank's share, 0: pp) with
 pipeline/search.py, deterministically (one solver worker, a deterministic time limit), and
 broadcasts torch's CSV of the lists and the split. Every rank then runs the job as
-`train.schedule = "csv:auto@HASH"` with that split: the CSV is registered in this process
-(csv_schedule.register), so the trace keeps it (`schedule_csv`) like any csv: schedule, and the
-costs and the prediction go with it (`schedule_search`, JSON; `analyze` prints measured against
-predicted). A resumed run keeps the split of its newest checkpoint and searches only the order.
+`train.schedule = "csv:auto@HASH"` with that split: the job carries the CSV and the search's
+record (config.searched.apply; its schedule value, pipeline/plan.py, takes them), so the trace
+keeps the CSV (`schedule_csv`) like any csv: schedule's, and the costs and the prediction with
+it (`schedule_search`, JSON; `analyze` prints measured against predicted). A resumed run keeps
+the split of its newest checkpoint and searches only the order.
 
 Blocks timed one after another in one process are not what a run pays: the ranks share the
 machine's caches and memory bandwidth, and a stage's passes interleave with another's (on
@@ -34,7 +35,8 @@ import json
 import os
 
 from mpihybrid import temps
-from mpihybrid.config.searched import AUTO_TIME, WARM, apply, auto_placements
+from mpihybrid.config import WARM
+from mpihybrid.config.searched import AUTO_TIME, apply, auto_placements
 
 
 def costs_of(job, link: tuple[float, float] = (0.0, 0.0)):
@@ -222,12 +224,7 @@ def expected_of_run(job, path: str, source: str) -> dict:
 
 def _expected_of_job(job, each) -> dict:
     """_expected of the job's own schedule (as resolved) on a run of it."""
-    from mpihybrid.pipeline.schedules import build_schedule, placement_of
-
-    t, pp = job.train, job.grid.pp
-    lists = build_schedule(t.schedule, pp, t.microbatches, t.virtual_stages, t.early_grad_send)
-    placement = placement_of(t.schedule, pp, t.virtual_stages)
-    return _expected(lists, placement, each, "its own calibration run")
+    return _expected(job.schedule.lists(), job.schedule.placement, each, "its own calibration run")
 
 
 def _measured(path: str, source: str):
@@ -270,10 +267,7 @@ def calibration_run(job, world, steps: int) -> str:
     from mpihybrid.config import TraceConfig
     from mpihybrid.train.loop import train
 
-    path = ""
-    if world.rank == 0:
-        path = os.path.join(temps.make_dir("mpihybrid-auto-"), "calibration.h5")
-    path = world.bcast(path, root=0)
+    path = _agreed(world, lambda: os.path.join(temps.make_dir("mpihybrid-auto-"), "calibration.h5"))
     t = dataclasses.replace(job.train, steps=steps, eval_every=0, log_every=0)
     # the job's checkpoint.dir stays: a SIGTERM or SIGUSR1 then means what it means to the job
     # (preempted before step 1, exit 3); train(calibrating=True) writes no checkpoint there
@@ -306,23 +300,13 @@ def _give_back() -> None:
 def _agreed(world, decide_on_rank0):
     """decide_on_rank0() on rank 0, its payload on every rank; its one-line error raised as a
     ConfigError on every rank alike."""
+    from mpihybrid.comm.agree import rank0_decides
     from mpihybrid.config import ConfigError
-
-    error, payload = None, None
-    if world is None or world.rank == 0:
-        error, payload = _one_line(decide_on_rank0)
-    if world is not None:
-        error, payload = world.bcast((error, payload), root=0)
-    if error:
-        raise ConfigError(f"train.schedule = 'auto': {error}")
-    return payload
-
-
-def _one_line(fn) -> tuple[str | None, dict | None]:
     from mpihybrid.pipeline.actions import ScheduleError
     from mpihybrid.trace.read import TraceError
 
-    try:
-        return None, fn()
-    except (ScheduleError, TraceError, OSError, ValueError) as exc:
-        return str(exc).splitlines()[0], None
+    expected = (ScheduleError, TraceError, OSError, ValueError)
+    payload, error = rank0_decides(world, decide_on_rank0, expected=expected)
+    if error:
+        raise ConfigError(f"train.schedule = 'auto': {error}")
+    return payload

@@ -200,12 +200,10 @@ def _schedule_name(job: Job) -> str:
     found it (the exact search, the greedy, or a built-in kept on a tie) and the split."""
     import json
 
-    from mpihybrid.pipeline.search import SEARCHES
-
-    name = job.train.schedule
-    if name not in SEARCHES:
+    name, record = job.train.schedule, job.schedule.search
+    if record is None:
         return name
-    info = json.loads(SEARCHES[name])
+    info = json.loads(record)
     return f"{name} (auto: {info['placement']} by {info['found_by']}, split {job.model.partition})"
 
 

@@ -98,13 +98,15 @@ def probe_link(world, job) -> tuple[float, float]:
 
 def _run(comm, job) -> np.ndarray | None:
     """PROBE_STEPS steps of zb-h1 on copy stages; every rank's trace rows on rank 0."""
+    from mpihybrid.pipeline.plan import make_schedule
     from mpihybrid.pipeline.runtime import PipelineRuntime
-    from mpihybrid.pipeline.schedules import build_schedule, lower, placement_of
+    from mpihybrid.pipeline.schedules import lower
     from mpihybrid.trace.recorder import Recorder, clock_offset, gather_events
 
     m, me = job.train.microbatches, comm.Get_rank()
-    placement = placement_of("zb-h1", 2)
-    lists = lower(build_schedule("zb-h1", 2, m, early_grad_send=True), placement)
+    probe = make_schedule("zb-h1", 2, m, early_grad_send=True)
+    placement = probe.placement
+    lists = lower(probe.lists(), placement)
     shape = tuple(activation_shape(job))
     recorder = Recorder(me, replica=0, capacity=PROBE_STEPS * len(lists[me]) + 8)
     runtime = PipelineRuntime(

@@ -24,6 +24,7 @@ from pathlib import Path
 import click
 
 from mpihybrid.cli.commands import _debug_env, abort_job, exit_on_any_error, exit_stopped
+from mpihybrid.comm.agree import rank0_decides
 
 
 def resolve_job(
@@ -43,8 +44,11 @@ def resolve_job(
 
     error, job = None, None
     if resumed:  # a resume starts from its checkpoint's weights, not model.init's file
-        overrides = [*overrides, *world.bcast(init_not_read(job_file, overrides) if
-                                              world.rank == 0 else [])]  # fmt: skip
+        # (a checkpoint.dir rank 0 cannot list: none dropped, the resume says what is wrong)
+        dropped, _ = rank0_decides(
+            world, lambda: init_not_read(job_file, overrides), expected=(OSError,)
+        )
+        overrides = [*overrides, *(dropped or [])]
     try:
         job = load_job(job_file, overrides, world.Get_size())
         if check is not None:
@@ -106,13 +110,12 @@ def _timed_partition(job, world):
 
     if job.model.partition != "timed":
         return job
-    counts = None
-    if world.rank == 0:
-        try:
-            counts = resolve_partition(job).model.partition
-        except Exception as exc:  # rank 0 alone, while the others wait in bcast: end them all
-            abort_job(world, exc, "timing the model's blocks", _debug_env())
-    counts = world.bcast(counts, root=0)
+    try:  # no failure expected: one ends the job (the others wait in rank 0's broadcast)
+        counts, _ = rank0_decides(
+            world, lambda: resolve_partition(job).model.partition, expected=()
+        )
+    except Exception as exc:
+        abort_job(world, exc, "timing the model's blocks", _debug_env())
     logging.getLogger("mpihybrid").info(
         "model.partition = 'timed': %s layers per chunk (embedding with the first, head with "
         "the last)",

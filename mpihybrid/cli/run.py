@@ -25,6 +25,7 @@ from mpihybrid.cli.commands import (
     exit_stopped,
 )
 from mpihybrid.cli.options import set_option
+from mpihybrid.comm.agree import rank0_decides
 from mpihybrid.files import release_all
 
 
@@ -80,24 +81,20 @@ def train(*, job_file, overrides, trace_path, overwrite, quiet, resume, force, d
     # Every rank validates the same inputs; rank 0 also checks the file system. All ranks then
     # agree on the first error, so they exit together before any message of training is sent.
     job, notes = resolve_job(job_file, overrides, world)  # collective
-    error, resume_from = None, None
-    try:
-        if world.rank == 0:
-            resume_from = _preflight(job, resume, force)
-    except (ConfigError, CheckpointError, TraceError) as exc:
-        error = str(exc)
-    except FileExistsError as exc:
-        error = f"{exc} (--overwrite replaces it)"
-    except OSError as exc:
-        error = str(exc)
-    except Exception as exc:  # rank 0 alone, while the others wait below: end them all
+    try:  # rank 0 looks at the file system: the checkpoint to resume, the trace's file
+        resume_from, error = rank0_decides(
+            world,
+            lambda: _preflight(job, resume, force),
+            expected=(ConfigError, CheckpointError, TraceError, OSError),
+            describe=_refused,
+        )
+    except Exception as exc:  # rank 0 alone, while the others wait in its broadcast: end them all
         abort_job(world, exc, "checking the job", debug or _debug_env())
     exit_on_any_error(world, error)
     try:
         check_fits(job, world)  # collective: the same verdict on every rank
     except ConfigError as exc:
         exit_on_any_error(world, str(exc))
-    resume_from = world.bcast(resume_from, root=0)
     summary = _run_training(
         job, world, quiet=quiet, resume_from=resume_from, debug=debug or _debug_env(), notes=notes
     )
@@ -146,6 +143,13 @@ def _calibrated_gemm_flops() -> float | None:
         return load_cluster(path).device.gemm_flops if path.is_file() else None
     except (ClusterError, OSError):
         return None
+
+
+def _refused(exc: BaseException) -> str:
+    """_preflight's refusal as the line every rank exits with."""
+    if isinstance(exc, FileExistsError):
+        return f"{exc} (--overwrite replaces it)"
+    return str(exc)
 
 
 def _preflight(job, resume: bool, force: bool = False) -> list[str] | None:

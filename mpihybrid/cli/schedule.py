@@ -87,9 +87,11 @@ def schedule_show(
 ):
     """Print a schedule's step x rank grid, predicted bubble and peak activations."""
     from mpihybrid.pipeline.csv_schedule import dump_csv, from_trace
-    from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, chunks_for, placement_of
+    from mpihybrid.pipeline.plan import make_schedule, spec_of
+    from mpihybrid.pipeline.schedules import ScheduleError, chunks_for
     from mpihybrid.pipeline.simulate import compare, describe, simulate, unit_costs
 
+    copy = None  # a trace's copy of its csv: schedule's text
     if show_all and (csv_path or trace_path):
         _fail(f"{'--csv' if csv_path else '--trace'} shows one schedule, not --all")
     if trace_path:
@@ -99,12 +101,14 @@ def schedule_show(
             attrs = load(trace_path).attrs
         except TraceError as exc:
             _fail(str(exc))
-        name, pp, microbatches = from_trace(attrs), int(attrs["pp"]), int(attrs["microbatches"])
+        (name, copy), pp = from_trace(attrs), int(attrs["pp"])
+        microbatches = int(attrs["microbatches"])
         virtual = int(attrs.get("virtual_stages", 1))
         early_grad_send = bool(attrs.get("early_grad_send", False))
         vocab_parallel = bool(attrs.get("vocab_parallel", False))
     try:
-        v = virtual if virtual is not None else (2 if show_all else chunks_for(name))
+        spec = spec_of(name, copy)  # a trace's csv: schedule: of its copy of the CSV
+        v = virtual if virtual is not None else (2 if show_all else chunks_for(spec))
         _check_schedule_size(pp, microbatches, v)
         if show_all:
             click.echo(compare(pp, microbatches, v, early_grad_send))
@@ -112,11 +116,12 @@ def schedule_show(
         if vocab_parallel and (show_all or csv_path):
             _fail("--vocab-parallel shows one schedule's grid (torch's CSV has no such passes)")
         click.echo(
-            describe(name, pp, microbatches, v, early_grad_send, grid=grid, vocab=vocab_parallel)
+            describe(spec, pp, microbatches, v, early_grad_send, grid=grid, vocab=vocab_parallel)
         )
         if csv_path:
-            actions = build_schedule(name, pp, microbatches, v, early_grad_send)
-            unit = simulate(actions, placement_of(name, pp, v), unit_costs(actions))
+            shown = make_schedule(name, pp, microbatches, v, early_grad_send, csv=copy)
+            actions = shown.lists()
+            unit = simulate(actions, shown.placement, unit_costs(actions))
             text = dump_csv(actions, unit.start)
             with open(csv_path, "w", newline="") as fh:
                 fh.write(text)

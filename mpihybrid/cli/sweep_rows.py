@@ -16,7 +16,7 @@ from mpihybrid.config import ConfigError, Job
 from mpihybrid.files import write_atomic
 from mpihybrid.nn.kinds import model_kind
 from mpihybrid.pipeline.liveness import replay_rows
-from mpihybrid.pipeline.schedules import SCHEDULES, get_spec
+from mpihybrid.pipeline.schedules import SCHEDULES
 from mpihybrid.trace.recorder import step_times
 from mpihybrid.units import table as text_table
 
@@ -68,21 +68,17 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
     """One CSV row from a finished run's Summary."""
     from mpihybrid.analysis.metrics import bubble_summary
     from mpihybrid.pipeline.as_run import actions_as_run
-    from mpihybrid.pipeline.schedules import build_schedule, placement_of
     from mpihybrid.pipeline.simulate import bubble_formula, peak_inflight, peak_per_rank
 
     g, t = job.grid, job.train
     # what ran: an auto cell runs the schedule searched for it (csv:auto@HASH, its chunks)
-    name, m, v = t.schedule, cell.microbatches, t.virtual_stages
+    m, v = cell.microbatches, t.virtual_stages
     measured = [t for s, t in step_times(summary.events).items() if s >= warmup_steps]
     step_s = statistics.median(measured)
-    early = t.early_grad_send
-    bubble = bubble_summary(
-        summary.events, name, g.pp, m, v, skip_steps=warmup_steps, early_grad_send=early
-    )
+    schedule = job.schedule  # made when the cell's job was resolved
+    bubble = bubble_summary(summary.events, schedule, skip_steps=warmup_steps)
     costs = bubble["costs"]
-    placement = placement_of(name, g.pp, v)
-    actions = build_schedule(name, g.pp, m, v, early)
+    placement, actions = schedule.placement, schedule.lists()
     predicted_peaks = peak_inflight(actions, placement)
     measured_peaks = [summary.peak_inflight[s] for s in sorted(summary.peak_inflight)]
     return {
@@ -104,7 +100,7 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
         ),
         "bubble_measured": float(bubble["measured"]),
         "bubble_predicted": float(bubble["predicted"]),
-        "bubble_textbook": bubble_formula(name, g.pp, m, v),
+        "bubble_textbook": bubble_formula(schedule.spec, g.pp, m, v),
         "peak_inflight": max(measured_peaks),
         "peak_inflight_predicted": max(predicted_peaks),
         "peak_inflight_per_stage": ";".join(map(str, measured_peaks)),
@@ -114,7 +110,7 @@ def measure(summary, job: Job, cell: Cell, repeat: int, warmup_steps: int) -> di
             peak_per_rank(actions_as_run(summary.events, placement, t.steps - 1), placement)
         ),
         "peak_rank_predicted": max(peak_per_rank(actions, placement)),
-        "memory_paper": get_spec(name).memory_text,
+        "memory_paper": schedule.spec.memory_text,
         "speedup_vs_gpipe": None,
         "forward_ms": 1e3 * float(np.mean(costs["forward"])),
         "backward_ms": 1e3 * float(np.mean(costs["backward"])),

@@ -12,244 +12,68 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from mpihybrid.comm.codecs import get_codec
-from mpihybrid.comm.device import CPU, Backend
-from mpihybrid.comm.layout import ORDERS, Layout
-from mpihybrid.comm.settings import GradientSettings, RingSettings
+from mpihybrid.config.job import (
+    AUTO,
+    DECAY_ON,
+    GRID_ORDERS,
+    OPTIMIZERS,
+    PARAM_CODECS,
+    RECOMPUTE,
+    SECTION_TYPES,
+    SECTIONS,
+    UNION_KEYS,
+    WARM,
+    CheckpointConfig,
+    CommConfig,
+    ConfigError,
+    DataConfig,
+    GridConfig,
+    Job,
+    ModelConfig,
+    Searched,
+    TraceConfig,
+    TrainConfig,
+)
+from mpihybrid.config.rules import validate
 from mpihybrid.inputs import MAX_TOML_BYTES, InputFileError, read_text
-from mpihybrid.nn.cost import Workload
-from mpihybrid.nn.kinds import model_kind
-from mpihybrid.pipeline.schedules import ScheduleError, get_spec
-from mpihybrid.pipeline.slowdown import Slowdown
-from mpihybrid.pipeline.wire import P2PWire
-
-AUTO = "auto"  # train.schedule searched for the job at the start (cli/auto.py)
+from mpihybrid.pipeline.actions import ScheduleError
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-OPTIMIZERS = ("sgd", "adamw")
-DECAY_ON = ("matrices", "matrices+embeddings", "all")  # train.weight_decay_on
-GRID_ORDERS = (*ORDERS, "auto")  # auto: the one predict ranks first (predict.auto)
-PARAM_CODECS = ("fp32", "bf16", "int8")  # the weight all-gather of train.shard_optimizer
-RECOMPUTE = ("none", "full")
-# keys that take a value of more than one type: (section, key) -> the types allowed
-_UNION_KEYS = {("model", "partition"): (str, list), ("comm", "cuda_aware"): (str, bool)}
-
-
-class ConfigError(ValueError):
-    """A job that cannot run; the message is one line meant for the user."""
-
-
-@dataclass(frozen=True)
-class GridConfig:
-    pp: int = 1  # pipeline stages per pipeline
-    dp: int = -1  # data-parallel replicas per stage; -1 = world size // pp
-    # pipeline-inner: rank = dp_rank*pp + pp_rank; data-inner: swapped; auto: the one predict
-    # ranks first for the world and the nodes MPI reports (predict.auto)
-    order: str = "pipeline-inner"
-    device: str = "cpu"  # cpu (numpy) | cuda (CuPy, GPU local_rank % GPUs on the node)
-
-    @property
-    def layout(self) -> Layout:
-        """Where each rank sits (a resolved grid: dp known)."""
-        return Layout(self.pp, self.dp, self.order)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    kind: str = "mlp"  # mlp (teacher data) | gpt | llama (token data; nn/kinds.py)
-    hidden: int = 64  # width of every hidden layer (gpt: the model width C)
-    depth: int = 6  # mlp: Linear layers, the classifier head included; gpt: transformer layers
-    activation: str = "relu"  # mlp: relu | gelu (gpt always uses GELU)
-    norm: bool = False  # mlp: LayerNorm after each hidden Linear (gpt is always pre-norm)
-    heads: int = 4  # gpt, llama: attention heads (hidden must be divisible by heads)
-    kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0 = heads
-    ffn: int = 0  # gpt: feed-forward width; 0 = 4 * hidden
-    partition: str | list = "cost"  # cost | uniform | timed | [layers per chunk]
-    init: str = ""  # gpt: start from this .safetensors file (weights export) instead of the seed
-    tie_embeddings: bool = False  # gpt, llama: the head's weight is the token table (nanoGPT's wte)
-    vocab_parallel: bool = False  # gpt: table and head split by vocabulary over the pp ranks
-    gelu: str = "tanh"  # gpt: GELU's form, tanh (GPT-2's) | erf (exact: nanoGPT's, torch's)
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    kind: str = "teacher"  # teacher: X ~ N(0, 1), y = [X . w_true > 0] | random-tokens | markov
-    features: int = 120  # teacher
-    train_samples: int = 16384  # teacher: samples per epoch (token data never repeats)
-    test_samples: int = 2048  # held-out samples (token data: sequences)
-    seed: int = 1234  # draws the teacher and the samples
-    vocab: int = 10000  # token data: vocabulary size
-    seq_len: int = 64  # token data: tokens per sequence
-    branching: int = 2  # markov: successors of every token (entropy rate ln(branching))
-    train: str = ""  # tokens: llm.c-format token file or glob of shards (mpihybrid data prepare)
-    val: str = ""  # tokens: held-out token file or glob (evaluation, the final accuracy)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 100
-    global_batch: int = (
-        96  # samples per step over all replicas; split into dp shards of M micro-batches
-    )
-    microbatches: int = 4  # M, per replica per step
-    schedule: str = "1f1b"
-    virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b; a V schedule sets its 2)
-    # schedule = "auto" (cli/auto.py): costs from this trace instead of timing the blocks,
-    # the memory limit in micro-batches of a rank's share (0: pp, 1F1B's), the placements
-    # searched ("": loop and V; "loop" or "v": that one alone), and the steps the first search's
-    # schedule runs so its measured stage costs calibrate the timed blocks' (0 or >= 3)
-    schedule_costs: str = ""
-    schedule_inflight: float = 0.0
-    schedule_placement: str = ""
-    schedule_calibrate: int = 5  # steps the first search's schedule runs to calibrate (0: none)
-    early_grad_send: bool = True  # a backward sends its input gradient before the weight gradient
-    optimizer: str = "sgd"
-    lr: float = 0.01  # the peak rate (lr_schedule: the rate after the warmup)
-    lr_schedule: str = "constant"  # constant | cosine | linear: decay to min_lr at the last step
-    warmup_steps: int = 0  # linear warmup over this many first steps (nanoGPT's get_lr)
-    min_lr: float = 0.0  # cosine, linear: the rate the decay ends at
-    lr_decay_steps: int = 0  # cosine, linear: the step the decay ends at (0 = train.steps)
-    grad_clip: float = 0.0  # clip the global gradient norm (all stages) to this; 0 = off
-    momentum: float = 0.9  # sgd
-    weight_decay: float = 0.0
-    # what weight_decay decays: matrices (2-D weights: not biases, LayerNorm gains or the
-    # embeddings; nanoGPT's and Megatron's rule) | matrices+embeddings | all (the rule before)
-    weight_decay_on: str = "matrices"
-    betas: list = field(default_factory=lambda: [0.9, 0.999])  # adamw
-    seed: int = 0  # parameter initialisation
-    eval_every: int = 0  # held-out loss every this many steps and after the last (0 = never)
-    eval_batches: int = 4  # held-out loss over this many global batches of held-out samples
-    log_every: int = 1  # rank 0's step line every this many steps and at the last (0 = none)
-    # ZeRO-1: each replica keeps the optimizer state of its chunk of every bucket only,
-    # updates that chunk and all-gathers the weights (in comm.param_codec)
-    shard_optimizer: bool = False
-    recompute: str = "none"  # none | full: keep only each micro-batch's input, redo its forward
-    slowdown: str = ""  # "RANK:KINDS:FACTOR": a straggler on purpose (pipeline/slowdown.py)
-
-
-@dataclass(frozen=True)
-class CommConfig:
-    codec: str = "fp32"  # gradient all-reduce: fp32 | fp16 | bf16 | int8
-    block: int = 256  # int8: elements per absmax scale
-    error_feedback: bool = True  # lossy codecs carry their quantisation error into the next step
-    sync_sends: bool = False  # pipeline sends with Issend (proves no reliance on eager buffering)
-    cuda_aware: str | bool = "auto"  # device = cuda: MPI takes GPU buffers; auto = ask the MPI
-    # gradient buckets: how the rings make progress behind the compute (thread | poll | off)
-    overlap: str = "poll"
-    bucket_kb: int = 4096  # a bucket holds whole layers of at least this many KiB of gradient
-    segment_kb: int = 2048  # the ring sends a chunk in messages of this many KiB of float32
-    param_codec: str = ""  # train.shard_optimizer's weight all-gather: fp32 | bf16 | int8 ("" fp32)
-    # pipeline links: activations and their gradients in fp32 | fp16 | bf16 | int8 (per-row scales)
-    p2p_codec: str = "fp32"
-    p2p_codec_scope: str = "inter-node"  # which links p2p_codec encodes: inter-node | all
-    # a stage's gradient ring: flat | hierarchical (inside each node, then across, then inside);
-    # auto: hierarchical where the stage's replicas span nodes
-    ring: str = "auto"
-    # a rank that makes no progress (no action ends, no message arrives) this long aborts the job,
-    # saying what it waits on and writing its flight record; 0 = never
-    timeout_s: float = 600.0
-
-
-@dataclass(frozen=True)
-class TraceConfig:
-    path: str = ""  # HDF5 trace, written by rank 0 as the run goes; "" = none
-    overwrite: bool = False  # replace an existing trace file
-    events: bool = True  # record every action; false = only one row per step (overhead baseline)
-    flush_steps: int = 100  # the trace file is brought up to date every this many steps (0 = off)
-    flush_seconds: float = 30.0  # ... and at the first step boundary this long after (0 = off)
-    first_step: int = 1  # trace steps first_step..last_step (1-based, as the progress line)
-    last_step: int = 0  # 0 = to the end
-    every: int = 1  # of those, every k-th step (first_step, first_step + k, ...)
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    every: int = 0  # steps between checkpoints; 0 = never (a preemption signal still writes one)
-    dir: str = ""  # checkpoints live here; a run resumes from the newest complete one
-    keep: int = 2  # complete checkpoints kept (older ones are deleted after a new one lands)
-
-
-@dataclass(frozen=True)
-class Job:
-    grid: GridConfig = field(default_factory=GridConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    comm: CommConfig = field(default_factory=CommConfig)
-    trace: TraceConfig = field(default_factory=TraceConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-
-    @property
-    def microbatch_size(self) -> int:
-        """Samples in one micro-batch: the global batch over dp replicas of M micro-batches."""
-        return self.train.global_batch // (self.grid.dp * self.train.microbatches)
-
-    @property
-    def tokens_per_sample(self) -> int:
-        """What a sample counts in rows and throughput: its tokens (a GPT), or itself."""
-        return model_kind(self.model.kind).tokens_per_sample(self.data.seq_len)
-
-    @property
-    def workload(self) -> Workload:
-        """What nn/ needs of the job (its cost model, its profiles): [model], [data], the
-        chunks, M, the micro-batch size and the seed."""
-        return Workload(
-            model=self.model,
-            data=self.data,
-            chunks=self.grid.pp * self.train.virtual_stages,
-            microbatches=self.train.microbatches,
-            microbatch_size=self.microbatch_size,
-            seed=self.train.seed,
-        )
-
-    def gradient_settings(self, backend: Backend = CPU) -> GradientSettings:
-        """The gradient buckets' and rings' settings ([comm], train.shard_optimizer), made here
-        once for comm.buckets. backend: where the gradients live; a GPU's buckets go after the
-        step (its arrays belong to the main thread's device context)."""
-        c = self.comm
-        ring = RingSettings(
-            codec=get_codec(c.codec, c.block),
-            error_feedback=c.error_feedback,
-            segment=c.segment_kb * 256,
-            backend=backend,
-        )
-        weights = None
-        if self.train.shard_optimizer:  # the weight gather: comm.param_codec, no residual
-            codec = get_codec(c.param_codec or "fp32", c.block)
-            weights = dataclasses.replace(ring, codec=codec, error_feedback=False)
-        return GradientSettings(
-            ring=ring,
-            bucket_bytes=c.bucket_kb * 1024,
-            progress=c.overlap if backend.xp is np else "off",
-            weights=weights,
-        )
-
-    def runtime_settings(self, backend: Backend = CPU, wire: P2PWire | None = None):
-        """The pipeline runtime's settings (train.microbatches, comm.sync_sends; the links
-        comm.p2p_codec encodes: pipeline.wire.P2PWire.build), made here once."""
-        from mpihybrid.pipeline.runtime import RuntimeSettings
-
-        return RuntimeSettings(
-            num_microbatches=self.train.microbatches,
-            sync_sends=self.comm.sync_sends,
-            backend=backend,
-            wire=wire if wire is not None else P2PWire(),
-            slowdown=Slowdown.parse(self.train.slowdown),
-        )
-
-
-SECTIONS = {f.name: f.type for f in fields(Job)}
-_SECTION_TYPES = {f.name: f.default_factory for f in fields(Job)}
+__all__ = [  # the settings (config/job.py) are read from here as from their own module
+    "AUTO",
+    "DECAY_ON",
+    "GRID_ORDERS",
+    "OPTIMIZERS",
+    "PARAM_CODECS",
+    "RECOMPUTE",
+    "SECTIONS",
+    "WARM",
+    "CheckpointConfig",
+    "CommConfig",
+    "ConfigError",
+    "DataConfig",
+    "GridConfig",
+    "Job",
+    "ModelConfig",
+    "Searched",
+    "TraceConfig",
+    "TrainConfig",
+    "build_job",
+    "load_job",
+    "load_table",
+    "parse_override",
+    "resolve",
+    "to_toml",
+    "tomllib",
+]
 
 
 SAMPLES_PER_REPLICA = 32  # the embedded job's batch: about this many samples per replica
@@ -339,7 +163,7 @@ def build_job(table: dict, overrides: list[str] = ()) -> Job:
             )
         merged.setdefault(section, {})[name] = value
     parts = {}
-    for section, factory in _SECTION_TYPES.items():
+    for section, factory in SECTION_TYPES.items():
         defaults = factory()
         known = {f.name: getattr(defaults, f.name) for f in fields(defaults)}
         values = merged.get(section, {})
@@ -348,7 +172,7 @@ def build_job(table: dict, overrides: list[str] = ()) -> Job:
                 raise ConfigError(
                     f"unknown key {section}.{name}; [{section}] has: {', '.join(known)}"
                 )
-            if isinstance(value, _UNION_KEYS.get((section, name), ())):
+            if isinstance(value, UNION_KEYS.get((section, name), ())):
                 continue
             values[name] = _check_type(f"{section}.{name}", value, known[name])
         parts[section] = dataclasses.replace(defaults, **values)
@@ -370,8 +194,6 @@ def resolve(job: Job, world_size: int) -> Job:
     if g.pp * dp != world_size:
         raise ConfigError(f"pp({g.pp}) * dp({dp}) = {g.pp * dp} != world size {world_size}")
     job = dataclasses.replace(job, grid=dataclasses.replace(g, dp=dp))
-    from mpihybrid.config.rules import validate
-
     job = _schedule_chunks(job)
     validate(job)
     return job
@@ -384,7 +206,7 @@ def _schedule_chunks(job: Job) -> Job:
     if t.schedule == AUTO:  # the search decides (cli/auto.py), then the job is resolved again
         return job
     try:
-        fixed = get_spec(t.schedule).chunks
+        fixed = job.schedule_spec.chunks
     except ScheduleError as exc:
         raise ConfigError(f"train.schedule = {t.schedule!r}: {exc}") from None
     if fixed > 1 and t.virtual_stages == 1:

@@ -11,7 +11,7 @@ from mpihybrid.comm.buckets import RINGS
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.comm.device import DEVICES
 from mpihybrid.comm.settings import PROGRESS
-from mpihybrid.config import (
+from mpihybrid.config.job import (
     AUTO,
     DECAY_ON,
     GRID_ORDERS,
@@ -19,15 +19,14 @@ from mpihybrid.config import (
     PARAM_CODECS,
     RECOMPUTE,
     SECTIONS,
+    WARM,
     ConfigError,
     Job,
     ModelConfig,
 )
-from mpihybrid.config.searched import WARM
-from mpihybrid.nn.kinds import KINDS, model_kind
+from mpihybrid.nn.kinds import KINDS, kinds_with, model_kind
 from mpihybrid.nn.optim import check_settings
-from mpihybrid.nn.weights import init_problem
-from mpihybrid.pipeline.schedules import ScheduleError, build_schedule, check_config, get_spec
+from mpihybrid.pipeline.schedules import ScheduleError, check_config
 from mpihybrid.pipeline.slowdown import Slowdown
 from mpihybrid.pipeline.wire import P2P_CODECS, P2P_SCOPES
 from mpihybrid.progress import TICK_S
@@ -51,7 +50,7 @@ def _check_names(job: Job) -> None:
     _one_of("data.kind", d.kind, KINDS[m.kind].data_kinds)
     try:
         if t.schedule != AUTO:
-            get_spec(t.schedule)  # a registered name, or csv:PATH of a readable schedule
+            _ = job.schedule_spec  # a registered name, csv:PATH of a readable CSV, or searched
     except ScheduleError as exc:
         raise ConfigError(f"train.schedule = {t.schedule!r}: {exc}") from None
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
@@ -98,7 +97,7 @@ def validate(job: Job) -> None:
     if wrong := vocab_parallel_problem(job):
         raise ConfigError(wrong)
     # the kind's own rules, and the settings of other kinds it refuses (nn/kinds.py)
-    if wrong := KINDS[m.kind].check(m) or (m.init and init_problem(m, d.seq_len, d.vocab)):
+    if wrong := KINDS[m.kind].check(m) or (m.init and _init_problem(m, d.seq_len, d.vocab)):
         raise ConfigError(wrong)
     _check_data(job)
     _check_schedule(job)
@@ -180,16 +179,17 @@ def _check_schedule(job: Job) -> None:
     if t.schedule == AUTO:
         _check_auto(job)
         return
+    spec = job.schedule_spec
     try:
-        check_config(t.schedule, g.pp, t.microbatches, t.virtual_stages)
+        check_config(spec, g.pp, t.microbatches, t.virtual_stages)
         if t.schedule.startswith("csv:"):  # its lists: every F/B/W once, no deadlock
-            build_schedule(t.schedule, g.pp, t.microbatches, t.virtual_stages)
+            _ = job.schedule  # the value, made here once (Job.schedule)
     except ScheduleError as exc:
         raise ConfigError(str(exc).splitlines()[0]) from None  # the grid stays out
     try:
         _check_partition(m, g.pp, t.virtual_stages)
     except ConfigError as exc:
-        if get_spec(t.schedule).chunks > 1:  # virtual_stages came from the schedule
+        if spec.chunks > 1:  # virtual_stages came from the schedule
             raise ConfigError(
                 f"{exc} ({t.schedule} runs {t.virtual_stages} chunks per rank)"
             ) from None
@@ -283,13 +283,26 @@ def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:
         )
 
 
+def _init_problem(m: ModelConfig, seq_len: int, vocab: int) -> str:
+    """model.init against the kind that would start from it (nn/kinds.py: ModelKind.init)."""
+    check = model_kind(m.kind).init
+    if check is None:
+        return (
+            f"model.init = {m.init!r}: starts {kinds_with('init')} only (model.kind = {m.kind!r})"
+        )
+    return check(m, seq_len, vocab)
+
+
 def vocab_parallel_problem(job: Job) -> str:
     """model.vocab_parallel's rules (nn/vocab.py), in one line, or ""."""
     m = job.model
     if not m.vocab_parallel:
         return ""
-    if m.kind != "gpt":
-        return f"model.vocab_parallel: a gpt's (model.kind = {m.kind!r} has no vocabulary)"
+    if not model_kind(m.kind).vocab_parallel:
+        return (
+            f"model.vocab_parallel: {kinds_with('vocab_parallel')}'s (model.kind = {m.kind!r} "
+            "splits no vocabulary)"
+        )
     if job.grid.pp < 2:
         return (
             f"model.vocab_parallel needs grid.pp >= 2 (pp = {job.grid.pp}: one rank holds the "

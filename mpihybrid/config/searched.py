@@ -3,9 +3,10 @@ train, bench train and sweep, predict/searched.py for predict):
 
     job = apply(job, {"csv": TEXT, "partition": [...], "chunks": 2, "info": JSON}, world_size)
 
-The CSV is registered in this process as `csv:auto@HASH` (the trace keeps it as it keeps any csv:
-schedule), the search's JSON beside it (the trace's `schedule_search`), and the job is resolved
-again with that schedule, its chunks per rank and its split.
+The schedule is named `csv:auto@HASH`; the job carries its CSV and the search's JSON
+(Job.searched), which its schedule value (Job.schedule) takes and the trace keeps
+(`schedule_csv`, `schedule_search`); the job is resolved again with that schedule, its chunks
+per rank and its split.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-# a calibration run's first steps left out (cli/auto.py): a fresh process's first step is
-# 1.5x, its second 1.1x the later ones (gpt_bench, zb-h1: 398, 301, then 272-287 ms)
-WARM = 2
+from mpihybrid.config import Searched, resolve
+
 AUTO_TIME = 4.0  # the exact search's deterministic time limit, over every split it solves (~ s)
 
 
@@ -25,15 +25,12 @@ def auto_placements(train) -> tuple[str, ...]:
 
 
 def apply(job, payload: dict, world_size: int):
-    """The job running the searched schedule: csv:auto@HASH registered here, its split."""
-    from mpihybrid.config import resolve
-    from mpihybrid.pipeline.csv_schedule import register
-    from mpihybrid.pipeline.search import SEARCHES
-
+    """The job running the searched schedule: named csv:auto@HASH, its CSV and the search's
+    record carried by the job (Job.searched: its schedule value takes them), its split."""
     text = payload["csv"]
     name = f"csv:auto@{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-    register(name, text)
-    SEARCHES[name] = payload["info"]
+    found = Searched(name=name, csv=text, record=payload["info"])
     train = dataclasses.replace(job.train, schedule=name, virtual_stages=payload["chunks"])
     model = dataclasses.replace(job.model, partition=payload["partition"])
-    return resolve(dataclasses.replace(job, train=train, model=model), world_size)
+    job = dataclasses.replace(job, train=train, model=model, searched=found)
+    return resolve(job, world_size)

@@ -11,7 +11,9 @@ GPT's embedding leads, its head trails), the shape of what crosses a pipeline bo
 rules its settings obey beyond the common ones, and the fused kernels its layers run
 (nn/kernels.py). A third kind is its module of blocks plus one entry here (and its tests):
 llama.py and LLAMA are one. A kind's `check` also refuses the settings of other kinds that
-it does not read (model.kv_heads, model.tie_embeddings).
+it does not read (model.kv_heads, model.tie_embeddings); whether a weights file starts it
+(`init`: the file's check) and whether it splits its vocabulary (`vocab_parallel`) are its
+entry's too, so nothing outside nn/ tests a kind by its name.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from mpihybrid.nn.layers import Layer
 from mpihybrid.nn.llama import hf_export, llama_blocks, llama_check
 from mpihybrid.nn.mlp import mlp_blocks
 from mpihybrid.nn.transformer import gpt_blocks
-from mpihybrid.nn.weights import config_of, export_tensors
+from mpihybrid.nn.weights import config_of, export_tensors, init_problem
 
 Block = list[Layer]
 
@@ -44,6 +46,10 @@ class ModelKind:
     # `weights export`: (the model's stages in order, model cfg, seq_len, vocab) -> (tensors by
     # name, the config the file carries); None: the kind has no file format
     export: Callable[..., tuple[dict, dict]] | None = None
+    # model.init: (model cfg, seq_len, vocab) -> what is wrong with the file for this model, in
+    # one line ("" = it fits); None: no file starts this kind
+    init: Callable[..., str] | None = None
+    vocab_parallel: bool = False  # model.vocab_parallel: table and head split by vocabulary
 
     def tokens_per_sample(self, seq_len: int) -> int:
         """What one sample counts in rows and throughput: its tokens, or itself."""
@@ -124,6 +130,8 @@ GPT = ModelKind(
     lead=("embedding",),
     trail=("head",),
     export=_gpt_export,  # nanoGPT's names (nn/weights.py)
+    init=init_problem,  # a nanoGPT-named file (weights export's, or nanoGPT's own)
+    vocab_parallel=True,  # nn/vocab.py
 )
 
 LLAMA = ModelKind(
@@ -152,3 +160,9 @@ def model_kind(name: str) -> ModelKind:
         return KINDS[name]
     except KeyError:
         raise ValueError(f"model.kind = {name!r}: choose one of {', '.join(KINDS)}") from None
+
+
+def kinds_with(fact: str) -> str:
+    """The kinds that have `fact` (a ModelKind field: init, vocab_parallel), for a line that
+    refuses it to another kind: "a gpt", or "a gpt or a llama"."""
+    return " or ".join(f"a {k.name}" for k in KINDS.values() if getattr(k, fact))

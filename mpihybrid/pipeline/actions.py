@@ -1,4 +1,5 @@
-"""One action of a pipeline schedule, printed like torch.distributed.pipelining: `1F0`, `0B3`.
+"""One action of a pipeline schedule, printed like torch.distributed.pipelining: `1F0`, `0B3`;
+which backwards a list splits, and the split that sends a gradient before its W.
 
 s = global stage (model chunk) 0 .. num_stages-1, mb = micro-batch; where a stage lives is the
 schedule's Placement (placement.py).
@@ -8,6 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpihybrid.pipeline.placement import Placement
 
 COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -57,3 +62,25 @@ def last_weight_actions(actions: Iterable[Action]) -> dict[int, tuple[str, int]]
         for a in actions
         if a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split)
     }
+
+
+def send_grads_early(
+    compute: dict[int, list[Action]], placement: Placement
+) -> dict[int, list[Action]]:
+    """Every whole backward whose input gradient goes to another rank becomes B then W.
+
+    Lowered, that is B (input gradient), SEND_B, W: the gradient leaves before the weight
+    gradient is computed, so the previous stage's backward starts a W earlier. Order and memory
+    are the schedule's own (W follows its B at once). Backwards already split (zero-bubble) and
+    those whose gradient stays on the rank or goes nowhere (stage 0) are left whole.
+    """
+    out: dict[int, list[Action]] = {}
+    for rank, actions in compute.items():
+        split = split_backwards(actions)
+        out[rank] = []
+        for a in actions:
+            out[rank].append(a)
+            crosses = placement.crosses(a.stage, a.stage - 1)
+            if a.kind == "B" and crosses and (a.stage, a.microbatch) not in split:
+                out[rank].append(Action(a.stage, "W", a.microbatch))
+    return out

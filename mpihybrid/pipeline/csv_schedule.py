@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import functools
-import hashlib
 import io
 import os
 import re
@@ -116,15 +115,6 @@ def parse_csv(text: str, source: str) -> tuple[dict[int, list[Action]], Placemen
     return actions, placement, m
 
 
-# csv:PATH@HASH -> the CSV text a trace carries (from_trace): what ran, whatever PATH holds now
-_EMBEDDED: dict[str, str] = {}
-
-
-def register(name: str, text: str) -> None:
-    """Make csv:NAME resolve to `text` in this process (a searched schedule, cli/auto.py)."""
-    _EMBEDDED[name] = text
-
-
 @functools.lru_cache(maxsize=16)
 def _file_text(path: str, stamp: tuple[int, int]) -> str:
     try:  # a FIFO or a device: refused before it is opened (on every rank alike)
@@ -134,10 +124,7 @@ def _file_text(path: str, stamp: tuple[int, int]) -> str:
 
 
 def csv_text(name: str) -> str:
-    """The CSV text of schedule `name` (csv:PATH): a trace's copy for a name from_trace gave,
-    else the file's (cached while the file is unchanged)."""
-    if name in _EMBEDDED:
-        return _EMBEDDED[name]
+    """The CSV text of the file schedule `name` (csv:PATH) names (cached while it is unchanged)."""
     path = name[len("csv:") :]
     try:
         st = os.stat(path)
@@ -146,17 +133,12 @@ def csv_text(name: str) -> str:
     return _file_text(path, (st.st_mtime_ns, st.st_size))
 
 
-def from_trace(attrs: dict) -> str:
-    """The schedule name to build a trace's schedule by: for a csv: schedule whose trace carries
-    its CSV (the `schedule_csv` attribute), a name that resolves to that copy, so the trace is
-    analysed as it ran though the file be gone or changed; otherwise the `schedule` attribute."""
+def from_trace(attrs: dict) -> tuple[str, str | None]:
+    """A trace's schedule: (its name, the CSV text the trace carries for a csv: schedule, or
+    None), so a csv: schedule is analysed as it ran though the file be gone or changed (an
+    older trace without the copy: None, the file as it is now)."""
     name, text = str(attrs["schedule"]), attrs.get("schedule_csv")
-    if not name.startswith("csv:") or text is None:
-        return name
-    text = str(text)
-    key = f"{name}@{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-    _EMBEDDED[key] = text
-    return key
+    return name, (str(text) if name.startswith("csv:") and text is not None else None)
 
 
 @functools.lru_cache(maxsize=16)
@@ -164,17 +146,18 @@ def _parsed(text: str, source: str) -> tuple[dict[int, list[Action]], Placement,
     return parse_csv(text, source)
 
 
-def read_csv(name: str) -> tuple[dict[int, list[Action]], Placement, int]:
-    """The compute lists, placement and micro-batch count of `name` (csv:PATH, or a bare PATH)."""
+def read_csv(name: str, text: str | None = None) -> tuple[dict[int, list[Action]], Placement, int]:
+    """The compute lists, placement and micro-batch count of `name` (csv:PATH, or a bare PATH):
+    of `text` where given (a trace's or a search's copy), else of the file."""
     name = name if name.startswith("csv:") else f"csv:{name}"
-    actions, placement, m = _parsed(csv_text(name), name)
+    actions, placement, m = _parsed(csv_text(name) if text is None else text, name)
     return {r: list(acts) for r, acts in actions.items()}, placement, m
 
 
-def csv_spec(name: str) -> ScheduleSpec:
-    """The ScheduleSpec of `csv:PATH`: the file's lists, its rows' placement, its M; no closed
-    bubble formula (simulate.bubble_formula simulates it)."""
-    actions, placement, m_file = read_csv(name)
+def csv_spec(name: str, text: str | None = None) -> ScheduleSpec:
+    """The ScheduleSpec of `csv:PATH` (of `text` where given: read_csv): the lists, the rows'
+    placement, the M; no closed bubble formula (simulate.bubble_formula simulates it)."""
+    actions, placement, m_file = read_csv(name, text)
 
     def check(pp: int, m: int, v: int) -> None:
         if pp != placement.pp:

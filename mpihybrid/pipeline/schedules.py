@@ -26,7 +26,7 @@ from mpihybrid.pipeline.actions import (
     Action,
     ScheduleError,
     message_key,
-    split_backwards,
+    send_grads_early,
 )
 from mpihybrid.pipeline.csv_schedule import csv_spec
 from mpihybrid.pipeline.loop_schedules import gpipe, interleaved, naive, one_f_one_b, zb_h1
@@ -181,8 +181,11 @@ SPECS: dict[str, ScheduleSpec] = {
 SCHEDULES = tuple(SPECS)
 
 
-def get_spec(name: str) -> ScheduleSpec:
-    """The registered spec of `name`, or for `csv:PATH` the spec of that file's schedule."""
+def get_spec(name: str | ScheduleSpec) -> ScheduleSpec:
+    """The registered spec of `name`, or for `csv:PATH` the spec of that file's schedule (a spec:
+    itself, as every function here takes either; plan.make_schedule passes a CSV's text's)."""
+    if isinstance(name, ScheduleSpec):
+        return name
     if name.startswith("csv:"):
         return csv_spec(name)
     if name not in SPECS:
@@ -199,15 +202,18 @@ def chunks_for(name: str, virtual_stages: int | None = None) -> int:
     return spec.chunks or (virtual_stages if virtual_stages is not None else 2)
 
 
-def placement_of(name: str, pp: int, virtual_stages: int = 1) -> Placement:
+def placement_of(name: str | ScheduleSpec, pp: int, virtual_stages: int = 1) -> Placement:
     """Which pp rank holds each global stage when `name` runs (check_config first)."""
     return get_spec(name).make_placement(pp, virtual_stages)
 
 
-def check_config(name: str, pp: int, num_microbatches: int, virtual_stages: int) -> None:
+def check_config(
+    name: str | ScheduleSpec, pp: int, num_microbatches: int, virtual_stages: int
+) -> None:
     """Raise ScheduleError naming the broken rule and its values; return None when legal."""
     m, v = num_microbatches, virtual_stages
     spec = get_spec(name)
+    name = spec.name
     if pp < 1:
         raise ScheduleError(f"{name}: pp must be >= 1, got pp={pp}")
     if m < 1:
@@ -230,7 +236,7 @@ def check_config(name: str, pp: int, num_microbatches: int, virtual_stages: int)
 
 
 def build_schedule(
-    name: str,
+    name: str | ScheduleSpec,
     pp: int,
     num_microbatches: int,
     virtual_stages: int = 1,
@@ -242,9 +248,9 @@ def build_schedule(
     early_grad_send: split the backwards whose gradient crosses ranks (send_grads_early), as
     training runs them by default; without it, the schedule as its paper draws it.
     """
-    check_config(name, pp, num_microbatches, virtual_stages)
     spec = get_spec(name)
-    placement = spec.make_placement(pp, virtual_stages)
+    check_config(spec, pp, num_microbatches, virtual_stages)
+    name, placement = spec.name, spec.make_placement(pp, virtual_stages)
     actions = spec.build(pp, num_microbatches, virtual_stages)
     if early_grad_send:
         actions = send_grads_early(actions, placement)
@@ -256,28 +262,6 @@ def build_schedule(
 
 
 # ---------------------------------------------------------------- lowering
-
-
-def send_grads_early(
-    compute: dict[int, list[Action]], placement: Placement
-) -> dict[int, list[Action]]:
-    """Every whole backward whose input gradient goes to another rank becomes B then W.
-
-    Lowered, that is B (input gradient), SEND_B, W: the gradient leaves before the weight
-    gradient is computed, so the previous stage's backward starts a W earlier. Order and memory
-    are the schedule's own (W follows its B at once). Backwards already split (zero-bubble) and
-    those whose gradient stays on the rank or goes nowhere (stage 0) are left whole.
-    """
-    out: dict[int, list[Action]] = {}
-    for rank, actions in compute.items():
-        split = split_backwards(actions)
-        out[rank] = []
-        for a in actions:
-            out[rank].append(a)
-            crosses = placement.crosses(a.stage, a.stage - 1)
-            if a.kind == "B" and crosses and (a.stage, a.microbatch) not in split:
-                out[rank].append(Action(a.stage, "W", a.microbatch))
-    return out
 
 
 def lower(compute: dict[int, list[Action]], placement: Placement) -> dict[int, list[Action]]:

@@ -29,6 +29,7 @@ from mpihybrid.pipeline.search_costs import CostsError, SearchCosts
 from mpihybrid.pipeline.search_greedy import CAPS, best_greedy
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
 from mpihybrid.pipeline.vocab_passes import add_vocab_passes
+from mpihybrid.units import table
 
 EXACT_ACTIONS = 800  # the exact search runs where a step has at most this many F/B/W
 SPLITS = 3  # splits of the blocks tried per placement (the least-loaded first)
@@ -38,7 +39,6 @@ MAX_ENUMERATED = 20_000  # splits enumerated before only the balanced one is tri
 # simulated step, or that built-in (its placement, its split, its order) is the answer: a tie on
 # costs that are not the run's is no reason to run an untried grid
 TIE_MARGIN = 0.02
-SEARCHES: dict[str, str] = {}  # csv:auto@HASH -> its search's JSON (cli/auto.py; the trace's)
 
 
 def judge(lists: dict, placement: Placement, costs: Costs, m: int) -> SimResult:
@@ -47,11 +47,6 @@ def judge(lists: dict, placement: Placement, costs: Costs, m: int) -> SimResult:
     if costs.vocab:
         lists = add_vocab_passes(lists, placement, m, costs, simulate)
     return simulate(lists, placement, costs)
-
-
-def search_attrs(schedule: str) -> dict:
-    """The trace attribute of a searched schedule: {"schedule_search": JSON} or {}."""
-    return {"schedule_search": SEARCHES[schedule]} if schedule in SEARCHES else {}
 
 
 @dataclass
@@ -478,18 +473,15 @@ def format_result(result: SearchResult, grid: bool = True) -> str:
         "built-in schedules on the same costs (each at the split that balances its "
         "placement, as model.partition = 'timed'; gradients sent before W):"
     )
-    lines.append(
-        f"{'schedule':<17} {'v':>2} {'step':>10} {'bubble':>7} {'rank peak':>9} "
-        f"{'vs best':>8} {'vs bound':>8}  note"
-    )
+    rows = []
     for row in result.table:
         if "makespan" not in row:
-            lines.append(f"{row['schedule']:<17} {row['v']:>2} not legal: {row['note']}")
+            rows.append([row["schedule"], row["v"], *[""] * 5, f"not legal: {row['note']}"])
             continue
         bound = f"{row['vs_bound']:+.1%}" if row["vs_bound"] is not None else "-"
-        lines.append(
-            f"{row['schedule']:<17} {row['v']:>2} {_time(row['makespan'], unit):>10} "
-            f"{row['bubble']:>7.3f} {row['peak']:>9g} {row['vs_best']:>+8.1%} {bound:>8}  "
-            f"{row['note']}".rstrip()
-        )
+        rows.append([row["schedule"], row["v"], _time(row["makespan"], unit),
+                     f"{row['bubble']:.3f}", f"{row['peak']:g}", f"{row['vs_best']:+.1%}", bound,
+                     row["note"]])  # fmt: skip
+    header = ["schedule", "v", "step", "bubble", "rank peak", "vs best", "vs bound", "note"]
+    lines += table(header, rows, left=(7,))
     return "\n".join(lines)

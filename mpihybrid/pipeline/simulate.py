@@ -301,10 +301,10 @@ def describe(
 ) -> str:
     """Grid + predicted and simulated bubble + peak activations per stage, for one schedule.
     grid: "full", "auto" (summarised past GRID_RANKS ranks or GRID_ROWS rows) or "none".
-    vocab: with model.vocab_parallel's passes (vocab_passes.py)."""
-    spec = get_spec(name)
-    actions = build_schedule(name, pp, m, v, early_grad_send)
-    placement = placement_of(name, pp, v)
+    vocab: with model.vocab_parallel's passes (vocab_passes.py). name: or its spec."""
+    spec = get_spec(name)  # a spec made of a trace's CSV has no file to read again
+    actions = build_schedule(spec, pp, m, v, early_grad_send)
+    placement = placement_of(spec, pp, v)
     costs = unit_costs(actions)
     if vocab:
         actions, costs = vocab_lists(actions, placement, m)
@@ -316,7 +316,7 @@ def describe(
     early = ", gradients sent before W" if early_grad_send else ""
     where = " ".join(f"r{r}:{','.join(map(str, placement.stages_of(r)))}" for r in range(pp))
     lines = [
-        f"{name}: pp={pp} num_microbatches={m} virtual_stages={v} (one step per action{early})"
+        f"{spec.name}: pp={pp} num_microbatches={m} virtual_stages={v} (one step per action{early})"
     ]
     if grid != "none":
         limits = (None, None) if grid == "full" else (GRID_RANKS, GRID_ROWS)
@@ -327,7 +327,7 @@ def describe(
     if spec.note:
         lines.append(spec.note)
     lines += [
-        f"bubble: predicted {spec.bubble_text} = {bubble_formula(name, pp, m, v):.3f}, "
+        f"bubble: predicted {spec.bubble_text} = {bubble_formula(spec, pp, m, v):.3f}, "
         f"simulated {result.bubble_fraction:.3f}",
         f"peak activations in flight per stage: {peaks}",
         f"peak activations per rank (micro-batches of a rank's share; paper: {spec.memory_text}):"

@@ -17,6 +17,7 @@ import dataclasses
 
 from mpi4py import MPI
 
+from mpihybrid.comm.agree import rank0_decides
 from mpihybrid.comm.nodes import node_map, ranks_per_node
 from mpihybrid.config import Job
 from mpihybrid.predict.cluster import Cluster, find_cluster, load_cluster
@@ -53,11 +54,10 @@ def resolve_order(job: Job, world: MPI.Comm, cluster: str = "local") -> tuple[Jo
     if job.grid.order != "auto":
         return job, ""
     nodes = node_map(world)  # collective
-    choice = None
-    if world.Get_rank() == 0:
-        try:
-            choice = choose_order(job, nodes, load_cluster(find_cluster(cluster)))
-        except Exception as exc:  # the others wait in bcast: a choice for all, and why
-            choice = ("pipeline-inner", f"grid.order = auto: no prediction ({exc}): pipeline-inner")
-    order, line = world.bcast(choice, root=0)
+    choice, error = rank0_decides(
+        world, lambda: choose_order(job, nodes, load_cluster(find_cluster(cluster)))
+    )
+    if error is not None:  # a choice for all, and why
+        choice = ("pipeline-inner", f"grid.order = auto: no prediction ({error}): pipeline-inner")
+    order, line = choice
     return with_order(job, order), line

@@ -48,7 +48,6 @@ from mpihybrid.analysis.messages import message_latency
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.config import build_job, resolve
 from mpihybrid.nn.cost import KINDS, stage_work
-from mpihybrid.pipeline.schedules import build_schedule
 from mpihybrid.predict.cluster import Cluster, Device, Link, Node
 from mpihybrid.predict.microbench import (
     GEMM_SHAPES,
@@ -125,8 +124,7 @@ def _base_memory(trace: Trace, job, cluster: Cluster) -> tuple[float, str]:
     measured = trace.attrs.get("peak_rss_bytes")
     if not measured:
         return float(base_memory()), "peak RSS of a fresh interpreter after warm_runtime()"
-    g, t = job.grid, job.train
-    actions = build_schedule(t.schedule, g.pp, t.microbatches, t.virtual_stages, t.early_grad_send)
+    g, actions = job.grid, job.schedule.lists()
     work = stage_work(job.workload)
     bare = dataclasses.replace(
         cluster,

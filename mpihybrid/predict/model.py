@@ -38,7 +38,7 @@ from mpihybrid.nn.cost import FLOAT, ChunkWork, Cost, Gemm, matmul_flops, stage_
 from mpihybrid.nn.kinds import model_kind
 from mpihybrid.nn.vocab import share_layer
 from mpihybrid.pipeline.actions import split_backwards
-from mpihybrid.pipeline.schedules import Action, build_schedule
+from mpihybrid.pipeline.schedules import Action
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
 from mpihybrid.pipeline.vocab_passes import add_vocab_passes
 from mpihybrid.predict.cluster import Cluster, Device, shared_cores
@@ -206,7 +206,7 @@ def pipeline(job: Job, cluster: Cluster) -> tuple:
     g, t = job.grid, job.train
     cluster = shared_cores(cluster, g.pp * g.dp)
     work = stage_work(job.workload)
-    actions = build_schedule(t.schedule, g.pp, t.microbatches, t.virtual_stages, t.early_grad_send)
+    actions = job.schedule.lists()
     costs = Costs(
         forward=[action_seconds(w, "F", cluster) for w in work],
         # recompute = full: a backward first runs its forward again

@@ -7,7 +7,7 @@ The cost model gives each block's F, B and W on the cluster's device (nn.cost.bl
 predict.model.action_seconds) and the pipeline hop (predict.wire.message_seconds); the search
 (pipeline/search.py, as `train` runs it: deterministic, train.schedule_inflight or its default
 limit) splits the blocks and orders the actions; the job is then predicted as it would run,
-with the searched CSV registered in this process (config/searched.apply).
+the job carrying the searched CSV (config/searched.apply).
 """
 
 from __future__ import annotations

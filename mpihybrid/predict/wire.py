@@ -12,7 +12,6 @@ from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import Job
 from mpihybrid.nn.cost import FLOAT, ChunkWork
 from mpihybrid.nn.data import task_dims
-from mpihybrid.pipeline.schedules import placement_of
 from mpihybrid.pipeline.wire import encoded_peers
 from mpihybrid.predict.cluster import Cluster, Device, Link
 from mpihybrid.train import memory
@@ -23,7 +22,7 @@ from mpihybrid.train import memory
 
 def job_placement(job: Job):
     """Which pp rank holds each chunk (the schedule's placement)."""
-    return placement_of(job.train.schedule, job.grid.pp, job.train.virtual_stages)
+    return job.schedule.placement
 
 
 def _node(rank: int, cluster: Cluster) -> int:

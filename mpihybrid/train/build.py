@@ -24,7 +24,7 @@ from mpihybrid.nn.data import build_task
 from mpihybrid.nn.model import Stage, boundary_shapes, build_stage
 from mpihybrid.nn.weights import load_into
 from mpihybrid.pipeline.runtime import PipelineRuntime
-from mpihybrid.pipeline.schedules import build_schedule, lower, placement_of
+from mpihybrid.pipeline.schedules import lower
 from mpihybrid.pipeline.wire import P2PWire, encoded_peers
 from mpihybrid.trace.recorder import Recorder
 from mpihybrid.trace.stream import TraceStream
@@ -88,10 +88,9 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
     on_host = backend.xp is np
     grid = ProcessGrid.build(world, g.layout)
     task = build_task(job.data)
-    M, v = t.microbatches, t.virtual_stages
-    placement = placement_of(t.schedule, g.pp, v)
+    placement = job.schedule.placement
     num_stages = placement.num_stages
-    compute = build_schedule(t.schedule, g.pp, M, v, t.early_grad_send)
+    compute = job.schedule.lists()
     if job.model.vocab_parallel:  # every rank's passes on its share of the vocabulary
         compute = vocab_build.with_passes(job, task, compute, placement)
     actions = lower(compute, placement)[grid.pp_rank]

@@ -35,7 +35,7 @@ from mpihybrid.nn.cost import ChunkWork, stage_work
 from mpihybrid.nn.data import task_dims
 from mpihybrid.pipeline.actions import split_backwards
 from mpihybrid.pipeline.liveness import Liveness
-from mpihybrid.pipeline.schedules import Action, build_schedule, placement_of
+from mpihybrid.pipeline.schedules import Action
 from mpihybrid.pipeline.vocab_passes import VOCAB_KINDS
 from mpihybrid.train import vocab_build
 from mpihybrid.train.tie import held_nbytes
@@ -86,7 +86,7 @@ def rank_memory(
     ways = ways or g.dp
     actions = [a for a in actions if a.kind not in VOCAB_KINDS]  # the share: share_memory
     mine = sorted({a.stage for a in actions})
-    placement = placement_of(t.schedule, g.pp, t.virtual_stages)
+    placement = job.schedule.placement
     rank = placement.rank_of(mine[0])
     share = vocab_build.share_memory(job, rank, placement)  # model.vocab_parallel's share
     params = sum(work[s].params for s in mine) + share["params"]
@@ -231,10 +231,7 @@ def rank_estimate(
 ) -> dict[str, int]:
     """Bytes a rank at pipeline position `pp_rank` needs, by part (rank_memory's, without the
     runtime): from the job alone, nothing allocated. ways: shard_ways (0: grid.dp)."""
-    t = job.train
-    actions = build_schedule(
-        t.schedule, job.grid.pp, t.microbatches, t.virtual_stages, t.early_grad_send
-    )[pp_rank]
+    actions = list(job.schedule.compute[pp_rank])
     parts = rank_memory(job, stage_work(job.workload), actions, ring_shared, ways=ways)["parts"]
     return {k: v for k, v in parts.items() if k != "runtime"}
 

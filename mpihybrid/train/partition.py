@@ -19,13 +19,12 @@ import dataclasses
 from mpihybrid.config import tomllib
 from mpihybrid.nn.model import balanced_for_ranks, layer_counts
 from mpihybrid.nn.profile import timed_block_costs
-from mpihybrid.pipeline.schedules import placement_of
 
 
 def timed_counts(job, repeats: int = 3) -> tuple[list[int], list[float]]:
     """(layer counts per chunk, seconds per block) of the placement-balanced timed split."""
     costs = timed_block_costs(job.workload, repeats)
-    placement = placement_of(job.train.schedule, job.grid.pp, job.train.virtual_stages)
+    placement = job.schedule.placement
     rank_of = [placement.rank_of(c) for c in range(job.workload.chunks)]
     ranges = balanced_for_ranks(costs, rank_of)
     return layer_counts(job.model, ranges), costs

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+from mpihybrid.comm.agree import rank0_decides
 from mpihybrid.config import ConfigError, Job, load_table, parse_override, tomllib
 from mpihybrid.config.rules import validate
 from mpihybrid.train.checkpoint import CheckpointError, complete, read_manifest
@@ -51,8 +52,15 @@ def _recorded(job: Job, key: str, default_key: str | None = None) -> int | None:
     return stored if ok else None
 
 
-def recorded_global_batch(job: Job) -> int | None:
-    return _recorded(job, "global_batch")
+def _agreed_record(world, job: Job, key: str, default_key: str | None = None) -> int | None:
+    """Collective: _recorded as rank 0 reads it, the same on every rank; a checkpoint.dir it
+    cannot read is a ConfigError on every rank alike."""
+    stored, error = rank0_decides(
+        world, lambda: _recorded(job, key, default_key), expected=(OSError,)
+    )
+    if error is not None:
+        raise ConfigError(f"checkpoint.dir = {job.checkpoint.dir!r}: {error}")
+    return stored
 
 
 def keep_recorded_horizon(job: Job, world, given: bool) -> Job:
@@ -63,8 +71,7 @@ def keep_recorded_horizon(job: Job, world, given: bool) -> Job:
     t = job.train
     if given or t.lr_schedule == "constant":
         return job
-    stored = _recorded(job, "lr_decay_steps", "steps") if world.rank == 0 else None
-    stored = world.bcast(stored, root=0)
+    stored = _agreed_record(world, job, "lr_decay_steps", "steps")
     if stored is None or stored == t.steps or stored <= t.warmup_steps:
         return job
     if world.rank == 0:
@@ -82,8 +89,7 @@ def keep_recorded_batch(job: Job, world, given: bool) -> Job:
     """Collective: `job` with the checkpoint's global batch when `given` is False and the newest
     checkpoint recorded another; ConfigError on every rank alike when it does not split over
     this dp (the line says how to choose another)."""
-    stored = recorded_global_batch(job) if world.rank == 0 and not given else None
-    stored = world.bcast(stored, root=0)
+    stored = None if given else _agreed_record(world, job, "global_batch")  # given: alike
     t = job.train
     if stored is None or stored == t.global_batch:
         return job

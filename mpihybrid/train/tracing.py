@@ -24,9 +24,6 @@ from mpi4py import MPI
 from mpihybrid import __version__
 from mpihybrid.config import Job, to_toml
 from mpihybrid.nn.optim import learning_rate
-from mpihybrid.pipeline.csv_schedule import csv_text
-from mpihybrid.pipeline.schedules import placement_of
-from mpihybrid.pipeline.search import search_attrs
 from mpihybrid.sysinfo import clean_text, hostname, mpi_library
 from mpihybrid.trace.file import TraceWriter
 from mpihybrid.trace.recorder import KIND, Recorder, StepRecorder, StepWindow
@@ -102,9 +99,8 @@ def note_ring(world: MPI.Comm, run, notes: dict | None) -> None:
 def layout_attrs(job: Job, world_size: int) -> dict:
     """The trace attributes that say how the run was laid out (what analysis reads back); a
     csv: schedule's text goes with them, so its trace is analysed without the file."""
-    t = job.train
-    text = {"schedule_csv": csv_text(t.schedule)} if t.schedule.startswith("csv:") else {}
-    placement = placement_of(t.schedule, job.grid.pp, t.virtual_stages)
+    t, schedule = job.train, job.schedule
+    placement = schedule.placement
     return {
         "world_size": world_size,
         "pp": job.grid.pp,
@@ -117,8 +113,8 @@ def layout_attrs(job: Job, world_size: int) -> dict:
         "codec": job.comm.codec,
         "p2p_codec": job.comm.p2p_codec,
         "device": job.grid.device,
-        **text,
-        **search_attrs(t.schedule),
+        **({"schedule_csv": schedule.csv} if schedule.csv is not None else {}),
+        **({"schedule_search": schedule.search} if schedule.search is not None else {}),
         # the vocabulary shares' bucket rows name chunk pp * v + pp_rank (docs/vocab.md)
         **({"vocab_parallel": True} if job.model.vocab_parallel else {}),
     }

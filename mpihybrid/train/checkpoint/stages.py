@@ -9,8 +9,9 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from mpihybrid.comm.agree import agree
+from mpihybrid.comm.agree import agree, rank0_decides
 from mpihybrid.comm.device import copy_from_host, host_array
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.train.checkpoint import disk
 from mpihybrid.train.checkpoint.disk import (
     CheckpointDamaged,
@@ -114,13 +115,14 @@ def check_compatible(manifest: dict, job, path: Path) -> None:
 
 def _check_chunking(manifest: dict, job, path: Path) -> None:
     """A checkpoint's stages are its placement's chunks: another pp or chunks per rank (a V
-    schedule's 2 after a loop's 1) is refused naming both and, for a GPT, the way across."""
+    schedule's 2 after a loop's 1) is refused naming both and, for a kind a weights file starts
+    (nn/kinds.py: ModelKind.init), the way across."""
     theirs = (manifest.get("pp"), manifest.get("virtual_stages"))
     mine = (job.grid.pp, job.train.virtual_stages)
     if theirs == mine:
         return
     across = ""
-    if job.model.kind == "gpt":
+    if model_kind(job.model.kind).init is not None:  # its weights export starts a job
         across = (
             f"; to go across, `mpihybrid weights export {path.parent} -o W.safetensors`, then "
             "start this job in another checkpoint.dir with model.init = W.safetensors (the "
@@ -181,14 +183,17 @@ def save_all(
     partial directory is removed then, and every earlier checkpoint stays as it was."""
     root = Path(job.checkpoint.dir)
     needed = world.allreduce(share_nbytes(dp_rank, states))
-    partial, error = None, None
-    if world.rank == 0:
-        try:
-            check_space(root, needed)
-            partial = new_partial(root, step)
-        except OSError as exc:
-            error = write_failed(exc, root, step, needed)
-    partial, error = world.bcast((partial, error), root=0)
+
+    def refused(exc: BaseException) -> str:  # one line: a full disk says how much was needed
+        if isinstance(exc, CheckpointError):
+            return str(exc)
+        return write_failed(exc, root, step, needed)
+
+    def make_partial() -> Path:
+        check_space(root, needed)
+        return new_partial(root, step)
+
+    partial, error = rank0_decides(world, make_partial, expected=(OSError,), describe=refused)
     if error is not None:
         raise CheckpointError(error)
     files, error = {}, None
@@ -196,26 +201,25 @@ def save_all(
         for st in states.values():
             files |= save_rank(partial, st, dp_rank, step)
     except OSError as exc:
-        error = write_failed(exc, root, step, needed)
+        error = refused(exc)
     shares = world.gather((files, error), root=0)  # every file is in place, or an error says not
-    path = None
-    if world.rank == 0:
-        error = next((e for _, e in shares if e is not None), None)
+
+    def commit_shares() -> str:  # rank 0: the partial directory committed, or removed
         try:
-            if error is None:
-                files = _union(f for f, _ in shares) | keep_tokenizer(job, partial)
-                manifest = manifest_for(job, step, losses, accuracies, files)
-                path = str(commit(root, partial, step, manifest, job.checkpoint.keep))
-                log.info("checkpoint: %s", path)
-        except (OSError, CheckpointError) as exc:
-            error = (
-                str(exc)
-                if isinstance(exc, CheckpointError)
-                else write_failed(exc, root, step, needed)
-            )
-        if path is None:
+            if failed := next((e for _, e in shares if e is not None), None):
+                raise CheckpointError(failed)
+            files = _union(f for f, _ in shares) | keep_tokenizer(job, partial)
+            manifest = manifest_for(job, step, losses, accuracies, files)
+            path = str(commit(root, partial, step, manifest, job.checkpoint.keep))
+        except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
-    path, error = world.bcast((path, error), root=0)
+            raise
+        log.info("checkpoint: %s", path)
+        return path
+
+    path, error = rank0_decides(
+        world, commit_shares, expected=(OSError, CheckpointError), describe=refused
+    )
     if error is not None:
         raise CheckpointError(error)
     return path
