@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpihybrid.analysis.costs import CODE, find_rows, with_shares
 from mpihybrid.analysis.messages import match_messages
-from mpihybrid.trace.recorder import KIND
+from mpihybrid.trace.recorder import COMPUTE, KIND, VOCAB, VOCAB_PASSES
 
 # what a rank's main thread does, one after the other (allreduce and optimizer rows may run on
-# the communication thread, behind these)
-MAIN = ("forward", "backward", "weight", "send", "recv", "grad_wait")
-COMPUTE_CODES = (KIND["forward"], KIND["backward"], KIND["weight"])
-LETTER = {KIND["forward"]: "F", KIND["backward"]: "B", KIND["weight"]: "W"}
+# the communication thread, behind these); model.vocab_parallel's passes are compute too
+MAIN = ("forward", "backward", "weight", "send", "recv", "grad_wait", *VOCAB_PASSES)
+LETTER = COMPUTE | VOCAB
+COMPUTE_CODES = tuple(LETTER)
 
 
 class LanesError(ValueError):
@@ -41,8 +42,10 @@ class Lanes:
 
     @classmethod
     def of(cls, events: np.ndarray) -> Lanes:
+        """events: a vocabulary pass's stage reads as its share here (costs.with_shares)."""
+        events = with_shares(events)
         kind = events["kind"]
-        if not np.any(np.isin(kind, COMPUTE_CODES)):
+        if not np.any(np.isin(kind, list(COMPUTE))):
             raise LanesError("the trace has no per-action events (trace.events = false?)")
         main = np.flatnonzero(np.isin(kind, [KIND[k] for k in MAIN]))
         # ties in start (a zero-length row beside an action): the longer one last
@@ -52,7 +55,7 @@ class Lanes:
             events["rank"][main],
             events["step"][main],
         )
-        order = main[np.lexsort(by)]
+        order = _unnested(events, main[np.lexsort(by)])
         step, rank = events["step"][order], events["rank"][order]
         cut = np.flatnonzero((np.diff(step) != 0) | (np.diff(rank) != 0)) + 1
         bounds = np.concatenate([[0], cut, [len(order)]])
@@ -74,6 +77,9 @@ class Lanes:
         messages = match_messages(events)
         sender = dict(zip(messages.recv.tolist(), messages.send.tolist(), strict=True))
         carried = dict(zip(messages.send.tolist(), messages.direction.tolist(), strict=True))
+        for recv, producer in _vocab_senders(events, order).items():
+            sender[recv] = producer
+            carried[producer] = LETTER[int(kind[producer])]
         ring: dict[int, dict[tuple[int, int], list[int]]] = {}
         for i in np.flatnonzero(kind == KIND["allreduce"]).tolist():
             step = ring.setdefault(int(events["step"][i]), {})
@@ -94,11 +100,69 @@ class Lanes:
         return sorted(r for s, r in self.steps if s == step)
 
 
+def _unnested(events: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """The lane rows less model.vocab_parallel's receives inside a compute row of their rank
+    (the first stage's F takes the shares' embedding parts, the last stage's B their gradient
+    parts: the action's row holds the wait)."""
+    recv = (events["kind"][order] == KIND["recv"]) & (events["stage"][order] < 0)
+    if not recv.any():
+        return order
+    start, end = events["start"][order], events["end"][order]
+    step, rank = events["step"][order], events["rank"][order]
+    lane = np.concatenate([[0], np.cumsum((np.diff(step) != 0) | (np.diff(rank) != 0))])
+    base, span = start.min(), end.max() - start.min() + 1.0
+    # the latest compute end so far in each lane (lanes set apart by span, so no lane's
+    # running maximum reaches into the next)
+    ends = np.where(np.isin(events["kind"][order], COMPUTE_CODES), end - base, -1.0)
+    reach = np.maximum.accumulate(ends + lane * span)
+    inside = np.zeros(len(order), dtype=bool)
+    inside[1:] = recv[1:] & (reach[:-1] >= end[1:] - base + lane[1:] * span)
+    return order[~inside]
+
+
+def _vocab_senders(events: np.ndarray, order: np.ndarray) -> dict[int, int]:
+    """model.vocab_parallel's receives -> the row of the action that made what they carried (its
+    message leaves as it ends): the rank's next action is an S (the last stage's F), a T (the
+    sender's S) or a G (the first stage's B)."""
+    kind = events["kind"][order]
+    at = np.flatnonzero((kind == KIND["recv"]) & (events["stage"][order] < 0))
+    if not len(at):
+        return {}
+    # the first row after each that is no receive (a T takes every other share's statistics)
+    index = np.where(kind != KIND["recv"], np.arange(len(order)), len(order) - 1)
+    after = np.minimum.accumulate(index[::-1])[::-1]
+    recv, consumer = order[at], order[after[at]]
+    same = (events["rank"][consumer] == events["rank"][recv]) & (
+        events["step"][consumer] == events["step"][recv]
+    )
+    recv, consumer = recv[same], consumer[same]
+    last = int(events["stage"][events["kind"] == KIND["forward"]].max())
+    made = {"S": ("F", last), "T": ("S", None), "G": ("B", 0)}
+    out = {}
+    for letter, (producer, stage) in made.items():
+        mine = events["kind"][consumer] == CODE[letter]
+        if not mine.any():
+            continue
+        rows = np.flatnonzero(events["kind"] == CODE[producer])
+        want = events[recv[mine]]
+        table = [events["step"][rows], events["rank"][rows], events["microbatch"][rows]]
+        query = [want["step"], want["peer"], want["microbatch"]]
+        if stage is not None:  # a T's input is the sender's own S: its rank names it
+            table.append(events["stage"][rows])
+            query.append(np.full(len(want), stage))
+        found = find_rows(table, query)
+        out.update(
+            zip(recv[mine][found >= 0].tolist(), rows[found[found >= 0]].tolist(), strict=True)
+        )
+    return out
+
+
 def waited(events: np.ndarray, recv: int, send: int | None) -> bool:
     """Whether a receive blocked on its message: the message's send ended after it began."""
     return send is not None and events["end"][send] > events["start"][recv]
 
 
 def action_name(letter: str, stage: int, microbatch: int) -> str:
-    """ "F3 of stage 1"."""
-    return f"{letter}{microbatch} of stage {stage}"
+    """ "F3 of stage 1", "S3 of vocabulary share 1"."""
+    where = "vocabulary share" if letter in VOCAB.values() else "stage"
+    return f"{letter}{microbatch} of {where} {stage}"

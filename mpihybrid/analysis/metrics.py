@@ -19,7 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from mpihybrid.analysis.bandwidth import allreduce_bandwidth
-from mpihybrid.analysis.costs import stage_costs
+from mpihybrid.analysis.costs import ran_lists, stage_costs
 from mpihybrid.analysis.messages import Messages, match_messages, message_latency
 from mpihybrid.analysis.oversubscription import oversubscription
 from mpihybrid.analysis.rows import durations, group_max, group_min, group_sum, groups
@@ -98,7 +98,10 @@ def bubble_summary(
     num_stages = pp * virtual_stages
     send = message_latency(events[np.isin(events["step"], steps)], mean=True)
     costs = stage_costs(compute, num_stages, send) | {"send": send}
-    actions = build_schedule(schedule, pp, num_microbatches, virtual_stages, early_grad_send)
+    # model.vocab_parallel: the lists as they ran (their passes were placed on timed costs)
+    actions = ran_lists(compute) or build_schedule(
+        schedule, pp, num_microbatches, virtual_stages, early_grad_send
+    )
     placement = placement_of(schedule, pp, virtual_stages)
     order = np.argsort(phase_of, kind="stable")
     cut = np.flatnonzero(np.diff(phase_of[order])) + 1
@@ -364,7 +367,8 @@ def _stage_rows(
     num_stages = pp * v
     peak_count, peak_bytes = _peak_activations(ev, num_stages)
     placement = placement_of(schedule, pp, v)
-    predicted_peak = peak_inflight(build_schedule(schedule, pp, m, v, early), placement)
+    lists = ran_lists(ev) or build_schedule(schedule, pp, m, v, early)
+    predicted_peak = peak_inflight(lists, placement)
     per_stage = {}
     for name in SPLIT:
         rows = of[name][(of[name]["stage"] >= 0) & (of[name]["stage"] < num_stages)]
