@@ -53,11 +53,29 @@ def pp_ranks(events: np.ndarray) -> np.ndarray:
 
 
 def with_shares(events: np.ndarray) -> np.ndarray:
-    """The rows, each vocabulary pass's stage (-1 in the trace) set to its share (pp_ranks)."""
+    """The rows as the analysis reads a model.vocab_parallel run: each vocabulary pass's stage
+    (-1 in the trace) set to its share (pp_ranks), and an F or B that waited inside its row for
+    the shares' parts (the first stage's F for the embedding's, the last stage's B for the
+    head's gradient's: its first work) starting when its last such receive ended, so its row
+    is its own work and the wait a receive before it, as the passes' own rows are."""
     out = events.copy()
     is_vocab = np.isin(out["kind"], list(VOCAB))
-    if is_vocab.any():
-        out["stage"][is_vocab] = pp_ranks(out)[is_vocab]
+    if not is_vocab.any():
+        return out
+    out["stage"][is_vocab] = pp_ranks(out)[is_vocab]
+    recv = np.flatnonzero((out["kind"] == KIND["recv"]) & (out["stage"] < 0))
+    comp = np.flatnonzero(np.isin(out["kind"], list(COMPUTE)))
+    if not len(recv) or not len(comp):
+        return out
+    # each receive's latest-starting compute row of its rank (ranks set apart by the span)
+    base, span = out["start"].min(), out["end"].max() - out["start"].min() + 1.0
+    at = out["start"][comp] - base + out["rank"][comp] * span
+    comp, at = comp[np.argsort(at)], np.sort(at)
+    i = np.searchsorted(at, out["start"][recv] - base + out["rank"][recv] * span, "right") - 1
+    host = comp[np.maximum(i, 0)]
+    inside = (i >= 0) & (out["rank"][host] == out["rank"][recv])
+    inside &= out["end"][host] >= out["end"][recv]
+    np.maximum.at(out["start"], host[inside], out["end"][recv[inside]])
     return out
 
 

@@ -55,7 +55,7 @@ class Lanes:
             events["rank"][main],
             events["step"][main],
         )
-        order = _unnested(events, main[np.lexsort(by)])
+        order = main[np.lexsort(by)]
         step, rank = events["step"][order], events["rank"][order]
         cut = np.flatnonzero((np.diff(step) != 0) | (np.diff(rank) != 0)) + 1
         bounds = np.concatenate([[0], cut, [len(order)]])
@@ -100,30 +100,11 @@ class Lanes:
         return sorted(r for s, r in self.steps if s == step)
 
 
-def _unnested(events: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """The lane rows less model.vocab_parallel's receives inside a compute row of their rank
-    (the first stage's F takes the shares' embedding parts, the last stage's B their gradient
-    parts: the action's row holds the wait)."""
-    recv = (events["kind"][order] == KIND["recv"]) & (events["stage"][order] < 0)
-    if not recv.any():
-        return order
-    start, end = events["start"][order], events["end"][order]
-    step, rank = events["step"][order], events["rank"][order]
-    lane = np.concatenate([[0], np.cumsum((np.diff(step) != 0) | (np.diff(rank) != 0))])
-    base, span = start.min(), end.max() - start.min() + 1.0
-    # the latest compute end so far in each lane (lanes set apart by span, so no lane's
-    # running maximum reaches into the next)
-    ends = np.where(np.isin(events["kind"][order], COMPUTE_CODES), end - base, -1.0)
-    reach = np.maximum.accumulate(ends + lane * span)
-    inside = np.zeros(len(order), dtype=bool)
-    inside[1:] = recv[1:] & (reach[:-1] >= end[1:] - base + lane[1:] * span)
-    return order[~inside]
-
-
 def _vocab_senders(events: np.ndarray, order: np.ndarray) -> dict[int, int]:
     """model.vocab_parallel's receives -> the row of the action that made what they carried (its
-    message leaves as it ends): the rank's next action is an S (the last stage's F), a T (the
-    sender's S) or a G (the first stage's B)."""
+    message leaves as it ends), by the rank's next action: an S waits for the last stage's F, a
+    T for the sender's S, a G for the first stage's B, the first stage's F for the sender's E,
+    the last stage's B for the sender's T (costs.with_shares moved those two past the wait)."""
     kind = events["kind"][order]
     at = np.flatnonzero((kind == KIND["recv"]) & (events["stage"][order] < 0))
     if not len(at):
@@ -137,7 +118,7 @@ def _vocab_senders(events: np.ndarray, order: np.ndarray) -> dict[int, int]:
     )
     recv, consumer = recv[same], consumer[same]
     last = int(events["stage"][events["kind"] == KIND["forward"]].max())
-    made = {"S": ("F", last), "T": ("S", None), "G": ("B", 0)}
+    made = {"S": ("F", last), "T": ("S", None), "G": ("B", 0), "F": ("E", None), "B": ("T", None)}
     out = {}
     for letter, (producer, stage) in made.items():
         mine = events["kind"][consumer] == CODE[letter]
@@ -147,7 +128,7 @@ def _vocab_senders(events: np.ndarray, order: np.ndarray) -> dict[int, int]:
         want = events[recv[mine]]
         table = [events["step"][rows], events["rank"][rows], events["microbatch"][rows]]
         query = [want["step"], want["peer"], want["microbatch"]]
-        if stage is not None:  # a T's input is the sender's own S: its rank names it
+        if stage is not None:  # a pass's input is the sender's own pass: its rank names it
             table.append(events["stage"][rows])
             query.append(np.full(len(want), stage))
         found = find_rows(table, query)

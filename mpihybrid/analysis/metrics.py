@@ -19,7 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from mpihybrid.analysis.bandwidth import allreduce_bandwidth
-from mpihybrid.analysis.costs import ran_lists, stage_costs
+from mpihybrid.analysis.costs import ran_lists, stage_costs, with_shares
 from mpihybrid.analysis.messages import Messages, match_messages, message_latency
 from mpihybrid.analysis.oversubscription import oversubscription
 from mpihybrid.analysis.rows import durations, group_max, group_min, group_sum, groups
@@ -77,7 +77,8 @@ def bubble_summary(
     from mpihybrid.pipeline.simulate import Costs, simulate
 
     working = list(COMPUTE) + [KIND[k] for k in VOCAB_PASSES]
-    compute = events[np.isin(events["kind"], working)]
+    compute = with_shares(events)  # vocab_parallel: an F or B's wait for the shares is idle
+    compute = compute[np.isin(compute["kind"], working)]
     steps = _measured_steps(compute, skip_steps)
     compute = compute[np.isin(compute["step"], steps)]
     # one phase per (step, replica); one busy time per (phase, rank): grouped once, not masked
