@@ -74,7 +74,7 @@ def with_shares(events: np.ndarray) -> np.ndarray:
     i = np.searchsorted(at, out["start"][recv] - base + out["rank"][recv] * span, "right") - 1
     host = comp[np.maximum(i, 0)]
     inside = (i >= 0) & (out["rank"][host] == out["rank"][recv])
-    inside &= out["end"][host] >= out["end"][recv]
+    inside &= out["end"][host] > out["end"][recv]  # inside, not one ending as it ends
     np.maximum.at(out["start"], host[inside], out["end"][recv[inside]])
     return out
 
