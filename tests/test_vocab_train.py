@@ -96,6 +96,24 @@ def test_schedule_show_draws_the_passes():
     assert "0S0" in text and "1T3" in text and "S the vocabulary share's logits" in text
 
 
+def test_schedule_show_all_counts_the_passes_and_csv_is_one_line(tmp_path):
+    from tests.test_cli_trace import cli_here, failed
+
+    plain = cli_here("schedule", "show", "--all", "--pp", "3", "-m", "6")
+    proc = cli_here("schedule", "show", "--all", "--pp", "3", "-m", "6", "--vocab-parallel")
+    assert proc.returncode == 0 and "vocab_parallel's passes placed" in proc.stdout
+
+    def simulated(text: str) -> float:  # 1F1B's simulated bubble
+        row = next(line for line in text.splitlines() if line.startswith("1f1b "))
+        return float(row.split()[5])
+
+    # at pp = 3, m = 6 the passes fill 1F1B's bubble (0.250 without them)
+    assert simulated(plain.stdout) == 0.25 and simulated(proc.stdout) < 0.2
+    out = tmp_path / "s.csv"
+    proc = cli_here("schedule", "show", "--pp", "2", "--vocab-parallel", "--csv", out)
+    assert failed(proc, "torch's CSV has no E/S/T/G passes") and not out.exists()
+
+
 def test_the_search_judges_its_candidates_with_the_passes():
     """auto's search: each candidate simulated with the vocabulary passes placed on it."""
     import dataclasses

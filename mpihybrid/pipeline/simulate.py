@@ -345,11 +345,17 @@ def describe(
     return "\n".join(lines)
 
 
-def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False) -> str:
+def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False, vocab: bool = False) -> str:
     """One row per schedule: placement, closed form, simulated bubble (F = B = W = 1), peak
     activations per rank (vs the paper's memory column) and per stage; early_grad_send simulates
-    each as training runs it (B, send, then W)."""
+    each as training runs it (B, send, then W); vocab: with model.vocab_parallel's passes placed
+    on each (vocab_lists), which the simulated bubble and the peaks then count."""
     early = "; gradients sent before W" if early_grad_send else ""
+    if vocab:
+        early += (
+            "; with model.vocab_parallel's passes placed on every rank (S = 1, T = 2, E and G "
+            "free): the simulated bubble and the peaks count them, the formula does not"
+        )
     caption = (
         f"pp={pp} num_microbatches={m}; F = B = W = 1 (an unsplit backward costs B + W){early}; "
         "rank peak = most activations alive on a rank, in micro-batches of its share of the "
@@ -366,7 +372,10 @@ def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False) -> str:
             rows.append([name, nv, spec.placement, *[""] * 6, f"not legal: {exc}"])
             continue
         actions = build_schedule(name, pp, m, nv, early_grad_send)
-        result = simulate(actions, placement_of(name, pp, nv), Costs(1.0, 1.0, 1.0))
+        costs = Costs(1.0, 1.0, 1.0)
+        if vocab:
+            actions, costs = vocab_lists(actions, placement_of(name, pp, nv), m)
+        result = simulate(actions, placement_of(name, pp, nv), costs)
         predicted = bubble_formula(name, pp, m, nv)
         rows.append(
             [name, nv, spec.placement, spec.bubble_text, f"{predicted:.3f}"]
