@@ -58,10 +58,10 @@ def with_shares(events: np.ndarray) -> np.ndarray:
     the shares' parts (the first stage's F for the embedding's, the last stage's B for the
     head's gradient's: its first work) starting when its last such receive ended, so its row
     is its own work and the wait a receive before it, as the passes' own rows are."""
-    out = events.copy()
-    is_vocab = np.isin(out["kind"], list(VOCAB))
+    is_vocab = np.isin(events["kind"], list(VOCAB))
     if not is_vocab.any():
-        return out
+        return events  # no copy: the rows are only read
+    out = events.copy()
     out["stage"][is_vocab] = pp_ranks(out)[is_vocab]
     recv = np.flatnonzero((out["kind"] == KIND["recv"]) & (out["stage"] < 0))
     comp = np.flatnonzero(np.isin(out["kind"], list(COMPUTE)))
