@@ -91,7 +91,7 @@ CASES = [
     _gpt(1, 1, "1f1b", 4),
     _gpt(1, 2, "1f1b", 2, "int8"),
     _gpt(1, 2, "1f1b", 2, "bf16"),
-    _vocab(True),  # 21, 22: docs/vocab.md
+    _vocab(True),  # 20, 21: docs/vocab.md
     _vocab(False),
 ]
 
