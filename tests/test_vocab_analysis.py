@@ -105,12 +105,19 @@ def test_a_simulated_vocab_trace_replays_exactly_and_its_path_names_the_passes()
 
 @pytest.mark.mpi
 def test_analyze_and_whatif_of_a_real_vocab_parallel_run(tmp_path):
+    # pp 2 x dp 2, data-inner (a replica's ranks 0 and 2): the shares by pp rank, their rings
     path = tmp_path / "vocab.h5"
-    settings = [*TINY_GPT, "grid.pp=2", "train.microbatches=4", "train.steps=4"]
-    proc = run_mpi(2, "-m", "mpihybrid", "train", "--quiet", "--trace", str(path),
+    settings = [*TINY_GPT, "grid.pp=2", "grid.dp=2", "grid.order=data-inner",
+                "train.microbatches=4", "train.steps=4"]  # fmt: skip
+    proc = run_mpi(4, "-m", "mpihybrid", "train", "--quiet", "--trace", str(path),
                    *_argv(settings))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    doc = json.loads(cli_here("analyze", path, "--json").stdout)
+    proc = cli_here("analyze", path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    # every chunk's ring has its size: the stages' and the two shares' (chunks 2 and 3)
+    rings = {row["stage"]: row["size_bytes"] for row in doc["allreduce"]}
+    assert sorted(rings) == [0, 1, 2, 3] and rings[2] == rings[3] > 0
     named = doc["why"]["critical"]["shares"]
     assert any(k.startswith("vocab ") for k in named), named
     for row in doc["why"]["idle"]["ranks"]:

@@ -139,17 +139,24 @@ def flat_config(trace: Trace) -> dict[str, object]:
 
 def _stage_param_counts(trace: Trace, num_stages: int) -> list[int] | None:
     """Parameters of every stage, counted from the job the trace stores (the all-reduce moves
-    them as fp32); None when the trace holds no readable job."""
+    them as fp32), then (model.vocab_parallel) every vocabulary share's, the chunks the
+    runtime numbers num_stages + pp rank; None when the trace holds no readable job."""
     from mpihybrid.config import ConfigError, build_job
     from mpihybrid.nn.data import task_dims
     from mpihybrid.nn.model import stage_num_params
+    from mpihybrid.nn.vocab import share_layer
 
     try:
         table = tomllib.loads(trace.config)
         if not table:
             return None  # no job stored: the defaults would be a guess
         job = build_job(table)
-        return stage_num_params(job.model, *task_dims(job.data), num_stages)
+        counts = stage_num_params(job.model, *task_dims(job.data), num_stages)
+        if getattr(job.model, "vocab_parallel", False):
+            d, pp = job.data, int(trace.attrs.get("pp", job.grid.pp))
+            share = share_layer(job.model, d.seq_len, d.vocab, pp, 0, seed=0)
+            counts += [share.cost(1, job.model.hidden).params] * pp
+        return counts
     except (tomllib.TOMLDecodeError, ConfigError, ValueError, TypeError):
         return None
 
