@@ -12,6 +12,7 @@ import pytest
 
 from mpihybrid.analysis.costs import stage_costs
 from mpihybrid.analysis.critical import critical_paths, shares
+from mpihybrid.analysis.export import event_name
 from mpihybrid.analysis.idle import attribute_idle
 from mpihybrid.analysis.lanes import Lanes
 from mpihybrid.analysis.replay import Change, Measured, gain_table, replay
@@ -125,7 +126,9 @@ def test_analyze_and_whatif_of_a_real_vocab_parallel_run(tmp_path):
     costs = doc["bubble"]["costs"]["vocab"]
     assert set(costs) == {"E", "S", "T", "G", "tail"}
     assert all(x > 0 for k in "ESTG" for x in costs[k])
-    base = Measured.of(load(path))
+    trace = load(path)
+    assert {"E0", "S3", "T1", "G2"} <= {event_name(e) for e in trace.events}  # export's names
+    base = Measured.of(trace)
     ran = {r: "".join(a.kind for a in acts) for r, acts in base.lists.items()}
     assert all(acts.count(k) == 4 for acts in ran.values() for k in "ESTG"), ran
     out = json.loads(cli_here("whatif", path, "--json").stdout)
