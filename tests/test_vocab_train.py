@@ -145,3 +145,20 @@ def test_the_greedy_keeps_its_fastest_order_with_the_passes_placed():
     plain, _ = best_greedy(placement, 6, dataclasses.replace(costs, vocab=None), max_inflight=3.0)
     placed = add_vocab_passes(plain, placement, 6, costs, simulate)
     assert sim.makespan <= simulate(placed, placement, costs).makespan + 1e-9
+
+
+def test_the_exact_search_orders_around_the_passes():
+    """search_exact: the passes are intervals of the model (its makespan holds every rank's 4 S
+    and 4 T); the lists it returns hold F, B and W alone, valid."""
+    pytest.importorskip("ortools")
+    from mpihybrid.pipeline.search_exact import solve
+
+    placement = placement_of("1f1b", 2)
+    costs = Costs(1.0, 1.0, 1.0, vocab={"E": 0.0, "S": 1.0, "T": 2.0, "G": 0.0})
+    plain = solve(placement, 4, Costs(1.0, 1.0, 1.0), limit=[2, 2], time_limit=10,
+                  deterministic=True)  # fmt: skip
+    found = solve(placement, 4, costs, limit=[2, 2], time_limit=10, deterministic=True)
+    assert found.lists and {a.kind for acts in found.lists.values() for a in acts} == set("FBW")
+    validate(found.lists, placement, 4)
+    # a rank's own work: 4 x (F + B + W) and 4 x (S + T)
+    assert plain.makespan < 24 <= found.makespan + 1e-9
