@@ -50,6 +50,7 @@ from mpihybrid.launch import mpiexec_command
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT, MLP = "jobs/gpt_bench.toml", "jobs/bench_pp2.toml"
+VOCAB = "jobs/gpt_bench_vocab.toml"  # GPT-2's vocabulary: model.vocab_parallel on and off
 CALIBRATION = (GPT, ["train.steps=20"])  # 19 measured steps: a few seconds of a shared machine
 
 
@@ -68,6 +69,13 @@ def _gpt(pp: int, dp: int, schedule: str, m: int, codec: str = "fp32", v: int = 
     return (GPT, sets)
 
 
+def _vocab(on: bool) -> tuple:
+    sets = ["grid.pp=2", "grid.dp=1", "train.schedule=1f1b", "train.microbatches=4",
+            "train.global_batch=8", "comm.codec=fp32", "train.virtual_stages=1",
+            f"model.vocab_parallel={str(on).lower()}"]  # fmt: skip
+    return (VOCAB, sets)
+
+
 CASES = [
     _gpt(2, 1, "1f1b", 4),  # the calibration's configuration: the sitting's spread, not scored
     *(_mlp(2, 1, s, 4) for s in ("naive", "gpipe", "1f1b", "zb-h1")),
@@ -83,6 +91,8 @@ CASES = [
     _gpt(1, 1, "1f1b", 4),
     _gpt(1, 2, "1f1b", 2, "int8"),
     _gpt(1, 2, "1f1b", 2, "bf16"),
+    _vocab(True),  # 20, 21: docs/vocab.md
+    _vocab(False),
 ]
 
 
@@ -190,7 +200,9 @@ def measure_and_predict(
 
 def _label(row: dict) -> str:
     s = dict(x.split("=", 1) for x in row["sets"])
-    model = "gpt" if row["job"] == GPT else "mlp"
+    model = {GPT: "gpt", VOCAB: "gpt vocab 50257"}.get(row["job"], "mlp")
+    if s.get("model.vocab_parallel") == "true":
+        model += " vocab_parallel"
     v = f" v={s['train.virtual_stages']}" if s.get("train.virtual_stages", "1") != "1" else ""
     return (f"{model} pp={s['grid.pp']} dp={s['grid.dp']} {s['train.schedule']}{v} "
             f"M={s['train.microbatches']} {s['comm.codec']}")  # fmt: skip

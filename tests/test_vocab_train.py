@@ -96,6 +96,24 @@ def test_schedule_show_draws_the_passes():
     assert "0S0" in text and "1T3" in text and "S the vocabulary share's logits" in text
 
 
+def test_schedule_show_all_counts_the_passes_and_csv_is_one_line(tmp_path):
+    from tests.test_cli_trace import cli_here, failed
+
+    plain = cli_here("schedule", "show", "--all", "--pp", "3", "-m", "6")
+    proc = cli_here("schedule", "show", "--all", "--pp", "3", "-m", "6", "--vocab-parallel")
+    assert proc.returncode == 0 and "vocab_parallel's passes placed" in proc.stdout
+
+    def simulated(text: str) -> float:  # 1F1B's simulated bubble
+        row = next(line for line in text.splitlines() if line.startswith("1f1b "))
+        return float(row.split()[5])
+
+    # at pp = 3, m = 6 the passes fill 1F1B's bubble (0.250 without them)
+    assert simulated(plain.stdout) == 0.25 and simulated(proc.stdout) < 0.2
+    out = tmp_path / "s.csv"
+    proc = cli_here("schedule", "show", "--pp", "2", "--vocab-parallel", "--csv", out)
+    assert failed(proc, "torch's CSV has no E/S/T/G passes") and not out.exists()
+
+
 def test_the_search_judges_its_candidates_with_the_passes():
     """auto's search: each candidate simulated with the vocabulary passes placed on it."""
     import dataclasses
@@ -109,3 +127,38 @@ def test_the_search_judges_its_candidates_with_the_passes():
     assert any(a.kind == "S" for a in vocab.best.sim.start)
     # every rank runs 4 S and 4 T: 12 units more of its own work
     assert max(vocab.best.sim.busy) == pytest.approx(max(plain.best.sim.busy) + 12)
+
+
+def test_the_greedy_keeps_its_fastest_order_with_the_passes_placed():
+    """best_greedy: its fastest few orders judged with the passes placed, the fastest kept; no
+    slower than placing them on the order it picks without them."""
+    import dataclasses
+
+    from mpihybrid.pipeline.search_greedy import best_greedy
+
+    placement = placement_of("1f1b", 3)
+    costs = Costs(1.0, 1.0, 1.0, vocab={"E": 0.0, "S": 1.0, "T": 2.0, "G": 0.0})
+    lists, sim = best_greedy(placement, 6, costs, max_inflight=3.0)
+    assert any(a.kind == "T" for a in sim.start) and not any(
+        a.kind == "T" for acts in lists.values() for a in acts
+    )
+    plain, _ = best_greedy(placement, 6, dataclasses.replace(costs, vocab=None), max_inflight=3.0)
+    placed = add_vocab_passes(plain, placement, 6, costs, simulate)
+    assert sim.makespan <= simulate(placed, placement, costs).makespan + 1e-9
+
+
+def test_the_exact_search_orders_around_the_passes():
+    """search_exact: the passes are intervals of the model (its makespan holds every rank's 4 S
+    and 4 T); the lists it returns hold F, B and W alone, valid."""
+    pytest.importorskip("ortools")
+    from mpihybrid.pipeline.search_exact import solve
+
+    placement = placement_of("1f1b", 2)
+    costs = Costs(1.0, 1.0, 1.0, vocab={"E": 0.0, "S": 1.0, "T": 2.0, "G": 0.0})
+    plain = solve(placement, 4, Costs(1.0, 1.0, 1.0), limit=[2, 2], time_limit=10,
+                  deterministic=True)  # fmt: skip
+    found = solve(placement, 4, costs, limit=[2, 2], time_limit=10, deterministic=True)
+    assert found.lists and {a.kind for acts in found.lists.values() for a in acts} == set("FBW")
+    validate(found.lists, placement, 4)
+    # a rank's own work: 4 x (F + B + W) and 4 x (S + T)
+    assert plain.makespan < 24 <= found.makespan + 1e-9

@@ -60,6 +60,12 @@ def _share_words(shares_: dict) -> str:
     return ", ".join(words)
 
 
+vocab_words = (
+    "; vocab S v1 = vocabulary share 1's logits and statistics, E its embedding part, T the "
+    "loss's gradient, G its rows' gradient (model.vocab_parallel)"
+)
+
+
 def why_lines(doc: dict) -> list[str]:
     """The critical path in words, idle by cause per rank, the stragglers, the gain ceiling."""
     if "critical" not in doc:
@@ -72,7 +78,9 @@ def why_lines(doc: dict) -> list[str]:
         "actions, message hops and runtime gaps that set each step's end)",
         f"critical path   {_share_words(crit['shares'])} of the path's time over the measured "
         "steps (F s1 = forwards of stage 1; hop = a message from its send's end to its "
-        "receive's end; runtime = the ranks' own time between actions)",
+        "receive's end; runtime = the ranks' own time between actions"
+        + (vocab_words if any(k.startswith("vocab") for k in crit["shares"]) else "")
+        + ")",
     ]
     top = next(iter(crit["shares"]), None)
     if top is not None:
@@ -89,7 +97,11 @@ def why_lines(doc: dict) -> list[str]:
             f"{1e3 * rep['seconds']:.2f} ms), in time order:",
         ]
         lines += [f"  {line}" for line in crit["representative_text"]]
-    lines += ["", "idle time by cause (ms per step; adds up to each rank's idle: step - F - B - W)"]
+    lines += [
+        "",
+        "idle time by cause (ms per step; adds up to each rank's idle: step - F - B - W"
+        " - vocabulary passes)",
+    ]
     n = max(doc["idle"]["steps"], 1)
     rows = []
     for r in doc["idle"]["ranks"]:

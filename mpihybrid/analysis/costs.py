@@ -12,10 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from mpihybrid.analysis.rows import durations, group_max, group_sum, groups
-from mpihybrid.trace.recorder import COMPUTE, KIND
+from mpihybrid.trace.recorder import COMPUTE, KIND, VOCAB
+
+CODE = {letter: code for code, letter in (COMPUTE | VOCAB).items()}
 
 
-def _find(table: list[np.ndarray], query: list[np.ndarray]) -> np.ndarray:
+def find_rows(table: list[np.ndarray], query: list[np.ndarray]) -> np.ndarray:
     """For each query key (a row of the query columns): the index of a table row with that key,
     -1 where none."""
     n = len(table[0])
@@ -40,6 +42,84 @@ def _mean_per_stage(rows: np.ndarray, num_stages: int) -> np.ndarray:
         return total / count
 
 
+def pp_ranks(events: np.ndarray) -> np.ndarray:
+    """Each row's pp rank: its rank's place among its replica's ranks (both grid orders number a
+    replica's ranks in pp order); a vocabulary pass's share."""
+    if not len(events):
+        return np.zeros(0, dtype=np.int64)
+    pairs, which = groups(events["replica"], events["rank"])  # (replica, rank) in key order
+    first = np.searchsorted(pairs[:, 0], pairs[:, 0])  # the replica's first pair
+    return (np.arange(len(pairs)) - first)[which]
+
+
+def with_shares(events: np.ndarray) -> np.ndarray:
+    """The rows as the analysis reads a model.vocab_parallel run: each vocabulary pass's stage
+    (-1 in the trace) set to its share (pp_ranks), and an F or B that waited inside its row for
+    the shares' parts (the first stage's F for the embedding's, the last stage's B for the
+    head's gradient's: its first work) starting when its last such receive ended, so its row
+    is its own work and the wait a receive before it, as the passes' own rows are."""
+    is_vocab = np.isin(events["kind"], list(VOCAB))
+    if not is_vocab.any():
+        return events  # no copy: the rows are only read
+    out = events.copy()
+    out["stage"][is_vocab] = pp_ranks(out)[is_vocab]
+    recv = np.flatnonzero((out["kind"] == KIND["recv"]) & (out["stage"] < 0))
+    comp = np.flatnonzero(np.isin(out["kind"], list(COMPUTE)))
+    if not len(recv) or not len(comp):
+        return out
+    # each receive's latest-starting compute row of its rank (ranks set apart by the span)
+    base, span = out["start"].min(), out["end"].max() - out["start"].min() + 1.0
+    at = out["start"][comp] - base + out["rank"][comp] * span
+    comp, at = comp[np.argsort(at)], np.sort(at)
+    i = np.searchsorted(at, out["start"][recv] - base + out["rank"][recv] * span, "right") - 1
+    host = comp[np.maximum(i, 0)]
+    inside = (i >= 0) & (out["rank"][host] == out["rank"][recv])
+    inside &= out["end"][host] > out["end"][recv]  # inside, not one ending as it ends
+    np.maximum.at(out["start"], host[inside], out["end"][recv[inside]])
+    return out
+
+
+def ran_lists(events: np.ndarray) -> dict | None:
+    """The compute lists (pp rank -> Actions, vocabulary passes too) as the first step and
+    replica of these rows ran them, each rank's rows in start order (a rank runs its list in
+    order, the same every step): a model.vocab_parallel run's lists, whose passes were placed on
+    timed costs no schedule name rebuilds; None with no vocabulary pass among the rows."""
+    from mpihybrid.pipeline.actions import Action
+
+    letters = COMPUTE | VOCAB
+    rows = events[np.isin(events["kind"], list(letters))]
+    if not np.isin(rows["kind"], list(VOCAB)).any():
+        return None
+    rows = with_shares(rows[(rows["step"] == rows["step"].min()) & (rows["replica"] == 0)])
+    ranks = pp_ranks(rows)
+    lists: dict[int, list] = {}
+    for i in np.lexsort((rows["start"], ranks)):
+        a = Action(int(rows["stage"][i]), letters[int(rows["kind"][i])], int(rows["microbatch"][i]))
+        lists.setdefault(int(ranks[i]), []).append(a)
+    return lists
+
+
+def vocab_costs(rows: np.ndarray) -> dict | None:
+    """model.vocab_parallel's passes, per share (rows: with_shares'): {"E", "S", "T", "G": mean
+    seconds, "tail": how much longer a share's last G of a step runs than its others (the
+    share's gradient ring and optimizer update run inside it)}; None with no such rows."""
+    rows = rows[np.isin(rows["kind"], list(VOCAB))]
+    if not len(rows):
+        return None
+    n = int(rows["stage"].max()) + 1
+    out = {k: np.nan_to_num(_mean_per_stage(rows[rows["kind"] == CODE[k]], n)) for k in "EST"}
+    g = rows[rows["kind"] == CODE["G"]]
+    last = np.zeros(len(g), dtype=bool)
+    if len(g):
+        _, group = groups(g["step"], g["replica"], g["stage"])
+        latest = group_max(group, g["start"], int(group.max()) + 1)
+        last = g["start"] == latest[group]
+    every, body = _mean_per_stage(g, n), _mean_per_stage(g[~last], n)
+    out["G"] = np.nan_to_num(np.where(np.isnan(body), every, body))
+    out["tail"] = np.maximum(np.nan_to_num(_mean_per_stage(g[last], n) - out["G"]), 0.0)
+    return {k: v.tolist() for k, v in out.items()}
+
+
 def stage_costs(events: np.ndarray, num_stages: int, send: float = 0.0) -> dict:
     """What simulate() needs of a run, measured from its F/B/W rows (simulate.Costs):
 
@@ -52,14 +132,17 @@ def stage_costs(events: np.ndarray, num_stages: int, send: float = 0.0) -> dict:
         work done inside it (the means above leave those actions out, where others exist);
     gap: the mean time a rank spends between two compute actions when it waits for nothing
         (the next one's input was produced on the same rank, or at least `send` seconds before
-        the previous one ended): posting sends, receives already there, tracing, Python.
+        the previous one ended): posting sends, receives already there, tracing, Python;
+    vocab: model.vocab_parallel's passes per share (vocab_costs), None without them.
     """
+    events = with_shares(events)
+    everything = events[np.isin(events["kind"], list(COMPUTE | VOCAB)) & (events["stage"] >= 0)]
     rows = events[np.isin(events["kind"], list(COMPUTE)) & (events["stage"] >= 0)]
     rows = rows[rows["stage"] < num_stages]
     kind = rows["kind"]
     is_f, is_b, is_w = (kind == KIND[k] for k in ("forward", "backward", "weight"))
     # a B is whole when no W of its stage and micro-batch ran in that step
-    whole = is_b & (_find(_key(rows[is_w]), _key(rows)) < 0)
+    whole = is_b & (find_rows(_key(rows[is_w]), _key(rows)) < 0)
     # the last weight-gradient action of each (step, replica, stage): the latest-starting W or
     # whole B
     candidates = np.flatnonzero(is_w | whole)
@@ -97,28 +180,45 @@ def stage_costs(events: np.ndarray, num_stages: int, send: float = 0.0) -> dict:
         "weight": weight.tolist(),
         "whole": whole_b.tolist(),
         "tail": tail.tolist(),
-        "gap": _idle_gap(rows, send),
+        "gap": _idle_gap(everything, send, num_stages),
+        "vocab": vocab_costs(everything),
     }
 
 
-def _idle_gap(rows: np.ndarray, send: float) -> float:
+def _idle_gap(rows: np.ndarray, send: float, num_stages: int) -> float:
     """stage_costs' gap: the mean time between two consecutive compute rows of a rank and step
-    where the second waited for nothing (its input made on its rank, or at least `send` seconds
-    before the first ended); 0.0 with no such pair."""
+    where the second waited for nothing (every input of it made on its rank, or at least `send`
+    seconds before the first ended); 0.0 with no such pair."""
     order = np.lexsort((rows["start"], rows["step"], rows["rank"]))
     rows = rows[order]
     same = (rows["rank"][1:] == rows["rank"][:-1]) & (rows["step"][1:] == rows["step"][:-1])
     prev, nxt = rows[:-1][same], rows[1:][same]
-    # the row whose output the next one consumes: F of s-1 (an F), B of s+1 (a B)
-    producer = np.full(len(nxt), -1, dtype=np.int64)
-    for name, shift in (("forward", -1), ("backward", 1)):
-        mine = nxt["kind"] == KIND[name]
-        made = np.flatnonzero(rows["kind"] == KIND[name])
-        found = _find(_key(rows[made]), _key(nxt[mine], shift))
-        producer[mine] = np.where(found >= 0, made[found], -1)
-    remote = producer >= 0
-    remote[remote] = rows["rank"][producer[remote]] != nxt["rank"][remote]
-    ready = np.ones(len(nxt), dtype=bool)
-    ready[remote] = rows["end"][producer[remote]] + send <= prev["end"][remote]
+    latest = np.full(len(nxt), -np.inf)  # the end of its latest input made on another rank
+    for mask, letter, stage in _inputs(nxt, num_stages, rows):
+        made = np.flatnonzero(rows["kind"] == CODE[letter])
+        want = nxt[mask]
+        key = [want["step"], want["replica"], np.broadcast_to(stage, len(nxt))[mask]]
+        found = find_rows(_key(rows[made]), [*key, want["microbatch"]])
+        mine, producer = np.flatnonzero(mask)[found >= 0], made[found[found >= 0]]
+        remote = rows["rank"][producer] != nxt["rank"][mine]
+        np.maximum.at(latest, mine[remote], rows["end"][producer[remote]])
+    ready = latest + send <= prev["end"]
     gaps = nxt["start"][ready] - prev["end"][ready]
     return float(np.mean(gaps)) if len(gaps) else 0.0
+
+
+def _inputs(nxt: np.ndarray, num_stages: int, rows: np.ndarray):
+    """(which of nxt, the letter of an input they wait for, its stage or share) of every input
+    of the rows (simulate's and vocab_passes.vocab_inputs' dependencies)."""
+    kind, stage, last = nxt["kind"], nxt["stage"], num_stages - 1
+    out = [(kind == CODE["F"], "F", stage - 1), (kind == CODE["B"], "B", stage + 1)]
+    vocab = rows[np.isin(rows["kind"], list(VOCAB))]
+    for share in range(int(vocab["stage"].max()) + 1 if len(vocab) else 0):
+        out += [
+            ((kind == CODE["F"]) & (stage == 0), "E", share),
+            ((kind == CODE["B"]) & (stage == last), "T", share),
+            (kind == CODE["T"], "S", share),
+        ]
+    if len(vocab):
+        out += [(kind == CODE["S"], "F", last), (kind == CODE["G"], "B", 0)]
+    return out

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpihybrid.analysis.lanes import LETTER, Lanes, waited
-from mpihybrid.trace.recorder import KIND
+from mpihybrid.analysis.lanes import LETTER, Lanes, action_name, waited
+from mpihybrid.trace.recorder import KIND, VOCAB
 
 # the kinds of link, as shares() names them (compute links are "F s0", "B s1", "W s1", ...)
 HOP, RUNTIME, GRAD, OPTIM = "hop", "runtime", "gradient wait", "optimizer"
@@ -31,11 +31,11 @@ MAX_LINKS = 1 << 20  # a walk longer than this is a trace whose times go round i
 
 @dataclass
 class Link:
-    kind: str  # "F", "B", "W", "hop", "send", "recv", "gap", "grad_wait"
+    kind: str  # "F", "B", "W", "E", "S", "T", "G", "hop", "send", "recv", "gap", "grad_wait"
     rank: int
     start: float
     end: float
-    stage: int = -1
+    stage: int = -1  # a vocabulary pass (E, S, T, G): its share
     microbatch: int = -1
     peer: int = -1  # hop: the sender; grad_wait: the replica the ring waited for
     optimizer: float = 0.0  # seconds of this compute link the optimizer's update ran inside
@@ -46,6 +46,8 @@ class Link:
 
     def label(self) -> str:
         """The share this link counts in (shares())."""
+        if self.kind in VOCAB.values():  # model.vocab_parallel's pass on a vocabulary share
+            return f"vocab {self.kind} v{self.stage}"
         if self.kind in LETTER.values():
             return f"{self.kind} s{self.stage}"
         if self.kind == "hop":
@@ -57,7 +59,7 @@ class Link:
     def text(self) -> str:
         ms = f"{1e3 * self.seconds:.2f} ms"
         if self.kind in LETTER.values():
-            return f"rank {self.rank} {self.kind}{self.microbatch} of stage {self.stage} {ms}"
+            return f"rank {self.rank} {action_name(self.kind, self.stage, self.microbatch)} {ms}"
         if self.kind == "hop":
             return f"hop rank {self.peer} -> {self.rank} {ms}"
         if self.kind == "grad_wait":

@@ -22,7 +22,7 @@ import numpy as np
 from mpihybrid.analysis.messages import match_messages
 from mpihybrid.files import write_atomic
 from mpihybrid.trace.read import Trace
-from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS
+from mpihybrid.trace.recorder import COMPUTE, KIND, KINDS, VOCAB
 
 # tid 0 carries the main thread's work (compute, messages, the wait for the gradients), tid 1
 # the whole steps, tid 2 the gradient buckets (ring, then optimizer), which may run behind the
@@ -45,10 +45,13 @@ CSV_COLUMNS = (
 
 
 def event_name(e: np.void, direction: str | None = None, chunks: bool = False) -> str:
-    """ "F3" (or "1F3" with several chunks per rank), "send F3", "recv B2", "allreduce s1" ..."""
+    """ "F3" (or "1F3" with several chunks per rank), "S3" (a vocabulary pass), "send F3",
+    "recv B2", "allreduce s1" ..."""
     kind, stage, mb = int(e["kind"]), int(e["stage"]), int(e["microbatch"])
     if kind in COMPUTE:
         return f"{stage if chunks else ''}{COMPUTE[kind]}{mb}"
+    if kind in VOCAB:  # model.vocab_parallel's pass of the rank's share: "S3"
+        return f"{VOCAB[kind]}{mb}"
     name = KINDS[kind]
     if name in ("send", "recv"):
         if mb < 0:

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpihybrid.analysis.costs import CODE, find_rows, with_shares
 from mpihybrid.analysis.messages import match_messages
-from mpihybrid.trace.recorder import KIND
+from mpihybrid.trace.recorder import COMPUTE, KIND, VOCAB, VOCAB_PASSES
 
 # what a rank's main thread does, one after the other (allreduce and optimizer rows may run on
-# the communication thread, behind these)
-MAIN = ("forward", "backward", "weight", "send", "recv", "grad_wait")
-COMPUTE_CODES = (KIND["forward"], KIND["backward"], KIND["weight"])
-LETTER = {KIND["forward"]: "F", KIND["backward"]: "B", KIND["weight"]: "W"}
+# the communication thread, behind these); model.vocab_parallel's passes are compute too
+MAIN = ("forward", "backward", "weight", "send", "recv", "grad_wait", *VOCAB_PASSES)
+LETTER = COMPUTE | VOCAB
+COMPUTE_CODES = tuple(LETTER)
 
 
 class LanesError(ValueError):
@@ -41,8 +42,10 @@ class Lanes:
 
     @classmethod
     def of(cls, events: np.ndarray) -> Lanes:
+        """events: a vocabulary pass's stage reads as its share here (costs.with_shares)."""
+        events = with_shares(events)
         kind = events["kind"]
-        if not np.any(np.isin(kind, COMPUTE_CODES)):
+        if not np.any(np.isin(kind, list(COMPUTE))):
             raise LanesError("the trace has no per-action events (trace.events = false?)")
         main = np.flatnonzero(np.isin(kind, [KIND[k] for k in MAIN]))
         # ties in start (a zero-length row beside an action): the longer one last
@@ -74,6 +77,9 @@ class Lanes:
         messages = match_messages(events)
         sender = dict(zip(messages.recv.tolist(), messages.send.tolist(), strict=True))
         carried = dict(zip(messages.send.tolist(), messages.direction.tolist(), strict=True))
+        for recv, producer in _vocab_senders(events, order).items():
+            sender[recv] = producer
+            carried[producer] = LETTER[int(kind[producer])]
         ring: dict[int, dict[tuple[int, int], list[int]]] = {}
         for i in np.flatnonzero(kind == KIND["allreduce"]).tolist():
             step = ring.setdefault(int(events["step"][i]), {})
@@ -94,11 +100,50 @@ class Lanes:
         return sorted(r for s, r in self.steps if s == step)
 
 
+def _vocab_senders(events: np.ndarray, order: np.ndarray) -> dict[int, int]:
+    """model.vocab_parallel's receives -> the row of the action that made what they carried (its
+    message leaves as it ends), by the rank's next action: an S waits for the last stage's F, a
+    T for the sender's S, a G for the first stage's B, the first stage's F for the sender's E,
+    the last stage's B for the sender's T (costs.with_shares moved those two past the wait)."""
+    kind = events["kind"][order]
+    at = np.flatnonzero((kind == KIND["recv"]) & (events["stage"][order] < 0))
+    if not len(at):
+        return {}
+    # the first row after each that is no receive (a T takes every other share's statistics)
+    index = np.where(kind != KIND["recv"], np.arange(len(order)), len(order) - 1)
+    after = np.minimum.accumulate(index[::-1])[::-1]
+    recv, consumer = order[at], order[after[at]]
+    same = (events["rank"][consumer] == events["rank"][recv]) & (
+        events["step"][consumer] == events["step"][recv]
+    )
+    recv, consumer = recv[same], consumer[same]
+    last = int(events["stage"][events["kind"] == KIND["forward"]].max())
+    made = {"S": ("F", last), "T": ("S", None), "G": ("B", 0), "F": ("E", None), "B": ("T", None)}
+    out = {}
+    for letter, (producer, stage) in made.items():
+        mine = events["kind"][consumer] == CODE[letter]
+        if not mine.any():
+            continue
+        rows = np.flatnonzero(events["kind"] == CODE[producer])
+        want = events[recv[mine]]
+        table = [events["step"][rows], events["rank"][rows], events["microbatch"][rows]]
+        query = [want["step"], want["peer"], want["microbatch"]]
+        if stage is not None:  # a pass's input is the sender's own pass: its rank names it
+            table.append(events["stage"][rows])
+            query.append(np.full(len(want), stage))
+        found = find_rows(table, query)
+        out.update(
+            zip(recv[mine][found >= 0].tolist(), rows[found[found >= 0]].tolist(), strict=True)
+        )
+    return out
+
+
 def waited(events: np.ndarray, recv: int, send: int | None) -> bool:
     """Whether a receive blocked on its message: the message's send ended after it began."""
     return send is not None and events["end"][send] > events["start"][recv]
 
 
 def action_name(letter: str, stage: int, microbatch: int) -> str:
-    """ "F3 of stage 1"."""
-    return f"{letter}{microbatch} of stage {stage}"
+    """ "F3 of stage 1", "S3 of vocabulary share 1"."""
+    where = "vocabulary share" if letter in VOCAB.values() else "stage"
+    return f"{letter}{microbatch} of {where} {stage}"

@@ -19,7 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from mpihybrid.analysis.bandwidth import allreduce_bandwidth
-from mpihybrid.analysis.costs import stage_costs
+from mpihybrid.analysis.costs import ran_lists, stage_costs, with_shares
 from mpihybrid.analysis.messages import Messages, match_messages, message_latency
 from mpihybrid.analysis.oversubscription import oversubscription
 from mpihybrid.analysis.rows import durations, group_max, group_min, group_sum, groups
@@ -68,7 +68,8 @@ def bubble_summary(events: np.ndarray, schedule: Schedule, *, skip_steps: int = 
     from mpihybrid.pipeline.simulate import Costs, simulate
 
     working = list(COMPUTE) + [KIND[k] for k in VOCAB_PASSES]
-    compute = events[np.isin(events["kind"], working)]
+    compute = with_shares(events)  # vocab_parallel: an F or B's wait for the shares is idle
+    compute = compute[np.isin(compute["kind"], working)]
     steps = _measured_steps(compute, skip_steps)
     compute = compute[np.isin(compute["step"], steps)]
     # one phase per (step, replica); one busy time per (phase, rank): grouped once, not masked
@@ -90,6 +91,8 @@ def bubble_summary(events: np.ndarray, schedule: Schedule, *, skip_steps: int = 
     num_stages = placement.num_stages
     send = message_latency(events[np.isin(events["step"], steps)], mean=True)
     costs = stage_costs(compute, num_stages, send) | {"send": send}
+    # model.vocab_parallel: the lists as they ran (their passes were placed on timed costs)
+    actions = ran_lists(compute) or actions
     order = np.argsort(phase_of, kind="stable")
     cut = np.flatnonzero(np.diff(phase_of[order])) + 1
     predicted = [
@@ -125,17 +128,24 @@ def flat_config(trace: Trace) -> dict[str, object]:
 
 def _stage_param_counts(trace: Trace, num_stages: int) -> list[int] | None:
     """Parameters of every stage, counted from the job the trace stores (the all-reduce moves
-    them as fp32); None when the trace holds no readable job."""
+    them as fp32), then (model.vocab_parallel) every vocabulary share's, the chunks the
+    runtime numbers num_stages + pp rank; None when the trace holds no readable job."""
     from mpihybrid.config import ConfigError, build_job
     from mpihybrid.nn.data import task_dims
     from mpihybrid.nn.model import stage_num_params
+    from mpihybrid.nn.vocab import share_layer
 
     try:
         table = tomllib.loads(trace.config)
         if not table:
             return None  # no job stored: the defaults would be a guess
         job = build_job(table)
-        return stage_num_params(job.model, *task_dims(job.data), num_stages)
+        counts = stage_num_params(job.model, *task_dims(job.data), num_stages)
+        if getattr(job.model, "vocab_parallel", False):
+            d, pp = job.data, int(trace.attrs.get("pp", job.grid.pp))
+            share = share_layer(job.model, d.seq_len, d.vocab, pp, 0, seed=0)
+            counts += [share.cost(1, job.model.hidden).params] * pp
+        return counts
     except (tomllib.TOMLDecodeError, ConfigError, ValueError, TypeError):
         return None
 
@@ -348,7 +358,8 @@ def _stage_rows(ev: np.ndarray, of: dict, costs: dict, *, schedule: Schedule) ->
 
     num_stages = schedule.placement.num_stages
     peak_count, peak_bytes = _peak_activations(ev, num_stages)
-    predicted_peak = peak_inflight(schedule.lists(), schedule.placement)
+    lists = ran_lists(ev) or schedule.lists()  # vocab_parallel: the lists as they ran
+    predicted_peak = peak_inflight(lists, schedule.placement)
     per_stage = {}
     for name in SPLIT:
         rows = of[name][(of[name]["stage"] >= 0) & (of[name]["stage"] < num_stages)]

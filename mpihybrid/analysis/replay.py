@@ -87,9 +87,13 @@ class Measured:
     source: str
     config: str = ""  # the trace's job (TOML): its blocks, for a change of placement
     ran: Schedule | None = None  # the schedule as it ran (a csv: one from the trace's copy)
+    # model.vocab_parallel: the lists as they ran (costs.ran_lists: their passes were placed on
+    # timed costs no schedule name rebuilds); None without
+    lists: dict | None = None
 
     @classmethod
     def of(cls, trace, path: str = "the trace") -> Measured:
+        from mpihybrid.analysis.costs import ran_lists
         from mpihybrid.analysis.metrics import flat_config
         from mpihybrid.analysis.search_inputs import measured_steps, trace_costs
         from mpihybrid.trace.recorder import COMPUTE, KIND, step_times
@@ -135,7 +139,7 @@ class Measured:
         return cls(
             ran.name, pp, dp, ran.microbatches, ran.virtual_stages, ran.early_grad_send,
             steps[: len(costs)], costs, times, phases, ranks,
-            int(gb) if gb is not None else None, path, trace.config, ran,
+            int(gb) if gb is not None else None, path, trace.config, ran, ran_lists(ev),
         )  # fmt: skip
 
     @property
@@ -162,6 +166,9 @@ def schedule_of(base: Measured, change: Change, mean_costs=None):
     name = change.schedule or base.schedule
     m = change.microbatches or base.m
     mine = base.ran.placement
+    same = not (change.schedule or change.microbatches or change.virtual_stages)
+    if base.lists and same and not change.partition:
+        return (base.lists, mine), None
     if name == "auto":
         return _searched(base, m, mine, mean_costs), None
     try:
@@ -171,6 +178,8 @@ def schedule_of(base: Measured, change: Change, mean_costs=None):
         actions, placement = ran.lists(), ran.placement
     except ScheduleError as exc:
         raise ReplayError(f"whatif: {exc}") from None
+    if base.lists:  # model.vocab_parallel: the passes placed on the new lists
+        actions = _with_passes(base, actions, placement, m, mean_costs)
     if placement.stage_ranks == mine.stage_ranks and not change.partition:
         return (actions, placement), None
     from mpihybrid.analysis.restage import BlockLayout
@@ -187,6 +196,19 @@ def schedule_of(base: Measured, change: Change, mean_costs=None):
     except ValueError as exc:
         raise ReplayError(f"whatif: {exc}") from None
     return (actions, placement), layout
+
+
+def _with_passes(base: Measured, actions, placement, m: int, mean_costs):
+    """The lists with model.vocab_parallel's passes placed (vocab_passes.add_vocab_passes) on
+    the trace's mean costs."""
+    from mpihybrid.pipeline.vocab_passes import add_vocab_passes
+
+    mean = mean_costs or mean_of(base)
+    costs = sim_costs(base, mean, Change(), 0, m)
+    try:
+        return add_vocab_passes(actions, placement, m, costs, simulate)
+    except ValueError as exc:
+        raise ReplayError(f"whatif: {exc}") from None
 
 
 def _searched(base: Measured, m: int, placement, mean_costs):
@@ -250,6 +272,9 @@ def mean_of(base: Measured):
     first = every[0]
     fields = ("forward", "backward", "weight", "tail", "whole")
     mean = {f: tuple(np.mean([getattr(c, f) for c in every], axis=0).tolist()) for f in fields}
+    if first.vocab:  # per pass and share
+        vocab = np.mean([np.asarray(c.vocab, dtype=float) for c in every], axis=0)
+        mean["vocab"] = tuple(tuple(v) for v in vocab.tolist())
     return dataclasses.replace(
         first, **mean, send=float(np.mean([c.send for c in every])),
         gap=float(np.mean([c.gap for c in every])),
@@ -281,7 +306,7 @@ def sim_costs(base: Measured, costs, change: Change, replica: int, m: int) -> Co
                 or (where == "stage" and s == i)
                 or (where == "rank" and ranks[placement_ranks[s]] == i)
             )
-            for k in KINDS if kind == "*" else (kind,):
+            for k in KINDS if kind == "*" else (kind,) if kind in KINDS else ():
                 if hit:
                     factor[k][s] *= x
     ff, fb, fw = factor["F"], factor["B"], factor["W"]
@@ -304,7 +329,23 @@ def sim_costs(base: Measured, costs, change: Change, replica: int, m: int) -> Co
         whole=new_whole,
         tail=[x * plain["tail"] for x in costs.tail] if costs.tail else 0.0,
         gap=costs.gap * plain["gap"],
+        vocab=_vocab_costs(costs, change, linear, plain["tail"]),
     )
+
+
+def _vocab_costs(costs, change: Change, size: float, tail: float) -> dict | None:
+    """model.vocab_parallel's passes per share: E, S, T, G scaled by the micro-batch's size and
+    by the change's ("all", -1, "S")-style scales (a share is no stage: only "all" reaches
+    them), their last G's tail by "tail"."""
+    if not costs.vocab:
+        return None
+    out = {}
+    for key, values in zip(("E", "S", "T", "G", "tail"), costs.vocab, strict=False):
+        factor = tail if key == "tail" else size
+        for (where, _, kind), x in ((k, x) for k, x in change.scales.items() if type(k) is tuple):
+            factor *= x if where == "all" and kind in (key, "*") and key != "tail" else 1.0
+        out[key] = [v * factor for v in np.atleast_1d(values)]
+    return out
 
 
 def presplit(costs):
@@ -340,6 +381,9 @@ def gain_table(base: Measured, plan=None) -> list[dict]:
             if values[s] <= 0:
                 continue
             rows.append(_gain(base, plan, now, f"stage {s} {kind}", ("stage", s, kind)))
+    for kind, values in zip("ESTG", mean.vocab, strict=False):
+        if max(values) > 0:  # model.vocab_parallel's passes, every share's at once
+            rows.append(_gain(base, plan, now, f"the vocabulary {kind} passes", ("all", -1, kind)))
     if mean.send > 0:
         rows.append(_gain(base, plan, now, "the hop", "hop"))
     return sorted(rows, key=lambda r: r["zero"])

@@ -24,13 +24,15 @@ def trace_costs(
     from mpihybrid.analysis.costs import stage_costs
     from mpihybrid.analysis.messages import message_latency
     from mpihybrid.pipeline.placement import Placement
-    from mpihybrid.trace.recorder import COMPUTE
+    from mpihybrid.trace.recorder import COMPUTE, KIND, VOCAB
 
     if not trace.has_actions:
         raise CostsError(f"{path}: a trace with trace.events = false has no per-action costs")
     placement = Placement.from_attrs(trace.attrs)
     events = trace.events
-    compute = events[np.isin(events["kind"], list(COMPUTE))]
+    # with the receives: an F or B that waited inside its row for the vocabulary shares'
+    # parts starts after them (costs.with_shares)
+    compute = events[np.isin(events["kind"], [*COMPUTE, *VOCAB, KIND["recv"]])]
     steps = measured_steps(trace, skip_steps) if step is None else [step]
     compute = compute[np.isin(compute["step"], steps)]
     send = message_latency(events[np.isin(events["step"], steps)], mean=True)
@@ -53,6 +55,7 @@ def trace_costs(
             source=path,
             stage_ranks=placement.stage_ranks,
             partition=_trace_partition(trace),
+            vocab=tuple(tuple(v) for v in (measured["vocab"] or {}).values()),
         )
     )
 

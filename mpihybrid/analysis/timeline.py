@@ -23,7 +23,7 @@ from mpihybrid.files import write_atomic
 from mpihybrid.pipeline.as_run import compute_rows, grid_as_run
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.trace.read import Trace
-from mpihybrid.trace.recorder import COMPUTE, KIND
+from mpihybrid.trace.recorder import COMPUTE, KIND, VOCAB
 
 WIDTH_PX, HEADER_PX, ROW_PX, DPI = 1400, 150, 50, 100
 MAX_BARS = 100_000  # more would take minutes to draw and show nothing a person can read
@@ -36,6 +36,11 @@ COLOURS = {
     "grad_wait": "#f2b5b7",  # the step waiting for its gradient buckets: thin and pale too
     "allreduce": "#c44e52",
     "optimizer": "#937860",
+    # model.vocab_parallel's passes (docs/vocab.md)
+    "vocab_embed": "#64b5cd",
+    "vocab_logits": "#da8bc3",
+    "vocab_grad": "#e5ae38",
+    "vocab_embed_grad": "#8eba42",
 }
 LEGEND = {
     "forward": "F forward",
@@ -47,6 +52,10 @@ LEGEND = {
     "allreduce": "all-reduce (bucket lane)",
     "optimizer": "optimizer (bucket lane)",
     "step": "step",
+    "vocab_embed": "E vocab embed",
+    "vocab_logits": "S vocab logits",
+    "vocab_grad": "T vocab grad",
+    "vocab_embed_grad": "G vocab rows",
 }
 # the gradient buckets' rings and updates run behind the compute (comm.overlap): a thin lane
 # under each rank's row, so both stay visible; waits are thin bars in the row; compute fills it
@@ -168,7 +177,8 @@ def render_png(traces: Trace | list[Trace], steps: range | list[range], labels=N
             handles=handles,
             loc="lower left",
             bbox_to_anchor=(0, 1.0),
-            ncol=min(len(handles), (len(handles) + 1) // 2, 5),
+            # two rows (the header's room): 5 columns, more with vocab_parallel's passes
+            ncol=min(len(handles), max(5, (len(handles) + 1) // 2), (len(handles) + 1) // 2),
             fontsize=8,
             frameon=False,
         )
@@ -270,7 +280,7 @@ def _draw_bars(ax, rows: np.ndarray, y_of: dict, t0: float, scale: float, *, min
             edgecolor="white" if lane else "none",  # bucket after bucket stays readable
             linewidth=0.4,
         )
-        if KIND[name] not in COMPUTE:
+        if KIND[name] not in COMPUTE and KIND[name] not in VOCAB:
             continue
         for e, yy in zip(sel, y, strict=True):
             if e["end"] - e["start"] >= min_width and labelled < 5000:

@@ -110,11 +110,15 @@ def schedule_show(
         spec = spec_of(name, copy)  # a trace's csv: schedule: of its copy of the CSV
         v = virtual if virtual is not None else (2 if show_all else chunks_for(spec))
         _check_schedule_size(pp, microbatches, v)
+        if vocab_parallel and csv_path:
+            _fail(
+                "--csv with --vocab-parallel: torch's CSV has no E/S/T/G passes; write it "
+                "without --vocab-parallel (a csv: schedule trained with model.vocab_parallel = "
+                "true gets its passes placed when the run starts)"
+            )
         if show_all:
-            click.echo(compare(pp, microbatches, v, early_grad_send))
+            click.echo(compare(pp, microbatches, v, early_grad_send, vocab=vocab_parallel))
             return
-        if vocab_parallel and (show_all or csv_path):
-            _fail("--vocab-parallel shows one schedule's grid (torch's CSV has no such passes)")
         click.echo(
             describe(spec, pp, microbatches, v, early_grad_send, grid=grid, vocab=vocab_parallel)
         )

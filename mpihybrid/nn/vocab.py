@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpihybrid.nn import kernels
+from mpihybrid.nn import gemm, kernels
 from mpihybrid.nn.layers import Cost, Layer, LayerNorm, _rows
 
 LOWEST = np.finfo(np.float32).min
@@ -175,8 +175,8 @@ class VocabShard(Layer):
         exps *= (np.exp(own_max - big_max) / big_sum * per_row)[:, None]  # the softmax, scaled
         rows = np.arange(n)[inside]
         exps[rows, ids[inside]] -= per_row
-        grad_w = self.weight(grads=True)
-        grad_w += x.T @ exps
+        # added inside the GEMM, as Linear's weight gradient (no (C, Vs) temporary)
+        gemm.accumulate_xt_dy(self.weight(grads=True), x, exps)
         self.grads["bias"] += exps.sum(axis=0)
         dh = exps @ self.weight().T
         return loss, int(np.count_nonzero(total[3])), dh.reshape(*shape[:-1], self.dim)
@@ -188,6 +188,9 @@ class VocabShard(Layer):
         c.gemms["B"].append((1, rows, self.share, self.dim))
         c.gemms["W"].append((1, self.dim, rows, self.share))
         c.elem_bytes.update(F=16 * rows * self.share, B=12 * rows * self.share)
+        # x^T dz added to the gradient inside the GEMM (nn/gemm; else a temporary, read and
+        # written), as Linear's
+        c.elem_bytes["W"] = 0 if gemm.available() else 12 * self.dim * self.share
         c.kept_bytes = 4 * rows * (self.share + self.dim)
         c.temporary_bytes = 4 * rows * self.share
         return c

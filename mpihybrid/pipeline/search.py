@@ -202,7 +202,7 @@ def search(
             try:
                 lists, sim = best_greedy(placement, m, sim_costs, max_inflight=limit, split=split,
                                          caps=LARGE_CAPS if large else CAPS)  # fmt: skip
-                sim = judge(lists, placement, sim_costs, m) if sim_costs.vocab else sim
+                # (with model.vocab_parallel, `sim` has the passes placed: best_greedy judged it)
                 found.append(Candidate(placement, split_ranges, lists, sim, "greedy", sim_costs))
             except ScheduleError:
                 pass

@@ -43,7 +43,9 @@ class SearchCosts:
     source: str = "unit"
     stage_ranks: tuple[int, ...] = ()  # a trace's placement (fixed only)
     partition: tuple[int, ...] = ()  # a trace's layer counts per chunk (fixed only)
-    vocab: tuple[float, ...] = ()  # model.vocab_parallel: a share's E, S, T, G seconds
+    # model.vocab_parallel: a share's E, S, T, G seconds (a trace's: per share, and its last G's
+    # tail, simulate.Costs.vocab)
+    vocab: tuple = ()
 
     @property
     def units(self) -> int:
@@ -69,7 +71,9 @@ class SearchCosts:
             whole=whole,
             tail=tail,
             gap=self.gap,
-            vocab=dict(zip("ESTG", self.vocab, strict=True)) if self.vocab else None,
+            vocab=dict(zip(("E", "S", "T", "G", "tail"), self.vocab, strict=False))
+            if self.vocab
+            else None,
         )
 
     def as_dict(self) -> dict:

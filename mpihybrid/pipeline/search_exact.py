@@ -14,6 +14,12 @@ micro-batches at once (a Cumulative). Objective: the last end (the
 step's makespan). Costs are scaled to integer ticks (SCALE ticks for the longest action), so the
 proven bound is of the rounded costs; the lists found are simulated again with the real ones.
 
+model.vocab_parallel (costs.vocab): every rank's E, S, T and G of every micro-batch are intervals
+on its timeline too, with their inputs (vocab_passes.vocab_inputs: an S after the last stage's F,
+a T after every share's S, the last stage's B after every T, the first stage's F after every E,
+a G after the first stage's B), so the order of F, B and W is solved around them; the lists
+returned hold F, B and W alone (the search places the passes on them, as on every candidate).
+
 fifo: micro-batches start in order on every stage for each kind (every built-in schedule does).
 It shrinks the search a great deal; an optimum "proved" is then the optimum of FIFO orders.
 Without fifo only stage 0's forwards are ordered, which loses nothing (micro-batches are
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from mpihybrid.pipeline.actions import Action
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.simulate import Costs, simulate
+from mpihybrid.pipeline.vocab_passes import VOCAB_KINDS, key_rank, vocab_inputs
 
 SCALE = 1000  # ticks of the longest action
 
@@ -108,7 +115,9 @@ def solve(
     tick = longest / SCALE
     dur = {(k, s): max(1, round(cost(k, s) / tick)) for k in kinds for s in range(n)}
     hop, gap = round(costs.send / tick), round(costs.gap / tick)
+    shares = _share_ticks(costs, tick, placement.pp)
     horizon = sum(dur[(k, s)] + gap for k in kinds for s in range(n)) * m + 2 * n * (hop + 1)
+    horizon += sum(d + gap + hop for d in shares.values()) * m
     start, end, per_rank = {}, {}, {r: [] for r in range(placement.pp)}
     for s in range(n):
         for mb in range(m):
@@ -123,6 +132,9 @@ def solve(
     def after(key, before, cross: bool) -> None:
         model.Add(start[key] >= end[before] + (hop if cross else 0))
 
+    if shares:
+        _add_shares(model, shares, m, placement, (start, end, per_rank), after=after,
+                    horizon=horizon, gap=gap, fifo=fifo)  # fmt: skip
     for s in range(n):
         for mb in range(m):
             if s > 0:
@@ -135,15 +147,8 @@ def solve(
             for k in kinds if fifo else (("F",) if s == 0 else ()):
                 if mb + 1 < m:
                     model.Add(start[(k, s, mb)] <= start[(k, s, mb + 1)])
-    for r, intervals in per_rank.items():
-        model.AddNoOverlap(intervals)
-        alive = []
-        for s in placement.stages_of(r):
-            for mb in range(m):
-                freed = end[("W" if split else "B", s, mb)]
-                size = model.NewIntVar(0, horizon, f"a{s}_{mb}")
-                alive.append(model.NewIntervalVar(start[("F", s, mb)], size, freed, f"l{s}_{mb}"))
-        model.AddCumulative(alive, [1] * len(alive), limit[r])
+    _add_ranks(model, placement, m, (start, end, per_rank), split=split, horizon=horizon,
+               limit=limit)  # fmt: skip
     makespan = model.NewIntVar(0, horizon, "makespan")
     model.AddMaxEquality(makespan, [end[key] for key in start])
     model.Add(makespan >= _fill_ticks(placement, m, dur, hop, kinds))  # implied: helps the proof
@@ -156,8 +161,56 @@ def solve(
     bound = solver.BestObjectiveBound() * tick if status != "infeasible" else float("inf")
     if status not in ("optimal", "feasible"):
         return ExactResult(None, status, float("inf"), bound, seconds)
-    lists = _lists(placement, {key: solver.Value(v) for key, v in start.items()})
+    ticks = {key: solver.Value(v) for key, v in start.items() if key[0] not in VOCAB_KINDS}
+    lists = _lists(placement, ticks)
     return ExactResult(lists, status, solver.ObjectiveValue() * tick, bound, seconds)
+
+
+def _share_ticks(costs: Costs, tick: float, pp: int) -> dict[tuple[str, int], int]:
+    """model.vocab_parallel: (kind, share) -> ticks of the share's pass; {} without."""
+    if not costs.vocab:
+        return {}
+    return {(k, r): max(0, round(_value(costs.vocab.get(k, 0.0), r) / tick))
+            for k in VOCAB_KINDS for r in range(pp)}  # fmt: skip
+
+
+def _add_ranks(model, placement, m: int, timeline, *, split: bool, horizon, limit) -> None:
+    """One action at a time on a rank; at most limit[r] chunk micro-batches alive on it."""
+    start, end, per_rank = timeline
+    for r, intervals in per_rank.items():
+        model.AddNoOverlap(intervals)
+        alive = []
+        for s in placement.stages_of(r):
+            for mb in range(m):
+                freed = end[("W" if split else "B", s, mb)]
+                size = model.NewIntVar(0, horizon, f"a{s}_{mb}")
+                alive.append(model.NewIntervalVar(start[("F", s, mb)], size, freed, f"l{s}_{mb}"))
+        model.AddCumulative(alive, [1] * len(alive), limit[r])
+
+
+def _add_shares(model, shares: dict, m: int, placement, timeline, *, after, horizon, gap, fifo):
+    """model.vocab_parallel's passes (module text): an interval per (kind, share, mb) on the
+    share's rank, its inputs, the first stage's F after every E, the last stage's B after every
+    T; timeline: (start, end, per_rank) of the model, which this fills in."""
+    start, end, per_rank = timeline
+    last = placement.num_stages - 1
+    for (k, r), ticks in shares.items():
+        for mb in range(m):
+            key = (k, r, mb)
+            start[key] = model.NewIntVar(0, horizon, f"s{k}{r}_{mb}")
+            end[key] = start[key] + ticks
+            interval = model.NewFixedSizeIntervalVar(start[key], ticks + gap, f"i{k}{r}_{mb}")
+            per_rank[r].append(interval)
+    for (k, r), _ in shares.items():  # each rank's passes of a kind in micro-batch order
+        for mb in range(m):
+            for need in vocab_inputs(Action(r, k, mb), last, placement.pp):
+                after((k, r, mb), need, key_rank(need, placement) != r)
+            if fifo and mb + 1 < m:
+                model.Add(start[(k, r, mb)] <= start[(k, r, mb + 1)])
+    for mb in range(m):
+        for r in range(placement.pp):
+            after(("F", 0, mb), ("E", r, mb), placement.rank_of(0) != r)
+            after(("B", last, mb), ("T", r, mb), placement.rank_of(last) != r)
 
 
 def _fill_ticks(placement: Placement, m: int, dur: dict, hop: int, kinds: tuple) -> int:

@@ -14,7 +14,9 @@ before it. With unit costs, free messages and policy "idle" this is the unit-tim
 zb-h2 and v-half are built by (v_schedules._greedy), its special case.
 
 best_greedy tries the policies and memory budgets up to the limit and keeps the order whose
-simulation (simulate.simulate: the same costs, gaps and tails) ends first.
+simulation (simulate.simulate: the same costs, gaps and tails) ends first; where the costs carry
+model.vocab_parallel's passes, the VOCAB_JUDGED fastest distinct orders are simulated again with
+the passes placed on them (vocab_passes.add_vocab_passes) and the fastest of those is kept.
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ import math
 from mpihybrid.pipeline.actions import Action, ScheduleError
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
+from mpihybrid.pipeline.vocab_passes import add_vocab_passes
 from mpihybrid.progress import progress
 
 INF = math.inf
 CAPS = 6  # memory budgets best_greedy tries: the limit's and the ones just below it
+# model.vocab_parallel: the greedy's fastest distinct orders placed with the passes and simulated
+# again (placing them simulates the lists about 10 m times: a few orders, not every try)
+VOCAB_JUDGED = 3
 
 
 def _value(x, s: int) -> float:
@@ -195,7 +201,7 @@ def best_greedy(
     from mpihybrid.pipeline.schedules import validate
 
     top = min(budgets(placement, max_inflight)[0], m * placement.chunks)  # more is never held
-    best: tuple | None = None
+    found: dict[tuple, tuple] = {}  # each distinct order: (key, lists, result)
     reserves = (0, 1) if placement.chunks > 1 else (0,)
     for cap, fill, deep, reserve in itertools.product(
         range(top, max(0, top - caps), -1), ("idle", "fit"), (True, False), reserves
@@ -219,10 +225,23 @@ def best_greedy(
         if max(result.peak_per_rank) > max_inflight + 1e-9:
             continue
         key = (round(result.makespan, 12), max(result.peak_per_rank))
-        if best is None or key < best[0]:
-            best = (key, lists, result)
-    if best is None:
+        order = tuple(tuple(acts) for _, acts in sorted(lists.items()))
+        found.setdefault(order, (key, lists, result))
+    if not found:
         raise ScheduleError(
             f"no greedy order holds at most {max_inflight:g} micro-batches of a rank's share"
         )
-    return best[1], best[2]
+    ranked = sorted(found.values(), key=lambda f: f[0])
+    if costs.vocab:  # the passes' cost decides between the fastest few
+        ranked = sorted((_with_passes(placement, m, costs, f) for f in ranked[:VOCAB_JUDGED]),
+                        key=lambda f: f[0])  # fmt: skip
+    return ranked[0][1], ranked[0][2]
+
+
+def _with_passes(placement: Placement, m: int, costs: Costs, found: tuple) -> tuple:
+    """(key, lists, result) of a greedy order judged with model.vocab_parallel's passes placed:
+    the key and the result with them, the lists without (the search places them again on the
+    order it keeps)."""
+    _, lists, _ = found
+    result = simulate(add_vocab_passes(lists, placement, m, costs, simulate), placement, costs)
+    return (round(result.makespan, 12), max(result.peak_per_rank)), lists, result

@@ -53,8 +53,10 @@ class Costs:
     # ring's steps) runs inside it
     tail: float | Sequence[float] = 0.0
     gap: float = 0.0  # a rank's own time between two compute actions (posting sends, tracing)
-    # model.vocab_parallel: seconds of each vocabulary pass (E, S, T, G: vocab_passes.py)
-    vocab: Mapping[str, float] | None = None
+    # model.vocab_parallel: seconds of each vocabulary pass (E, S, T, G: vocab_passes.py), one
+    # number for every share or one per share; "tail": added to a share's last G of a step (its
+    # gradient ring and optimizer update run inside it, as a stage's tail)
+    vocab: Mapping[str, float | Sequence[float]] | None = None
 
     def of(self, a: Action, split: bool, last: bool = False) -> float:
         """Seconds of compute action `a`; split: its backward is split; last: it is its stage's
@@ -64,8 +66,10 @@ class Costs:
             return value if isinstance(value, (int, float)) else value[a.stage]
 
         extra = at(self.tail) if last else 0.0
-        if a.kind in VOCAB_KINDS:
-            return (self.vocab or {}).get(a.kind, 0.0)
+        if a.kind in VOCAB_KINDS:  # a.stage is the share
+            vocab = self.vocab or {}
+            tail = at(vocab.get("tail", 0.0)) if last and a.kind == "G" else 0.0
+            return at(vocab.get(a.kind, 0.0)) + tail
         if a.kind == "F":
             return at(self.forward)
         if a.kind == "W":
@@ -130,6 +134,7 @@ def simulate(
     vocab = has_vocab(compute)
     split = split_backwards(compute)
     last_weight = last_weight_actions(a for acts in compute.values() for a in acts)
+    last_g = {a.stage: a.microbatch for acts in compute.values() for a in acts if a.kind == "G"}
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
@@ -160,7 +165,11 @@ def simulate(
                 ]
                 free = clock[r] + (costs.gap if pc[r] else 0.0)
                 start[a] = max([free, *ready])
-                closes = last_weight.get(a.stage) == (a.kind, a.microbatch)
+                closes = (
+                    last_g.get(a.stage) == a.microbatch
+                    if a.kind in VOCAB_KINDS
+                    else last_weight.get(a.stage) == (a.kind, a.microbatch)
+                )
                 duration = costs.of(a, (a.stage, a.microbatch) in split, closes)
                 end[a] = clock[r] = start[a] + duration
                 busy[r] += duration
@@ -336,11 +345,17 @@ def describe(
     return "\n".join(lines)
 
 
-def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False) -> str:
+def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False, vocab: bool = False) -> str:
     """One row per schedule: placement, closed form, simulated bubble (F = B = W = 1), peak
     activations per rank (vs the paper's memory column) and per stage; early_grad_send simulates
-    each as training runs it (B, send, then W)."""
+    each as training runs it (B, send, then W); vocab: with model.vocab_parallel's passes placed
+    on each (vocab_lists), which the simulated bubble and the peaks then count."""
     early = "; gradients sent before W" if early_grad_send else ""
+    if vocab:
+        early += (
+            "; with model.vocab_parallel's passes placed on every rank (S = 1, T = 2, E and G "
+            "free): the simulated bubble and the peaks count them, the formula does not"
+        )
     caption = (
         f"pp={pp} num_microbatches={m}; F = B = W = 1 (an unsplit backward costs B + W){early}; "
         "rank peak = most activations alive on a rank, in micro-batches of its share of the "
@@ -357,7 +372,10 @@ def compare(pp: int, m: int, v: int = 2, early_grad_send: bool = False) -> str:
             rows.append([name, nv, spec.placement, *[""] * 6, f"not legal: {exc}"])
             continue
         actions = build_schedule(name, pp, m, nv, early_grad_send)
-        result = simulate(actions, placement_of(name, pp, nv), Costs(1.0, 1.0, 1.0))
+        costs = Costs(1.0, 1.0, 1.0)
+        if vocab:
+            actions, costs = vocab_lists(actions, placement_of(name, pp, nv), m)
+        result = simulate(actions, placement_of(name, pp, nv), costs)
         predicted = bubble_formula(name, pp, m, nv)
         rows.append(
             [name, nv, spec.placement, spec.bubble_text, f"{predicted:.3f}"]

@@ -133,6 +133,10 @@ def _rank_end(
             work[s], a, (s, a.microbatch) in split, sim, job, cluster=cluster
         ):
             buckets.append((compute_end if after else ready, s, n))
+    grads = [a for a in actions if a.kind == "G" and a in sim.end]
+    if grads:  # model.vocab_parallel: the rank's share, one layer, final after its last G
+        n = share_of(job).cost(1, job.model.hidden).params
+        buckets.append((compute_end if after else sim.end[grads[-1]], mine[0].stage, n))
     shift = free = late_update = 0.0  # compute delayed by bucket work so far; when the last
     # bucket is done; updates of the buckets that start after the compute
     for ready, s, n in sorted(buckets, key=lambda b: b[0]):
@@ -224,13 +228,18 @@ def pipeline(job: Job, cluster: Cluster) -> tuple:
     return work, actions, costs, simulate(actions, job_placement(job), costs)
 
 
+def share_of(job: Job):
+    """model.vocab_parallel: a rank's share of the vocabulary (nn/vocab.VocabShard; every
+    rank's is the same size)."""
+    return share_layer(job.model, job.data.seq_len, job.data.vocab, job.grid.pp, 0, seed=0)
+
+
 def vocab_seconds(job: Job, cluster: Cluster) -> dict[str, float]:
     """model.vocab_parallel: seconds of a share's E, S, T and G passes on one micro-batch, from
     its declared cost (nn/vocab.py); E and G move the rows (gather, scatter-add)."""
     d = cluster.device
     rows = job.microbatch_size * job.data.seq_len
-    share = share_layer(job.model, job.data.seq_len, job.data.vocab, job.grid.pp, 0, seed=0)
-    cost = share.cost(rows, job.model.hidden)
+    cost = share_of(job).cost(rows, job.model.hidden)
     rows_pass = 12 * rows * job.model.hidden / d.mem_bandwidth + d.op_overhead_s
     return {
         "E": rows_pass,
@@ -263,8 +272,9 @@ def predict(job: Job, cluster: Cluster, piped: tuple | None = None) -> dict:
     flops_step = sum(w.flops(k) for w in work for k in ("F", "B", "W")) * t.microbatches * g.dp
     if job.model.vocab_parallel:  # the shares' GEMMs, pp of them
         rows = job.microbatch_size * job.data.seq_len
-        share = share_layer(job.model, job.data.seq_len, job.data.vocab, g.pp, 0, seed=0)
-        flops_step += share.cost(rows, job.model.hidden).flops() * g.pp * t.microbatches * g.dp
+        flops_step += (
+            share_of(job).cost(rows, job.model.hidden).flops() * g.pp * t.microbatches * g.dp
+        )
     stages = []
     for s, w in enumerate(work):
         ring = ring_seconds(job, s, w.params, cluster)[0]

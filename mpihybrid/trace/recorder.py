@@ -63,6 +63,8 @@ EVENT_DTYPE_V2 = np.dtype([(n, EVENT_DTYPE[n]) for n in EVENT_DTYPE.names if n !
 COMPUTE = {KIND["forward"]: "F", KIND["backward"]: "B", KIND["weight"]: "W"}
 # model.vocab_parallel's passes: a rank's compute too (its busy time, the bubble)
 VOCAB_PASSES = ("vocab_embed", "vocab_logits", "vocab_grad", "vocab_embed_grad")
+# ... as their schedule letters (pipeline/vocab_passes.py); a row's share is its rank's pp rank
+VOCAB = {KIND[k]: letter for k, letter in zip(VOCAB_PASSES, "ESTG", strict=True)}
 _STEP = KIND["step"]
 _CLOCK_TAG = 32767  # the largest tag MPI guarantees; used only before any other traffic
 
