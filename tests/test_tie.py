@@ -39,7 +39,7 @@ def test_one_rank_holds_the_table_once():
     untied = load_job(None, [*TINY_GPT[:-1], "grid.pp=1"], 1)
     stage = build_stage(job.model, 8, V, 0, 1, seed=0)
     assert stage.num_params == build_stage(untied.model, 8, V, 0, 1, seed=0).num_params - V * C
-    assert bind_local([stage])
+    assert bind_local([stage], job.model)
     table, head = stage.layers[0], stage.layers[-1]
     assert np.shares_memory(head.params["weight"], table.params["tokens"])
     assert np.shares_memory(head.grads["weight"], table.grads["tokens"])
@@ -54,7 +54,7 @@ def test_a_head_alone_has_a_weight_of_its_own_until_tied():
     job = _job("grid.pp=2", world=2)
     head_stage = build_stage(job.model, 8, V, 1, 2, seed=0)
     assert head_stage.layers[-1].params["weight"].shape == (C, V)
-    assert not bind_local([head_stage])
+    assert not bind_local([head_stage], job.model)
     y, _ = head_stage.forward(np.ones((2, 8, C), np.float32))
     assert y.shape == (2, 8, V)
 

@@ -126,7 +126,7 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
     tied = None
     # the head bound to the table, or to its mirror (vocab_parallel: a share holds one matrix)
     if job.model.tie_embeddings and not shards:
-        tied = tie.embedding_group(grid.pp_comm, states, placement, backend)
+        tied = tie.embedding_group(grid.pp_comm, states, placement, backend, job.model)
     runtime = PipelineRuntime(
         grid.pp_comm,
         stages,
