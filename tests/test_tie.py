@@ -66,6 +66,22 @@ def test_memory_counts_what_each_rank_holds():
     assert held_nbytes(False, False, V, C) == 0
 
 
+def test_a_split_vocabulary_counts_no_mirror():
+    """model.vocab_parallel: each share holds one matrix and training makes no embedding group,
+    so the memory model counts no mirror and predict no tie messages (they did: 2368 and 4736
+    bytes on the two ranks of this job)."""
+    from mpihybrid.predict.cluster import find_cluster, load_cluster
+    from mpihybrid.predict.wire import tie_seconds
+    from mpihybrid.train.memory import rank_estimate
+
+    tied = _job("grid.pp=2", world=2)
+    split = _job("grid.pp=2", "model.vocab_parallel=true", world=2)
+    assert [rank_estimate(tied, r)["tied embedding"] for r in range(2)] == [4 * V * C, 8 * V * C]
+    assert [rank_estimate(split, r)["tied embedding"] for r in range(2)] == [0, 0]
+    cluster = load_cluster(find_cluster("local"))
+    assert tie_seconds(tied, cluster) > 0 and tie_seconds(split, cluster) == 0
+
+
 @pytest.mark.parametrize(
     "settings, says",
     [(["model.kind=mlp", "data.kind=teacher"], "model.tie_embeddings: a gpt's")],

@@ -81,6 +81,12 @@ class ModelKind:
         """Whether this model's head computes with its token table (model.tie_embeddings)."""
         return self.tie is not None and bool(cfg.tie_embeddings)
 
+    def stages_tie(self, cfg) -> bool:
+        """Whether the stages carry the tie (train/tie.py: the head's rank mirrors the table):
+        a tied model whose vocabulary is not split (model.vocab_parallel: the shares hold one
+        matrix each, nn/vocab.py)."""
+        return self.ties(cfg) and not (self.vocab_parallel and cfg.vocab_parallel)
+
     def build(self, cfg, in_features: int, num_classes: int) -> list[Block]:
         """The model's blocks; a kind that ties is told whether this one does."""
         if self.tie is None:
@@ -89,9 +95,9 @@ class ModelKind:
 
     def tied_pair(self, cfg, stages) -> tuple[Layer | None, Layer | None]:
         """model.tie_embeddings: (the layer holding the token table, the tied head) among
-        `stages` (some of the model's chunks), each None where no stage holds it. (None, None)
-        for a model that does not tie, or whose vocabulary shares tie themselves (nn/vocab.py)."""
-        if not self.ties(cfg) or (self.vocab_parallel and cfg.vocab_parallel):
+        `stages` (some of the model's chunks), each None where no stage holds it; (None, None)
+        where the stages carry no tie (stages_tie)."""
+        if not self.stages_tie(cfg):
             return None, None
         return self.tie.table(stages), self.tie.head(stages, len(self.ends) + cfg.depth)
 
