@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from mpihybrid.config import load_job
 from mpihybrid.nn.data import build_task, microbatches
-from mpihybrid.nn.layers import SoftmaxCrossEntropy
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.nn.model import boundary_shapes, build_stage
 from mpihybrid.pipeline.runtime import PipelineRuntime
 from mpihybrid.pipeline.schedules import Placement, build_schedule, lower
@@ -99,7 +99,7 @@ def main() -> None:
             )
         return
 
-    stage, loss_fn = stages[0], SoftmaxCrossEntropy()
+    stage, loss_fn = stages[0], model_kind(job.model.kind).loss()  # what the runtime computes
 
     def plain_step() -> float:
         start = time.perf_counter()

@@ -60,7 +60,7 @@ def vocab_tensors(job, params, serial_flat):
     whole = whole_tensors(job.model, task.in_features, task.num_classes, params, job.grid.pp)
     stage = build_stage(cfg, task.in_features, task.num_classes, 0, 1, seed=0)
     stage.flat_params[...] = serial_flat
-    bind_local([stage])
+    bind_local([stage], cfg)
     reference = export_tensors([stage], cfg.depth + 2)
     assert sorted(reference) == sorted(whole), (sorted(reference), sorted(whole))
     names = sorted(reference)

@@ -21,7 +21,7 @@ def train_serial(job, norms: list | None = None) -> tuple[np.ndarray, list[float
     step's gradient norm (before train.grad_clip clips it)."""
     task = build_task(job.data)
     model = build_stage(job.model, task.in_features, task.num_classes, 0, 1, seed=job.train.seed)
-    bind_local([model])  # model.tie_embeddings: the head's weight is the token table's view
+    bind_local([model], job.model)  # model.tie_embeddings: the head's weight is the table's
     optimizer = build_optimizer(job.train, model.flat_params)
     optimizer.decayed = decayed_ranges(model, job.train.weight_decay_on)
     loss_fn = SoftmaxCrossEntropy()

@@ -34,7 +34,13 @@ b, T, V = 3, 6, 13
 
 def gpt(depth=4, hidden=8, heads=2, ffn=16, partition="cost"):
     return SimpleNamespace(
-        kind="gpt", hidden=hidden, depth=depth, heads=heads, ffn=ffn, partition=partition
+        kind="gpt",
+        hidden=hidden,
+        depth=depth,
+        heads=heads,
+        ffn=ffn,
+        partition=partition,
+        tie_embeddings=False,
     )
 
 

@@ -204,6 +204,24 @@ def test_jobs_md_names_every_schedule_and_csv():
     assert len(SCHEDULES) == 9
 
 
+def test_jobs_md_has_a_row_for_every_setting():
+    """docs/jobs.md is "every key": a setting added to a section (model.vocab_parallel had no
+    row) is a row there too."""
+    from dataclasses import fields
+
+    from mpihybrid.config.job import SECTION_TYPES
+
+    rows = [line.split("|")[1] for line in (ROOT / "docs" / "jobs.md").read_text().splitlines()
+            if line.startswith("| `")]  # fmt: skip
+    missing = [
+        f"{section}.{f.name}"
+        for section, make in SECTION_TYPES.items()
+        for f in fields(make())
+        if not any(f"`{section}.{f.name}`" in row for row in rows)
+    ]
+    assert not missing, f"docs/jobs.md has no row for {', '.join(missing)}"
+
+
 def test_model_init_and_its_config_on_a_fifo(tmp_path):
     """model.init (safetensors) is opened by the library's own open(): a FIFO would block every
     rank in config validation; the JSON config beside it likewise."""

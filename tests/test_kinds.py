@@ -11,7 +11,7 @@ from mpihybrid.nn import kernels
 from mpihybrid.nn.cost import microbatch_rows, stage_work
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.kinds import KINDS, ModelKind, model_kind
-from mpihybrid.nn.layers import Linear
+from mpihybrid.nn.layers import Linear, SoftmaxCrossEntropy
 from mpihybrid.nn.model import boundary_shapes, build_blocks, build_stage, layer_counts
 
 
@@ -69,7 +69,19 @@ LINEAR = ModelKind(
     activation=lambda cfg, in_features, first: (first.in_features,),
     check=lambda cfg: "" if cfg.hidden >= 2 else f"model.hidden({cfg.hidden}) < 2",
     kernels=lambda cfg: (),
+    loss=lambda: HalvedLoss(),
 )
+
+
+class HalvedLoss(SoftmaxCrossEntropy):
+    """A loss of the third kind's own: half the cross-entropy, so its numbers are told apart."""
+
+    def forward(self, logits, targets):
+        loss, cache = super().forward(logits, targets)
+        return loss / 2, cache
+
+    def nats(self, logits, targets):
+        return super().nats(logits, targets) / 2
 
 
 def test_a_third_kind_is_one_entry(monkeypatch):
@@ -88,6 +100,7 @@ def test_a_third_kind_is_one_entry(monkeypatch):
     stage = build_stage(job.model, 5, 2, 1, 2, seed=0)
     y, _ = stage.forward(np.ones((4, 6), np.float32))
     assert y.shape == (4, 2)
+    assert isinstance(job.runtime_settings().loss(), HalvedLoss)  # the last stage's loss
     with pytest.raises(ConfigError, match=r"model.hidden\(1\) < 2"):
         resolve(build_job({}, [*sets, "model.hidden=1"]), 2)
     with pytest.raises(ConfigError, match="data.kind = 'markov': unknown; choose one of teacher"):
@@ -119,3 +132,23 @@ def test_no_kind_is_tested_by_name_outside_nn():
     ]
     assert not wrong, "a model kind tested by name outside nn/:\n" + "\n".join(wrong)
     assert _kind_tests('if m.kind != "gpt" or "llama" == k:\n    pass') == ["gpt", "llama"]
+
+
+def test_the_kind_says_where_its_tied_pair_sits():
+    """model.tie_embeddings: the table is the first block's first layer, the head the last
+    block's last layer, found among any chunks given; a kind without a Tie, an untied job and a
+    vocabulary split (its shares tie themselves) have no pair."""
+    tokens = ["data.kind=markov", "model.hidden=16", "model.heads=2", "model.depth=2"]
+    for kind in ("gpt", "llama"):
+        job = build_job({}, [f"model.kind={kind}", *tokens, "model.tie_embeddings=true"])
+        chunks = [build_stage(job.model, *task_dims(job.data), c, 3, seed=0) for c in range(3)]
+        entry = model_kind(kind)
+        assert entry.tied_pair(job.model, chunks) == (chunks[0].layers[0], chunks[2].layers[-1])
+        assert entry.tied_pair(job.model, chunks[1:]) == (None, chunks[2].layers[-1])
+        assert chunks[2].layers[-1].tied and entry.tie.param in chunks[0].layers[0].params
+        untied = build_job({}, [f"model.kind={kind}", *tokens])
+        assert entry.tied_pair(untied.model, chunks) == (None, None)
+    split = build_job({}, ["model.kind=gpt", *tokens, "model.tie_embeddings=true",
+                           "model.vocab_parallel=true"])  # fmt: skip
+    assert model_kind("gpt").tied_pair(split.model, []) == (None, None)
+    assert model_kind("mlp").tie is None and not model_kind("mlp").ties(build_job({}, []).model)

@@ -267,7 +267,7 @@ def test_llama_equals_its_float64_reference(kv, tie):
     cfg = llama(depth=depth, kv_heads=kv, tie=tie)
     stage = build_stage(cfg, T, V, 0, 1, seed=3, dtype=np.float64)
     stage.flat_params += 0.3 * rng.standard_normal(stage.num_params)  # off the tiny init
-    bind_local([stage])
+    bind_local([stage], cfg)
     tokens, targets = rng.integers(0, V, size=(b, T)), rng.integers(0, V, size=(b, T))
     named = _named(stage, depth, kv, tie)
     assert sum(p.size for _, p, _ in named) == stage.num_params
@@ -308,7 +308,7 @@ def test_export_has_hugging_faces_names_and_the_reference_computes_its_loss(tie)
     depth, kv, rng = 2, 1, np.random.default_rng(8)
     cfg = llama(depth=depth, kv_heads=kv, tie=tie)
     chunks = [build_stage(cfg, T, V, c, 2, seed=3, dtype=np.float64) for c in range(2)]
-    bind_local(chunks)
+    bind_local(chunks, cfg)
     for chunk in chunks:
         chunk.flat_params += 0.3 * rng.standard_normal(chunk.num_params)
     tensors, config = model_kind("llama").export(chunks, cfg, T, V)
@@ -336,17 +336,17 @@ def test_split_llama_equals_whole_and_float32_is_close():
     cfg, rng = llama(depth=3, tie=True), np.random.default_rng(2)
     tokens = rng.integers(0, V, size=(b, T))
     whole = build_stage(cfg, T, V, 0, 1, seed=3, dtype=np.float64)
-    bind_local([whole])
+    bind_local([whole], cfg)
     y, _ = whole.forward(tokens)
     chunks = [build_stage(cfg, T, V, c, 3, seed=3, dtype=np.float64) for c in range(3)]
-    bind_local(chunks)
+    bind_local(chunks, cfg)
     x = tokens
     for chunk, shape in zip(chunks, boundary_shapes(cfg, T, V, 3, b), strict=True):
         assert x.shape == shape
         x, _ = chunk.forward(x)
     np.testing.assert_array_equal(x, y)
     single = build_stage(cfg, T, V, 0, 1, seed=3)  # float32: the numba kernels where enabled
-    bind_local([single])
+    bind_local([single], cfg)
     np.testing.assert_allclose(single.forward(tokens)[0], y, rtol=1e-4, atol=1e-5)
 
 

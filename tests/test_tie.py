@@ -39,7 +39,7 @@ def test_one_rank_holds_the_table_once():
     untied = load_job(None, [*TINY_GPT[:-1], "grid.pp=1"], 1)
     stage = build_stage(job.model, 8, V, 0, 1, seed=0)
     assert stage.num_params == build_stage(untied.model, 8, V, 0, 1, seed=0).num_params - V * C
-    assert bind_local([stage])
+    assert bind_local([stage], job.model)
     table, head = stage.layers[0], stage.layers[-1]
     assert np.shares_memory(head.params["weight"], table.params["tokens"])
     assert np.shares_memory(head.grads["weight"], table.grads["tokens"])
@@ -54,7 +54,7 @@ def test_a_head_alone_has_a_weight_of_its_own_until_tied():
     job = _job("grid.pp=2", world=2)
     head_stage = build_stage(job.model, 8, V, 1, 2, seed=0)
     assert head_stage.layers[-1].params["weight"].shape == (C, V)
-    assert not bind_local([head_stage])
+    assert not bind_local([head_stage], job.model)
     y, _ = head_stage.forward(np.ones((2, 8, C), np.float32))
     assert y.shape == (2, 8, V)
 
@@ -64,6 +64,22 @@ def test_memory_counts_what_each_rank_holds():
     assert held_nbytes(False, True, V, C) == 2 * 4 * V * C  # the mirror and its gradient
     assert held_nbytes(True, False, V, C) == 4 * V * C  # the head's gradient as it arrives
     assert held_nbytes(False, False, V, C) == 0
+
+
+def test_a_split_vocabulary_counts_no_mirror():
+    """model.vocab_parallel: each share holds one matrix and training makes no embedding group,
+    so the memory model counts no mirror and predict no tie messages (they did: 2368 and 4736
+    bytes on the two ranks of this job)."""
+    from mpihybrid.predict.cluster import find_cluster, load_cluster
+    from mpihybrid.predict.wire import tie_seconds
+    from mpihybrid.train.memory import rank_estimate
+
+    tied = _job("grid.pp=2", world=2)
+    split = _job("grid.pp=2", "model.vocab_parallel=true", world=2)
+    assert [rank_estimate(tied, r)["tied embedding"] for r in range(2)] == [4 * V * C, 8 * V * C]
+    assert [rank_estimate(split, r)["tied embedding"] for r in range(2)] == [0, 0]
+    cluster = load_cluster(find_cluster("local"))
+    assert tie_seconds(tied, cluster) > 0 and tie_seconds(split, cluster) == 0
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,7 @@ def test_checkpoint_resume_export_and_init(tmp_path, tied):
     flat, _ = train_serial(job)
     serial = build_stage(job.model, 8, 37, 0, 1, seed=0)
     serial.flat_params[...] = flat
-    bind_local([serial])
+    bind_local([serial], job.model)
     want = export_tensors([serial], job.model.depth + 2)
     assert sorted(got) == sorted(want)
     for name in want:

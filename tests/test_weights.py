@@ -93,7 +93,7 @@ def test_a_tied_model_goes_out_with_both_names_and_comes_back(tmp_path):
 
     j = job("model.tie_embeddings=true")
     source = stages(j, 3, 0)
-    bind_local(source)
+    bind_local(source, j.model)
     t = nw.export_tensors(source, 5)
     np.testing.assert_array_equal(t["lm_head.weight"], t["transformer.wte.weight"])
     path = tmp_path / "tied.safetensors"
@@ -101,7 +101,7 @@ def test_a_tied_model_goes_out_with_both_names_and_comes_back(tmp_path):
     target = stages(job("model.tie_embeddings=true", f"model.init={path}"), 2, 7)
     for s in target:
         nw.load_into(s, path, 5)
-    bind_local(target)
+    bind_local(target, j.model)
     np.testing.assert_array_equal(whole(target), whole(source))
     np.testing.assert_array_equal(target[-1].layers[-1].params["weight"], t["lm_head.weight"].T)
     untied = _file(tmp_path)
@@ -120,7 +120,7 @@ def test_torch_computes_the_same_logits(tmp_path, tied):
 
     j = job(f"model.tie_embeddings={str(tied).lower()}")
     (stage,) = stages(j, 1, 0)
-    bind_local([stage])
+    bind_local([stage], j.model)
     stage.flat_params += np.random.default_rng(1).standard_normal(stage.num_params).astype(
         np.float32
     ) * np.float32(0.02)

@@ -443,7 +443,7 @@ def checkpoint_stages(path: Path, job, manifest: dict) -> list:
 
     from mpihybrid.inputs import InputFileError, check_regular
     from mpihybrid.nn.tokens import DataError
-    from mpihybrid.nn.vocab_weights import whole_model
+    from mpihybrid.nn.vocab_weights import unsplit, whole_model
     from mpihybrid.train import checkpoint, tie
 
     d, num_stages = job.data, job.grid.pp * job.train.virtual_stages
@@ -473,7 +473,7 @@ def checkpoint_stages(path: Path, job, manifest: dict) -> list:
     if shares:
         flats = [st.flat_params for st in model]
         model = [whole_model(job.model, d.seq_len, d.vocab, flats, shares, seed=job.train.seed)]
-    tie.bind_local(model)  # a tied head reads the token table (no-op untied)
+    tie.bind_local(model, unsplit(job.model))  # a tied head reads the table (no-op untied)
     return model
 
 

@@ -59,13 +59,13 @@ class GridConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     kind: str = "mlp"  # mlp (teacher data) | gpt | llama (token data; nn/kinds.py)
-    hidden: int = 64  # width of every hidden layer (gpt: the model width C)
-    depth: int = 6  # mlp: Linear layers, the classifier head included; gpt: transformer layers
-    activation: str = "relu"  # mlp: relu | gelu (gpt always uses GELU)
-    norm: bool = False  # mlp: LayerNorm after each hidden Linear (gpt is always pre-norm)
+    hidden: int = 64  # mlp: width of every hidden layer; gpt, llama: the model width C
+    depth: int = 6  # mlp: Linear layers, the head included; gpt, llama: transformer layers
+    activation: str = "relu"  # mlp: relu | gelu (gpt: model.gelu; llama: SwiGLU)
+    norm: bool = False  # mlp: LayerNorm after each hidden Linear (gpt, llama: pre-norm)
     heads: int = 4  # gpt, llama: attention heads (hidden must be divisible by heads)
     kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0 = heads
-    ffn: int = 0  # gpt: feed-forward width; 0 = 4 * hidden
+    ffn: int = 0  # gpt: feed-forward width, 0 = 4 * hidden; llama: SwiGLU's, 0 = ceil(8/3 hidden)
     partition: str | list = "cost"  # cost | uniform | timed | [layers per chunk]
     init: str = ""  # gpt: start from this .safetensors file (weights export) instead of the seed
     tie_embeddings: bool = False  # gpt, llama: the head's weight is the token table (nanoGPT's wte)
@@ -271,12 +271,14 @@ class Job:
         )
 
     def runtime_settings(self, backend: Backend = CPU, wire: P2PWire | None = None):
-        """The pipeline runtime's settings (train.microbatches, comm.sync_sends; the links
-        comm.p2p_codec encodes: pipeline.wire.P2PWire.build), made here once."""
+        """The pipeline runtime's settings (train.microbatches, the model kind's loss,
+        comm.sync_sends; the links comm.p2p_codec encodes: pipeline.wire.P2PWire.build), made
+        here once."""
         from mpihybrid.pipeline.runtime import RuntimeSettings
 
         return RuntimeSettings(
             num_microbatches=self.train.microbatches,
+            loss=model_kind(self.model.kind).loss,
             sync_sends=self.comm.sync_sends,
             backend=backend,
             wire=wire if wire is not None else P2PWire(),

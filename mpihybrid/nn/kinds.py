@@ -1,7 +1,8 @@
 """The registry of model kinds: what the code knows of a kind of model, in one entry each.
 
     kind = model_kind(job.model.kind)       # KINDS["mlp"], KINDS["gpt"] or KINDS["llama"]
-    kind.blocks(job.model, in_features, num_classes)
+    kind.build(job.model, in_features, num_classes)  # its blocks (tied if the job ties)
+    kind.loss()                                       # its last stage's loss
     kind.tokens_per_sample(job.data.seq_len)
 
 A kind declares its blocks (the builder of its module: mlp.py, transformer.py), the data
@@ -12,8 +13,10 @@ rules its settings obey beyond the common ones, and the fused kernels its layers
 (nn/kernels.py). A third kind is its module of blocks plus one entry here (and its tests):
 llama.py and LLAMA are one. A kind's `check` also refuses the settings of other kinds that
 it does not read (model.kv_heads, model.tie_embeddings); whether a weights file starts it
-(`init`: the file's check) and whether it splits its vocabulary (`vocab_parallel`) are its
-entry's too, so nothing outside nn/ tests a kind by its name.
+(`init`: the file's check), whether it splits its vocabulary (`vocab_parallel`), the loss its
+last stage computes (`loss`: the runtime's, evaluation's and profiles') and where its tied
+pair sits (`tie`: train/tie.py asks `tied_pair`) are its entry's too, so nothing outside nn/
+tests a kind by its name or probes its layers.
 """
 
 from __future__ import annotations
@@ -21,13 +24,33 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mpihybrid.nn.layers import Layer
+from mpihybrid.nn.layers import Layer, SoftmaxCrossEntropy
 from mpihybrid.nn.llama import hf_export, llama_blocks, llama_check
 from mpihybrid.nn.mlp import mlp_blocks
 from mpihybrid.nn.transformer import gpt_blocks
 from mpihybrid.nn.weights import config_of, export_tensors, init_problem
 
 Block = list[Layer]
+
+
+@dataclass(frozen=True)
+class Tie:
+    """Where a kind's tied pair sits (model.tie_embeddings): the token table (V, C) is parameter
+    `param` of the first layer of the model's first block, the head is the last layer of its
+    last block (a Linear(tied=True): its weight is the table, transposed; train/tie.py)."""
+
+    param: str = "tokens"
+
+    def table(self, stages) -> Layer | None:
+        """The table's layer, from the stage holding the model's first block (if given)."""
+        return next((st.blocks[0][0] for st in stages if st.block_range.start == 0), None)
+
+    def head(self, stages, num_blocks: int) -> Layer | None:
+        """The head, from the stage holding the model's last block (of `num_blocks`)."""
+        return next((st.blocks[-1][-1] for st in stages if st.block_range.stop == num_blocks), None)
+
+
+TOKEN_TABLE = Tie()  # gpt's and llama's: the embedding leads, the head trails
 
 
 @dataclass(frozen=True)
@@ -41,6 +64,8 @@ class ModelKind:
     activation: Callable[..., tuple[int, ...]]
     check: Callable[..., str]  # model cfg -> what is wrong with it, in one line ("" = nothing)
     kernels: Callable[..., tuple[str, ...]]  # model cfg -> nn/kernels.py functions its layers run
+    # makes the loss its last stage computes (the pipeline runtime's, evaluation's, profiles')
+    loss: Callable[[], SoftmaxCrossEntropy]
     lead: tuple[str, ...] = ()  # blocks before the layers model.partition counts
     trail: tuple[str, ...] = ()  # blocks after them
     # `weights export`: (the model's stages in order, model cfg, seq_len, vocab) -> (tensors by
@@ -50,6 +75,31 @@ class ModelKind:
     # one line ("" = it fits); None: no file starts this kind
     init: Callable[..., str] | None = None
     vocab_parallel: bool = False  # model.vocab_parallel: table and head split by vocabulary
+    tie: Tie | None = None  # model.tie_embeddings: where its tied pair sits; None: it cannot tie
+
+    def ties(self, cfg) -> bool:
+        """Whether this model's head computes with its token table (model.tie_embeddings)."""
+        return self.tie is not None and bool(cfg.tie_embeddings)
+
+    def stages_tie(self, cfg) -> bool:
+        """Whether the stages carry the tie (train/tie.py: the head's rank mirrors the table):
+        a tied model whose vocabulary is not split (model.vocab_parallel: the shares hold one
+        matrix each, nn/vocab.py)."""
+        return self.ties(cfg) and not (self.vocab_parallel and cfg.vocab_parallel)
+
+    def build(self, cfg, in_features: int, num_classes: int) -> list[Block]:
+        """The model's blocks; a kind that ties is told whether this one does."""
+        if self.tie is None:
+            return self.blocks(cfg, in_features, num_classes)
+        return self.blocks(cfg, in_features, num_classes, tied=self.ties(cfg))
+
+    def tied_pair(self, cfg, stages) -> tuple[Layer | None, Layer | None]:
+        """model.tie_embeddings: (the layer holding the token table, the tied head) among
+        `stages` (some of the model's chunks), each None where no stage holds it; (None, None)
+        where the stages carry no tie (stages_tie)."""
+        if not self.stages_tie(cfg):
+            return None, None
+        return self.tie.table(stages), self.tie.head(stages, len(self.ends) + cfg.depth)
 
     def tokens_per_sample(self, seq_len: int) -> int:
         """What one sample counts in rows and throughput: its tokens, or itself."""
@@ -83,7 +133,7 @@ def _no_kv_heads(cfg) -> str:
 
 
 def _mlp_check(cfg) -> str:
-    if getattr(cfg, "tie_embeddings", False):  # a token model's table (V, C) is its head's W.T
+    if getattr(cfg, "tie_embeddings", False):  # no Tie: its first layer is no token table
         return (
             f"model.tie_embeddings: a gpt's or a llama's (model.kind = {cfg.kind!r}: its first "
             "layer and its head have different shapes)"
@@ -109,6 +159,7 @@ MLP = ModelKind(
     activation=lambda cfg, in_features, first: (first.in_features,),
     check=_mlp_check,
     kernels=_mlp_kernels,
+    loss=SoftmaxCrossEntropy,  # over the classes
 )
 
 GPT = ModelKind(
@@ -127,11 +178,13 @@ GPT = ModelKind(
         "bias_residual_add",
         "embedding_backward",
     ),
+    loss=SoftmaxCrossEntropy,  # next-token, over the vocabulary
     lead=("embedding",),
     trail=("head",),
     export=_gpt_export,  # nanoGPT's names (nn/weights.py)
     init=init_problem,  # a nanoGPT-named file (weights export's, or nanoGPT's own)
     vocab_parallel=True,  # nn/vocab.py
+    tie=TOKEN_TABLE,  # nanoGPT's wte = lm_head
 )
 
 LLAMA = ModelKind(
@@ -146,9 +199,11 @@ LLAMA = ModelKind(
         "softmax_causal_backward",
         "embedding_backward",
     ),
+    loss=GPT.loss,
     lead=GPT.lead,
     trail=GPT.trail,
     export=hf_export,  # Hugging Face's LlamaForCausalLM names
+    tie=TOKEN_TABLE,  # Hugging Face's tie_word_embeddings
 )
 
 KINDS = {kind.name: kind for kind in (MLP, GPT, LLAMA)}

@@ -473,3 +473,12 @@ class SoftmaxCrossEntropy:
         """Rows whose largest logit is the target's (before `backward`)."""
         exps, _, t, _ = cache
         return int(np.count_nonzero(exps.argmax(axis=1) == t))
+
+    def nats(self, logits: np.ndarray, targets: np.ndarray) -> float:
+        """Sum over rows of -log softmax(logits)[target] in float64, the logits untouched (the
+        held-out loss: train/evaluate.py sums it over pieces)."""
+        flat = _rows(logits).astype(np.float64)
+        t = targets.reshape(-1)
+        top = flat.max(axis=1)
+        lse = np.log(np.exp(flat - top[:, None]).sum(axis=1)) + top
+        return float(np.sum(lse - flat[np.arange(len(t)), t]))

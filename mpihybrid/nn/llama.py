@@ -287,12 +287,12 @@ def ffn_width(cfg) -> int:
     return cfg.ffn or math.ceil(8 * cfg.hidden / 3)
 
 
-def llama_blocks(cfg, seq_len: int, vocab: int) -> list[list[Layer]]:
+def llama_blocks(cfg, seq_len: int, vocab: int, *, tied: bool = False) -> list[list[Layer]]:
     """[TokenEmbedding], `depth` pre-norm Llama layers, [RMSNorm, LM head].
 
-    `cfg` needs: hidden (C), depth, heads, kv_heads (0 = heads), ffn (0 = 8/3 C), and
-    tie_embeddings. Weights are drawn as the GPT's: N(0, 0.02^2), the residual projections'
-    scaled by 1/sqrt(2 depth).
+    `cfg` needs: hidden (C), depth, heads, kv_heads (0 = heads), ffn (0 = 8/3 C); tied: the
+    head's weight is the token table's (ModelKind.build says). Weights are drawn as the GPT's:
+    N(0, 0.02^2), the residual projections' scaled by 1/sqrt(2 depth).
     """
     if cfg.depth < 1:
         raise ValueError(f"model.depth = {cfg.depth}: need at least 1 transformer layer")
@@ -321,7 +321,7 @@ def llama_blocks(cfg, seq_len: int, vocab: int) -> list[list[Layer]]:
             ]
         )
         blocks.append([attention, mlp])
-    head = Linear(width, vocab, bias=False, init_std=GPT_INIT_STD, tied=cfg.tie_embeddings)
+    head = Linear(width, vocab, bias=False, init_std=GPT_INIT_STD, tied=tied)
     blocks.append([RMSNorm(width), head])
     return blocks
 

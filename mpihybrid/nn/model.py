@@ -38,7 +38,7 @@ Block = list[Layer]
 
 def build_blocks(cfg, in_features: int, num_classes: int) -> list[Block]:
     """The model's blocks in order, as its kind (`cfg.kind`, nn/kinds.py) builds them."""
-    return model_kind(cfg.kind).blocks(cfg, in_features, num_classes)
+    return model_kind(cfg.kind).build(cfg, in_features, num_classes)
 
 
 def block_num_params(block: Block) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 from mpihybrid.nn.cost import Workload
 from mpihybrid.nn.data import build_task, microbatches, task_dims
 from mpihybrid.nn.kinds import model_kind
-from mpihybrid.nn.layers import GELU, LayerNorm, Linear, SoftmaxCrossEntropy
+from mpihybrid.nn.layers import GELU, LayerNorm, Linear
 from mpihybrid.nn.model import build_stage, layer_counts, partition
 from mpihybrid.nn.transformer import CausalAttention, Embedding, Residual
 
@@ -76,19 +76,25 @@ def vocab_parallel(work: Workload) -> bool:
     return bool(getattr(work.model, "vocab_parallel", False))
 
 
-def profile_stage(stage, inputs, targets, last: bool, first: bool, *, repeats: int, key=None):
-    """Seconds per micro-batch by category (or by `key(layer, method)`), glue included."""
+def _loss(work: Workload):
+    """The model kind's loss on the model's last block; None where the vocabulary shares
+    compute it (model.vocab_parallel: no chunk does)."""
+    return None if vocab_parallel(work) else model_kind(work.model.kind).loss()
+
+
+def profile_stage(stage, inputs, targets, loss_fn, first: bool, *, repeats: int, key=None):
+    """Seconds per micro-batch by category (or by `key(layer, method)`), glue included.
+    loss_fn: the model kind's loss where the stage ends the model (None: it does not)."""
     totals: dict = collections.defaultdict(float)
     for layer in stage.layers:
         timed(layer, totals, key)
-    loss_fn = SoftmaxCrossEntropy()
     for repeat in range(repeats + 1):
         if repeat == 1:  # the first pass warms up (and compiles)
             totals.clear()
             start = time.perf_counter()
         caches = [stage.forward(x) for x in inputs]
         for (out, cache), t in zip(caches, targets, strict=True):
-            if last:
+            if loss_fn is not None:
                 t0 = time.perf_counter()
                 _, lcache = loss_fn.forward(out, t)
                 loss_fn.correct(lcache)
@@ -109,8 +115,8 @@ def profile_chunk(work: Workload, chunk: int, repeats: int = 3, key=None) -> dic
     """profile_stage of model chunk `chunk`, on the job's own micro-batches."""
     stage = build_stage(work.model, *task_dims(work.data), chunk, work.chunks, seed=work.seed)
     inputs, targets = chunk_inputs(work, chunk)
-    last = chunk == work.chunks - 1 and not vocab_parallel(work)
-    return profile_stage(stage, inputs, targets, last, chunk == 0, repeats=repeats, key=key)
+    loss = _loss(work) if chunk == work.chunks - 1 else None
+    return profile_stage(stage, inputs, targets, loss, chunk == 0, repeats=repeats, key=key)
 
 
 def timed_block_costs(work: Workload, repeats: int = 3) -> list[float]:
@@ -124,7 +130,7 @@ def timed_block_costs(work: Workload, repeats: int = 3) -> list[float]:
             for sub in layer.branch if isinstance(layer, Residual) else [layer]:
                 owner[id(sub)] = g
     inputs, targets = chunk_inputs(work, 0)
-    loss = not vocab_parallel(work)
+    loss = _loss(work)
     per = profile_stage(
         stage, inputs, targets, loss, True, repeats=repeats, key=lambda l, m: owner[id(l)]
     )
@@ -147,7 +153,7 @@ def block_pass_costs(
             for sub in layer.branch if isinstance(layer, Residual) else [layer]:
                 owner[id(sub)] = g
     inputs, targets = chunk_inputs(work, 0)
-    loss = not vocab_parallel(work)
+    loss = _loss(work)
     per = profile_stage(
         stage, inputs, targets, loss, True, repeats=repeats, key=lambda l, m: (owner[id(l)], m)
     )

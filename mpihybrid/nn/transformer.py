@@ -275,7 +275,7 @@ class Residual(Layer):
         return sum(layer.flops(batch) for layer in self.branch)
 
 
-def gpt_blocks(cfg, seq_len: int, vocab: int) -> list[list[Layer]]:
+def gpt_blocks(cfg, seq_len: int, vocab: int, *, tied: bool = False) -> list[list[Layer]]:
     """[Embedding], `depth` pre-norm transformer layers, [LayerNorm, LM head].
 
     `cfg` needs: hidden (width C), depth (layers), heads, ffn (0 = 4 C). Linear weights are
@@ -311,7 +311,8 @@ def gpt_blocks(cfg, seq_len: int, vocab: int) -> list[list[Layer]]:
             ]
         )
         blocks.append([attention, mlp])
-    # tied (model.tie_embeddings): the head's weight is the token table's, transposed
-    head = Linear(width, vocab, init_std=GPT_INIT_STD, tied=getattr(cfg, "tie_embeddings", False))
+    # tied (model.tie_embeddings, the kind says: ModelKind.build): the head's weight is the
+    # token table's, transposed
+    head = Linear(width, vocab, init_std=GPT_INIT_STD, tied=tied)
     blocks.append([LayerNorm(width)] if vocab_parallel else [LayerNorm(width), head])
     return blocks

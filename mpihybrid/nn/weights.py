@@ -250,7 +250,8 @@ def init_problem(cfg, seq_len: int, vocab: int) -> str:
         return f"model.init = {cfg.init!r}: expected a .safetensors file (weights export)"
     if getattr(cfg, "vocab_parallel", False):  # the file holds the whole model: check that
         cfg = dataclasses.replace(cfg, vocab_parallel=False)
-    return check_file(cfg, seq_len, vocab, cfg.init, gpt_blocks(cfg, seq_len, vocab))
+    blocks = gpt_blocks(cfg, seq_len, vocab, tied=cfg.tie_embeddings)  # GPT.build's blocks
+    return check_file(cfg, seq_len, vocab, cfg.init, blocks)
 
 
 def nonfinite_problem(path: str | Path) -> str:

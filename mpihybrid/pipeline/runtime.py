@@ -28,7 +28,6 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid.comm.device import CPU, Backend
-from mpihybrid.nn.layers import SoftmaxCrossEntropy
 from mpihybrid.pipeline.actions import last_weight_actions, split_backwards
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.placement import Placement
@@ -65,6 +64,7 @@ class RuntimeSettings:
     """How the runtime runs every step (config.Job.runtime_settings makes it once)."""
 
     num_microbatches: int  # M, per replica per step (train.microbatches)
+    loss: Callable[[], object]  # makes the last stage's loss: the model kind's (ModelKind.loss)
     sync_sends: bool = False  # Issend everywhere (comm.sync_sends): no reliance on eager buffers
     backend: Backend = field(default_factory=lambda: CPU)  # where the tensors live
     wire: P2PWire = field(default_factory=P2PWire)  # links that carry encoded tensors
@@ -110,7 +110,7 @@ class PipelineRuntime:
         self.cpu0 = float("nan")  # the thread's CPU clock when the running action started
         self.backend = backend
         self.isend = pp_comm.Issend if settings.sync_sends else pp_comm.Isend
-        self.loss_fn = SoftmaxCrossEntropy()
+        self.loss_fn = settings.loss()  # the model kind's (nn/kinds.py), on the last stage
         self.bytes_sent = {"activation": 0, "activation_grad": 0}
         # traces name peers by world rank: the caller knows how its pp_comm sits in the world
         self.peer_ranks = list(peer_ranks) if peer_ranks is not None else list(range(self.pp_size))

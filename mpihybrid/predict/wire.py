@@ -12,6 +12,7 @@ from mpihybrid.comm.codecs import get_codec
 from mpihybrid.config import Job
 from mpihybrid.nn.cost import FLOAT, ChunkWork
 from mpihybrid.nn.data import task_dims
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.pipeline.wire import encoded_peers
 from mpihybrid.predict.cluster import Cluster, Device, Link
 from mpihybrid.train import memory
@@ -63,7 +64,7 @@ def message_seconds(job: Job, work: list[ChunkWork], cluster: Cluster) -> float:
 def tie_seconds(job: Job, cluster: Cluster) -> float:
     """model.tie_embeddings with the table and the head on two ranks (train/tie.py): at the
     step's end the head's gradient one way and the table back, V x C floats each; else 0."""
-    if not job.model.tie_embeddings:
+    if not model_kind(job.model.kind).stages_tie(job.model):  # vocab_parallel: no messages
         return 0.0
     layout, placement = job.grid.layout, job_placement(job)
     first, last = placement.rank_of(0), placement.rank_of(placement.num_stages - 1)

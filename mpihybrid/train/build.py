@@ -21,6 +21,7 @@ from mpihybrid.comm.hier_ring import NodeGroups
 from mpihybrid.comm.nodes import NodeMapError, node_map
 from mpihybrid.config import ConfigError, Job
 from mpihybrid.nn.data import build_task
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.nn.model import Stage, boundary_shapes, build_stage
 from mpihybrid.nn.weights import load_into
 from mpihybrid.pipeline.runtime import PipelineRuntime
@@ -125,8 +126,8 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
     states = build_states(job, {**stages, **shards}, gradcomm)
     tied = None
     # the head bound to the table, or to its mirror (vocab_parallel: a share holds one matrix)
-    if job.model.tie_embeddings and not shards:
-        tied = tie.embedding_group(grid.pp_comm, states, placement, backend)
+    if model_kind(job.model.kind).stages_tie(job.model):
+        tied = tie.embedding_group(grid.pp_comm, states, placement, backend, job.model)
     runtime = PipelineRuntime(
         grid.pp_comm,
         stages,

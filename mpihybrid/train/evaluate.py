@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from mpihybrid.config import Job
 from mpihybrid.nn.data import heldout
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.nn.model import boundary_shapes
 from mpihybrid.pipeline.runtime import forward_only
 from mpihybrid.trace.recorder import Recorder
@@ -108,6 +109,7 @@ class HeldOutLoss:
         x, y = self.samples
         rows = eval_pieces(job, len(x), task.num_classes, max(y[:1].size, 1))
         nats, targets = 0.0, 0
+        loss_fn = model_kind(job.model.kind).loss()  # the last stage's, as in training
         for i in range(0, len(x), rows):
             shapes = boundary_shapes(
                 job.model,
@@ -127,7 +129,7 @@ class HeldOutLoss:
                 vocab=run.runtime.vocab,
             )
             if logits is not None:
-                nats += cross_entropy_sum(backend.to_host(logits), y[i : i + rows])
+                nats += loss_fn.nats(backend.to_host(logits), y[i : i + rows])
                 targets += y[i : i + rows].size
         nats, targets = world.allreduce(np.array([nats, targets], np.float64), op=MPI.SUM)
         loss = float(nats / max(targets, 1))
@@ -139,12 +141,3 @@ class HeldOutLoss:
             "bits_per_byte": per_token / per_byte if per_byte else math.nan,
             "perplexity": math.exp(min(loss, 700.0)),
         }
-
-
-def cross_entropy_sum(logits: np.ndarray, targets: np.ndarray) -> float:
-    """Sum over rows of -log softmax(logits)[target], logits (..., K), targets (...)."""
-    flat = logits.reshape(-1, logits.shape[-1]).astype(np.float64)
-    t = targets.reshape(-1)
-    top = flat.max(axis=1)
-    lse = np.log(np.exp(flat - top[:, None]).sum(axis=1)) + top
-    return float(np.sum(lse - flat[np.arange(len(t)), t]))

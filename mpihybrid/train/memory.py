@@ -33,6 +33,7 @@ from mpihybrid.comm.nodes import NodeMapError, node_map
 from mpihybrid.config import ConfigError, Job
 from mpihybrid.nn.cost import ChunkWork, stage_work
 from mpihybrid.nn.data import task_dims
+from mpihybrid.nn.kinds import model_kind
 from mpihybrid.pipeline.actions import split_backwards
 from mpihybrid.pipeline.liveness import Liveness
 from mpihybrid.pipeline.schedules import Action
@@ -146,7 +147,7 @@ def rank_memory(
 def _tie_bytes(job: Job, placement, mine: list[int], num_stages: int) -> int:
     """model.tie_embeddings: what a rank holds for the tie beyond its chunks' parameters (which
     count the table once and the head's weight nowhere): train/tie.py's mirror and gradients."""
-    if not job.model.tie_embeddings:
+    if not model_kind(job.model.kind).stages_tie(job.model):  # vocab_parallel: no mirror
         return 0
     ranks = {placement.rank_of(s) for s in mine}
     first, last = placement.rank_of(0) in ranks, placement.rank_of(num_stages - 1) in ranks
@@ -214,7 +215,6 @@ def _evaluation_bytes(job: Job, work: list[ChunkWork], mine: list[int]) -> int:
     """What an evaluation piece holds on this rank at most: its widest chunk's activations for
     the piece's rows (EVAL_BYTES at most) and, on the last chunk's rank, its logits."""
     from mpihybrid.nn.cost import FLOAT
-    from mpihybrid.nn.kinds import model_kind
     from mpihybrid.train.evaluate import EVAL_BYTES, EVAL_LOGITS
 
     per_sample = max(work[s].activation_bytes for s in mine) / job.microbatch_size

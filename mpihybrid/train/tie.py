@@ -1,12 +1,13 @@
 """model.tie_embeddings: nanoGPT's wte = lm_head, across the pipeline (Megatron's embedding group).
 
-    group = embedding_group(pp_comm, states, placement, backend)   # None: this rank has neither
+    group = embedding_group(pp_comm, states, placement, backend, cfg)  # None: holds neither
     group.refresh()      # collective (the two ranks): the head's rank sees the table
     group.sum_grads()    # collective, after the backwards: the head's gradient joins the table's
-    bind_local(stages)   # one process holding both (generate, export, the serial reference)
+    bind_local(stages, cfg)  # one process holding both (generate, export, the serial reference)
 
-The token table (V, C) is a parameter of the first stage (its Embedding); the tied head
-(nn.layers.Linear(tied=True)) has no weight in its stage's flat buffer. A checkpoint, the
+The model kind says where the pair sits (nn/kinds.py: Tie): the token table (V, C) is a
+parameter of the first stage (its Embedding); the tied head (nn.layers.Linear(tied=True)), the
+last layer of the last stage, has no weight in its stage's flat buffer. A checkpoint, the
 optimizer (sharded or not), the gradient ring and the global norm therefore hold the table once,
 and a checkpoint of a tied model resumes on any grid and under any schedule.
 - One rank holds both (pp = 1, a V placement): the head's weight and its gradient are the table's
@@ -30,30 +31,28 @@ import numpy as np
 from mpi4py import MPI
 
 from mpihybrid.comm.device import copy_from_host, host_array
+from mpihybrid.nn.kinds import model_kind
 
 TAG = 7_900  # the head's gradient on pp_comm; TAG + 1: the table back
 
 
-def _embedding(stage):
-    """The stage's Embedding layer if it holds the model's first block, else None."""
-    return stage.layers[0] if stage.block_range.start == 0 else None
+def _pair(stages, cfg) -> tuple[object, object, str]:
+    """(the table's layer, the tied head, the table's parameter name) among `stages`, where
+    the model kind says they sit (nn/kinds.py: ModelKind.tied_pair); None for one not there."""
+    kind = model_kind(cfg.kind)
+    table, head = kind.tied_pair(cfg, stages)
+    return table, head, kind.tie.param if kind.tie is not None else ""
 
 
-def _head(stage):
-    """The stage's tied head Linear, or None."""
-    layer = stage.layers[-1]
-    return layer if getattr(layer, "tied", False) else None
-
-
-def bind_local(stages) -> bool:
-    """Where these stages (a dict or a list) hold both the embedding and the tied head: the
-    head's weight and gradient become the table's transposed views. Returns whether it did."""
+def bind_local(stages, cfg) -> bool:
+    """Where these stages (a dict or a list) hold both the embedding and the tied head of the
+    model `cfg`: the head's weight and gradient become the table's transposed views. Returns
+    whether it did (False: an untied model, or one of the pair is elsewhere)."""
     stages = list(stages.values() if isinstance(stages, dict) else stages)
-    emb = next((e for st in stages if (e := _embedding(st)) is not None), None)
-    head = next((h for st in stages if (h := _head(st)) is not None), None)
-    if emb is None or head is None:
+    table, head, param = _pair(stages, cfg)
+    if table is None or head is None:
         return False
-    head.tie(emb.params["tokens"].T, emb.grads["tokens"].T)
+    head.tie(table.params[param].T, table.grads[param].T)
     return True
 
 
@@ -67,6 +66,7 @@ class EmbeddingGroup:
     head: object | None  # the tied head (nn.layers.Linear), on its rank
     gate: object | None  # the first stage's Reducer: its table bucket waits for sum_grads()
     backend: object
+    param: str  # the table's name among the embedding's parameters (the kind's Tie.param)
     mirror: object = None  # the head's rank: the table (V, C), and its gradient
     mirror_grad: object = None
 
@@ -74,7 +74,7 @@ class EmbeddingGroup:
         """After the step's backwards: the table's gradient gets the head's; the table's bucket
         goes to its ring. The head's rank sends and zeroes its gradient for the next step."""
         if self.peer >= 0 and self.embedding is not None:
-            grad = self.embedding.grads["tokens"]
+            grad = self.embedding.grads[self.param]
             theirs = np.empty(grad.shape, np.float32)
             self.comm.Recv(theirs, self.peer, TAG)
             grad += self.backend.asarray(theirs)
@@ -90,7 +90,7 @@ class EmbeddingGroup:
         if self.peer < 0:
             return
         if self.embedding is not None:
-            table = np.ascontiguousarray(host_array(self.embedding.params["tokens"]))
+            table = np.ascontiguousarray(host_array(self.embedding.params[self.param]))
             self.comm.Send(table, self.peer, TAG + 1)
             return
         if isinstance(self.mirror, np.ndarray):
@@ -101,10 +101,12 @@ class EmbeddingGroup:
             copy_from_host(self.mirror, host)
 
 
-def embedding_group(pp_comm: MPI.Comm, states: dict, placement, backend) -> EmbeddingGroup | None:
-    """This rank's part in a tied model (states: stage index -> train.state.StageState), after
-    the stages are where they compute (to_device): the head bound to the table (one rank) or to
-    a mirror (two ranks), the table's bucket gated. None: neither is on this rank."""
+def embedding_group(
+    pp_comm: MPI.Comm, states: dict, placement, backend, cfg
+) -> EmbeddingGroup | None:
+    """This rank's part in the tied model `cfg` (states: stage index -> train.state.StageState),
+    after the stages are where they compute (to_device): the head bound to the table (one rank)
+    or to a mirror (two ranks), the table's bucket gated. None: neither is on this rank."""
     first, last = 0, placement.num_stages - 1
     stages = {s: st.stage for s, st in states.items()}
     if first not in stages and last not in stages:
@@ -112,20 +114,18 @@ def embedding_group(pp_comm: MPI.Comm, states: dict, placement, backend) -> Embe
     gate = states[first].reducer if first in stages else None
     if gate is not None:
         gate.gated = True
-    if bind_local(stages):
-        return EmbeddingGroup(
-            pp_comm, -1, _embedding(stages[first]), _head(stages[last]), gate, backend
-        )
-    if first in stages:
+    table, head, param = _pair(stages.values(), cfg)
+    if bind_local(stages, cfg):
+        return EmbeddingGroup(pp_comm, -1, table, head, gate, backend, param)
+    if table is not None:
         peer = placement.rank_of(last)
-        return EmbeddingGroup(pp_comm, peer, _embedding(stages[first]), None, gate, backend)
-    head = _head(stages[last])
+        return EmbeddingGroup(pp_comm, peer, table, None, gate, backend, param)
     width, vocab = head.in_features, head.out_features
     mirror = backend.zeros((vocab, width), np.float32)
     mirror_grad = backend.zeros((vocab, width), np.float32)
     head.tie(mirror.T, mirror_grad.T)
     return EmbeddingGroup(
-        pp_comm, placement.rank_of(first), None, head, None, backend, mirror, mirror_grad
+        pp_comm, placement.rank_of(first), None, head, None, backend, param, mirror, mirror_grad
     )
 
 
