@@ -9,13 +9,12 @@ same unchanged job's runs differ between rounds (what no prediction from another
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 from pathlib import Path
 
 from mpihybrid.analysis.replay import Change, Measured, measured_figures, replay
-from mpihybrid.predict.rows import row_factors
+from mpihybrid.predict.rows import costed
 from mpihybrid.trace.read import load
 
 # (trace replayed, the change, the trace of a run of that change)
@@ -55,7 +54,7 @@ def main(folders: list[str]) -> None:
         have = [b for b in rounds if src in b and real in b]
         if not have:
             continue
-        got = statistics.median(replay(b[src], _rows(b[src], change))["step"] for b in have)
+        got = statistics.median(replay(b[src], costed(b[src], change))["step"] for b in have)
         want = statistics.median(measured_figures(b[real])["step"] for b in have)
         errs.append(abs(got / want - 1))
         print(f"  {src:14s} {change.text():24s} -> {real:14s} predicted {1e3 * got:8.2f} "
@@ -86,16 +85,6 @@ def _floor(rounds: list[dict]) -> None:
     print(
         f"the floor: the same job replayed and measured in other runs ({how}): median "
         f"{statistics.median(errs):.1%}, worst {max(errs):.1%} over {len(errs)} pairs"
-    )
-
-
-def _rows(base: Measured, change: Change) -> Change:
-    """The change as the whatif command makes it: a change of M costed by predict's model."""
-    if not change.microbatches:
-        return change
-    units = base.costs[0][0].units
-    return dataclasses.replace(
-        change, rows=row_factors(base.config, base.m, change.microbatches, units)
     )
 
 

@@ -6,7 +6,6 @@ mpihybrid whatif runs/1f1b.h5 --scale stage1.F=0.5 --scale hop=4 [--json]
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import click
@@ -105,17 +104,14 @@ def whatif(run, sets, scales, as_json) -> None:
         replay,
     )
     from mpihybrid.pipeline.schedules import ScheduleError
-    from mpihybrid.predict.rows import row_factors
+    from mpihybrid.predict.rows import costed
 
     change = Change(**parse_set(sets), scales=parse_scale(scales))
     trace = _load(run)
     try:
         base = Measured.of(trace, run)
         _check_targets(base, change)
-        if change.microbatches:  # predict's cost model of the new rows, not linear
-            units = base.costs[0][0].units
-            rows = row_factors(base.config, base.m, change.microbatches, units)
-            change = dataclasses.replace(change, rows=rows)
+        change = costed(base, change)  # a change of M: predict's model of the rows
         own = replay(base, Change())
         asked = replay(base, change)
         gains = gain_table(base)

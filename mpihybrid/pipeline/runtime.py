@@ -38,6 +38,8 @@ from mpihybrid.pipeline.wire import P2PWire
 from mpihybrid.progress import progress
 from mpihybrid.trace.recorder import KIND, Recorder
 
+COMPUTE_KINDS = frozenset("FBW")  # the actions whose thread CPU time is read
+
 # b = micro-batch size; shapes of the tensors crossing each stage boundary come from the model
 
 
@@ -185,7 +187,7 @@ class PipelineRuntime:
             if flight is not None:
                 kind, stage, mb, peer, tag = rows[j]
                 i = flight.begin(kind, step + 1, stage, mb, peer, tag)
-            if cpu is not None:
+            if cpu is not None and a.kind in COMPUTE_KINDS:
                 self.cpu0 = cpu()
             run[a.kind](a, state, clock())
             if flight is not None:

@@ -4,6 +4,7 @@ layer call's fixed cost and its weights' traffic stay. Only the shape is taken f
 (the packaged `local` cluster by default); the trace's measured costs are what it scales.
 
     rows = row_factors(trace_config_toml, m_run=4, m_new=8, units=2)   # {"F": [...], ...} | None
+    change = costed(base, change)          # a whatif Change with its rows, as the command runs it
 """
 
 from __future__ import annotations
@@ -42,3 +43,14 @@ def row_factors(
             for w, x in zip(now, was, strict=True)
         ]
     return out
+
+
+def costed(base, change):
+    """`change` (analysis.replay.Change) on `base` (its Measured) with a change of M costed by
+    row_factors, as the whatif command replays it; unchanged without a change of M."""
+    if not change.microbatches:
+        return change
+    units = base.costs[0][0].units
+    return dataclasses.replace(
+        change, rows=row_factors(base.config, base.m, change.microbatches, units)
+    )
