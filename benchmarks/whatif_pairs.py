@@ -1,21 +1,47 @@
 """whatif measured: the replay of each run itself, and predictions of a change against a real
-run of that change (docs/analysis.md). Reads the traces benchmarks/replay_traces.sh wrote, one
-folder per round; with several rounds a pair's predicted and measured steps are each the median
-over the rounds (the machine's load drifts between runs), and the floor line says how far the
-same unchanged job's runs differ between rounds (what no prediction from another run can beat):
+run of that change (docs/analysis.md). Reads the traces of rounds, one folder per round; with
+several rounds a pair's predicted and measured steps are each the median over the rounds (the
+machine's load drifts between runs), and the floor line says how far the same unchanged job's
+runs differ between rounds (what no prediction from another run can beat):
 
+    python benchmarks/whatif_pairs.py --write runs/r1 [STEPS]      # a round's traces (15 runs)
     python benchmarks/whatif_pairs.py runs/r1 [runs/r2 runs/r3]
+
+--paired runs each pair's two jobs next to each other instead, A B B A for every repetition,
+and predicts each run of the change from the run of the trace beside it: the machine's speed
+drifts over minutes (benchmarks/core_speeds.py), so neighbours share it where rounds do not. Its
+floor is the same job predicted from its own other run, three runs away:
+
+    flock -x /tmp/mh_heavy.lock python benchmarks/whatif_pairs.py --paired runs/p1 --reps 2
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 from mpihybrid.analysis.replay import Change, Measured, measured_figures, replay
 from mpihybrid.predict.rows import costed
 from mpihybrid.trace.read import load
+
+GPT, MLP = "mpihybrid/jobs/gpt_bench.toml", "mpihybrid/jobs/laptop.toml"
+# the runs: name -> (job, settings); every built-in schedule at pp = 2 on the GPT benchmark job,
+# the MLP laptop job at dp = 1, and the runs of the changes predicted
+JOBS = {
+    **{f"gpt_{s}": (GPT, [f"train.schedule={s}"])
+       for s in ("naive", "gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "v-half")},
+    "gpt_interleaved-1f1b": (GPT, ["train.schedule=interleaved-1f1b", "train.virtual_stages=2"]),
+    "mlp_1f1b": (MLP, ["grid.dp=1"]),
+    "mlp_gpipe": (MLP, ["grid.dp=1", "train.schedule=gpipe"]),
+    "gpt_1f1b_m8": (GPT, ["train.microbatches=8"]),
+    "gpt_gpipe_m8": (GPT, ["train.schedule=gpipe", "train.microbatches=8"]),
+    "mlp_1f1b_m8": (MLP, ["grid.dp=1", "train.microbatches=8"]),
+    "gpt_1f1b_slow": (GPT, ["train.slowdown=1:F:1.3"]),
+}  # fmt: skip
 
 # (trace replayed, the change, the trace of a run of that change)
 PAIRS = [
@@ -37,6 +63,64 @@ PAIRS = [
     ("gpt_1f1b", Change(schedule="interleaved-1f1b", virtual_stages=2), "gpt_interleaved-1f1b"),
     ("gpt_zb-v", Change(schedule="1f1b"), "gpt_1f1b"),
 ]
+
+
+def train(name: str, out: Path, steps: int) -> Path:
+    """One run of JOBS[name] on 2 ranks, traced to OUT/NAME.h5."""
+    job, settings = JOBS[name]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.h5"
+    sets = [
+        x for s in [f"train.steps={steps}", "trace.overwrite=true", *settings] for x in ("--set", s)
+    ]
+    cmd = [os.environ.get("MPIEXEC", "mpiexec"), "-n", "2", sys.executable, "-m", "mpihybrid",
+           "train", job, "--quiet", *sets, "--trace", str(path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+    return path
+
+
+def write(out: Path, steps: int) -> None:
+    """A round: every job once, in JOBS's order."""
+    for name in JOBS:
+        print(train(name, out, steps), flush=True)
+
+
+def paired(out: Path, reps: int, steps: int) -> None:
+    """Each pair's trace and change run A B B A per repetition; each run of the change predicted
+    from its neighbour, each run of the trace from the other (the floor)."""
+    errs, floor = [], []
+    print("whatif against the run of the change beside it (mean step, ms; median over the reps)")
+    for i, (src, change, real) in enumerate(PAIRS):
+        got, want, same = [], [], []
+        for r in range(reps):
+            d = out / f"pair{i:02d}" / f"rep{r}"
+            d.mkdir(parents=True, exist_ok=True)
+            a1, b1 = train(src, d / "a1", steps), train(real, d / "b1", steps)
+            b2, a2 = train(real, d / "b2", steps), train(src, d / "a2", steps)
+            for a, b in ((a1, b1), (a2, b2)):
+                ma = Measured.of(load(a), str(a))
+                got.append(replay(ma, costed(ma, change))["step"])
+                want.append(measured_figures(Measured.of(load(b), str(b)))["step"])
+            m1, m2 = (Measured.of(load(p), str(p)) for p in (a1, a2))
+            same += [replay(m1, Change())["step"] / measured_figures(m2)["step"] - 1,
+                     replay(m2, Change())["step"] / measured_figures(m1)["step"] - 1]  # fmt: skip
+        each = [g / w - 1 for g, w in zip(got, want, strict=True)]
+        ratio = statistics.median(each)
+        errs.append(abs(ratio))
+        floor.append(abs(statistics.median(same)))
+        print(
+            f"  {src:14s} {change.text():24s} -> {real:14s} predicted "
+            f"{1e3 * statistics.median(got):8.2f} measured {1e3 * statistics.median(want):8.2f} "
+            f"{ratio:+.1%}  (each: {' '.join(f'{e:+.1%}' for e in each)}; the trace's own "
+            f"job: {statistics.median(same):+.1%})",
+            flush=True,
+        )
+    print(f"  median {statistics.median(errs):.1%}, worst {max(errs):.1%} over {len(errs)} pairs")
+    print(
+        f"the floor: each pair's trace predicting its own other run: median "
+        f"{statistics.median(floor):.1%}, worst {max(floor):.1%} over {len(floor)} pairs"
+    )
 
 
 def main(folders: list[str]) -> None:
@@ -100,4 +184,19 @@ def _own(base: dict) -> list[float]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="*")
+    parser.add_argument("--write", metavar="OUT", help="write a round's traces to OUT")
+    parser.add_argument("--paired", metavar="OUT", help="run each pair A B B A under OUT")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--only", help="the pairs to run, by index (0,3,14)")
+    args = parser.parse_args()
+    if args.only:
+        PAIRS[:] = [PAIRS[int(i)] for i in args.only.split(",")]
+    if args.write:
+        write(Path(args.write), int(args.folders[0]) if args.folders else args.steps)
+    elif args.paired:
+        paired(Path(args.paired), args.reps, args.steps)
+    else:
+        main(args.folders)
