@@ -87,33 +87,43 @@ def write(out: Path, steps: int) -> None:
 
 
 def paired(out: Path, reps: int, steps: int) -> None:
-    """Each pair's trace and change run A B B A per repetition; each run of the change predicted
-    from its neighbour, each run of the trace from the other (the floor)."""
+    """Each pair's trace and change run A B B A per repetition, under OUT/pairNN/repR."""
+    for i, (src, _, real) in enumerate(PAIRS):
+        for r in range(reps):
+            d = out / f"pair{i:02d}" / f"rep{r}"
+            for k, name in (("a1", src), ("b1", real), ("b2", real), ("a2", src)):
+                train(name, d / k, steps)
+    paired_report(out)
+
+
+def paired_report(out: Path) -> None:
+    """Each run of the change predicted from the run of the trace beside it; the floor: each
+    run of the trace predicted from the other (the same job, three runs away)."""
     errs, floor = [], []
     print("whatif against the run of the change beside it (mean step, ms; median over the reps)")
     for i, (src, change, real) in enumerate(PAIRS):
         got, want, same = [], [], []
-        for r in range(reps):
-            d = out / f"pair{i:02d}" / f"rep{r}"
-            d.mkdir(parents=True, exist_ok=True)
-            a1, b1 = train(src, d / "a1", steps), train(real, d / "b1", steps)
-            b2, a2 = train(real, d / "b2", steps), train(src, d / "a2", steps)
-            for a, b in ((a1, b1), (a2, b2)):
-                ma = Measured.of(load(a), str(a))
-                got.append(replay(ma, costed(ma, change))["step"])
-                want.append(measured_figures(Measured.of(load(b), str(b)))["step"])
-            m1, m2 = (Measured.of(load(p), str(p)) for p in (a1, a2))
-            same += [replay(m1, Change())["step"] / measured_figures(m2)["step"] - 1,
-                     replay(m2, Change())["step"] / measured_figures(m1)["step"] - 1]  # fmt: skip
+        for d in sorted((out / f"pair{i:02d}").glob("rep*")):
+            m = {k: Measured.of(load(p), str(p)) for k in ("a1", "b1", "b2", "a2")
+                 for p in [d / k / f"{src if k[0] == 'a' else real}.h5"]}  # fmt: skip
+            for a, b in (("a1", "b1"), ("a2", "b2")):
+                got.append(replay(m[a], costed(m[a], change))["step"])
+                want.append(measured_figures(m[b])["step"])
+            for a, b in (("a1", "a2"), ("a2", "a1")):
+                same.append(
+                    abs(replay(m[a], Change())["step"] / measured_figures(m[b])["step"] - 1)
+                )
+        if not got:
+            continue
         each = [g / w - 1 for g, w in zip(got, want, strict=True)]
         ratio = statistics.median(each)
         errs.append(abs(ratio))
-        floor.append(abs(statistics.median(same)))
+        floor.append(statistics.median(same))
         print(
             f"  {src:14s} {change.text():24s} -> {real:14s} predicted "
             f"{1e3 * statistics.median(got):8.2f} measured {1e3 * statistics.median(want):8.2f} "
             f"{ratio:+.1%}  (each: {' '.join(f'{e:+.1%}' for e in each)}; the trace's own "
-            f"job: {statistics.median(same):+.1%})",
+            f"job: {statistics.median(same):.1%})",
             flush=True,
         )
     print(f"  median {statistics.median(errs):.1%}, worst {max(errs):.1%} over {len(errs)} pairs")
@@ -138,11 +148,13 @@ def main(folders: list[str]) -> None:
         have = [b for b in rounds if src in b and real in b]
         if not have:
             continue
-        got = statistics.median(replay(b[src], costed(b[src], change))["step"] for b in have)
-        want = statistics.median(measured_figures(b[real])["step"] for b in have)
+        gots = [replay(b[src], costed(b[src], change))["step"] for b in have]
+        wants = [measured_figures(b[real])["step"] for b in have]
+        got, want = statistics.median(gots), statistics.median(wants)
         errs.append(abs(got / want - 1))
+        each = " ".join(f"{g / w - 1:+.1%}" for g, w in zip(gots, wants, strict=True))
         print(f"  {src:14s} {change.text():24s} -> {real:14s} predicted {1e3 * got:8.2f} "
-              f"measured {1e3 * want:8.2f} {got / want - 1:+.1%}")  # fmt: skip
+              f"measured {1e3 * want:8.2f} {got / want - 1:+.1%} (rounds: {each})")  # fmt: skip
     if errs:
         worst = max(errs)
         print(f"  median {statistics.median(errs):.1%}, worst {worst:.1%} over {len(errs)} pairs")
@@ -188,7 +200,7 @@ if __name__ == "__main__":
     parser.add_argument("folders", nargs="*")
     parser.add_argument("--write", metavar="OUT", help="write a round's traces to OUT")
     parser.add_argument("--paired", metavar="OUT", help="run each pair A B B A under OUT")
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=2, help="0: report OUT's runs again")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", help="the pairs to run, by index (0,3,14)")
     args = parser.parse_args()
@@ -196,7 +208,9 @@ if __name__ == "__main__":
         PAIRS[:] = [PAIRS[int(i)] for i in args.only.split(",")]
     if args.write:
         write(Path(args.write), int(args.folders[0]) if args.folders else args.steps)
-    elif args.paired:
+    elif args.paired and args.reps:
         paired(Path(args.paired), args.reps, args.steps)
+    elif args.paired:
+        paired_report(Path(args.paired))
     else:
         main(args.folders)
