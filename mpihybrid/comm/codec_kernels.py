@@ -224,71 +224,6 @@ def _bf16_value(h):
     return np.uint32(np.uint32(h) << 16).view(np.float32)
 
 
-@njit
-def bf16_encode(x, out, residual):
-    bits = x.view(np.uint32)
-    out16 = out.view(np.uint16)
-    if residual is None:
-        for i in range(len(x)):
-            out16[i] = _bf16_bits(bits[i])
-    else:
-        for i in range(len(x)):
-            h = _bf16_bits(bits[i])
-            out16[i] = h
-            residual[i] = x[i] - _bf16_value(h)
-
-
-@njit
-def bf16_encode_feedback(x, out, residual):
-    out16 = out.view(np.uint16)
-    for i in range(len(x)):
-        t = np.float32(x[i] + residual[i])
-        h = _bf16_bits(t.view(np.uint32))
-        out16[i] = h
-        residual[i] = t - _bf16_value(h)
-
-
-@njit
-def bf16_decode_add_feedback(buf, out, residual):
-    in16 = buf.view(np.uint16)
-    for i in range(len(out)):
-        out[i] = (out[i] + residual[i]) + _bf16_value(in16[i])
-
-
-@njit
-def bf16_reduce_encode(buf, x, residual, out):
-    """x = (x + residual) + decode(buf); encode x, its error to residual; x = decode(out)."""
-    in16, out16 = buf.view(np.uint16), out.view(np.uint16)
-    if residual is not None:
-        for i in range(len(x)):
-            t = np.float32((x[i] + residual[i]) + _bf16_value(in16[i]))
-            h = _bf16_bits(t.view(np.uint32))
-            out16[i] = h
-            d = _bf16_value(h)
-            residual[i] = t - d
-            x[i] = d
-    else:
-        for i in range(len(x)):
-            t = np.float32(x[i] + _bf16_value(in16[i]))
-            h = _bf16_bits(t.view(np.uint32))
-            out16[i] = h
-            x[i] = _bf16_value(h)
-
-
-@njit
-def bf16_decode(buf, out):
-    in16 = buf.view(np.uint16)
-    for i in range(len(out)):
-        out[i] = _bf16_value(in16[i])
-
-
-@njit
-def bf16_decode_add(buf, out):
-    in16 = buf.view(np.uint16)
-    for i in range(len(out)):
-        out[i] += _bf16_value(in16[i])
-
-
 # --- fp16: IEEE binary16, round to nearest even ------------------------------------------
 # float32 -> float16 after M. Dukhan's FP16 library (fp16_ieee_from_fp32_value): the FPU does
 # the rounding in every range, with no branch; 2.5x faster here than integer rounding with
@@ -327,66 +262,91 @@ def _fp16_value(h):
     return np.uint32(o | np.uint32((h & np.uint32(0x8000)) << 16)).view(np.float32)
 
 
+# --- the two half formats' passes, written once: `kind` is BF16 or FP16, the same for every
+# element, so LLVM takes the branch out of each loop (a loop a function keeps that simple)
+BF16, FP16 = 0, 1
+
+
 @njit
-def fp16_encode(x, out, residual):
+def _half_bits(b, kind):
+    return _bf16_bits(b) if kind == BF16 else _fp16_bits(b)
+
+
+@njit
+def _half_value(h, kind):
+    return _bf16_value(h) if kind == BF16 else _fp16_value(h)
+
+
+@njit
+def half_encode(x, out, residual, kind):
     bits = x.view(np.uint32)
     out16 = out.view(np.uint16)
     if residual is None:
         for i in range(len(x)):
-            out16[i] = _fp16_bits(bits[i])
+            out16[i] = _half_bits(bits[i], kind)
     else:
         for i in range(len(x)):
-            h = _fp16_bits(bits[i])
+            h = _half_bits(bits[i], kind)
             out16[i] = h
-            residual[i] = x[i] - _fp16_value(h)
+            residual[i] = x[i] - _half_value(h, kind)
 
 
 @njit
-def fp16_encode_feedback(x, out, residual):
+def half_encode_feedback(x, out, residual, kind):
     out16 = out.view(np.uint16)
     for i in range(len(x)):
         t = np.float32(x[i] + residual[i])
-        h = _fp16_bits(t.view(np.uint32))
+        h = _half_bits(t.view(np.uint32), kind)
         out16[i] = h
-        residual[i] = t - _fp16_value(h)
+        residual[i] = t - _half_value(h, kind)
 
 
 @njit
-def fp16_decode_add_feedback(buf, out, residual):
+def half_decode_add_feedback(buf, out, residual, kind):
     in16 = buf.view(np.uint16)
     for i in range(len(out)):
-        out[i] = (out[i] + residual[i]) + _fp16_value(in16[i])
+        out[i] = (out[i] + residual[i]) + _half_value(in16[i], kind)
 
 
 @njit
-def fp16_reduce_encode(buf, x, residual, out):
+def half_reduce_encode(buf, x, residual, out, kind):
     """x = (x + residual) + decode(buf); encode x, its error to residual; x = decode(out)."""
     in16, out16 = buf.view(np.uint16), out.view(np.uint16)
     if residual is not None:
-        for i in range(len(x)):
-            t = np.float32((x[i] + residual[i]) + _fp16_value(in16[i]))
-            h = _fp16_bits(t.view(np.uint32))
-            out16[i] = h
-            d = _fp16_value(h)
-            residual[i] = t - d
-            x[i] = d
+        _half_reduce_feedback(in16, x, residual, out16, kind)
     else:
-        for i in range(len(x)):
-            t = np.float32(x[i] + _fp16_value(in16[i]))
-            h = _fp16_bits(t.view(np.uint32))
-            out16[i] = h
-            x[i] = _fp16_value(h)
+        _half_reduce(in16, x, out16, kind)
 
 
 @njit
-def fp16_decode(buf, out):
-    in16 = buf.view(np.uint16)
-    for i in range(len(out)):
-        out[i] = _fp16_value(in16[i])
+def _half_reduce_feedback(in16, x, residual, out16, kind):
+    for i in range(len(x)):
+        t = np.float32((x[i] + residual[i]) + _half_value(in16[i], kind))
+        h = _half_bits(t.view(np.uint32), kind)
+        out16[i] = h
+        d = _half_value(h, kind)
+        residual[i] = t - d
+        x[i] = d
 
 
 @njit
-def fp16_decode_add(buf, out):
+def _half_reduce(in16, x, out16, kind):
+    for i in range(len(x)):
+        t = np.float32(x[i] + _half_value(in16[i], kind))
+        h = _half_bits(t.view(np.uint32), kind)
+        out16[i] = h
+        x[i] = _half_value(h, kind)
+
+
+@njit
+def half_decode(buf, out, kind):
     in16 = buf.view(np.uint16)
     for i in range(len(out)):
-        out[i] += _fp16_value(in16[i])
+        out[i] = _half_value(in16[i], kind)
+
+
+@njit
+def half_decode_add(buf, out, kind):
+    in16 = buf.view(np.uint16)
+    for i in range(len(out)):
+        out[i] += _half_value(in16[i], kind)

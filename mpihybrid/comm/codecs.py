@@ -236,35 +236,35 @@ class Fp32Codec(Codec):
 
 
 class _HalfCodec(Codec):
-    """fp16 and bf16: two bytes a value; their kernels are codec_kernels.<name>_<operation>."""
+    """fp16 and bf16: two bytes a value; their kernels are codec_kernels.half_<operation> with
+    the format's `kind` (codec_kernels.BF16 or FP16)."""
+
+    kind = -1
 
     def nbytes(self, count: int) -> int:
         return 2 * count
 
-    def _kernel(self, operation: str):
-        return getattr(codec_kernels, f"{self.name}_{operation}")
-
     def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
-        self._kernel("encode")(x, out, residual)
+        codec_kernels.half_encode(x, out, residual, self.kind)
 
     def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        self._kernel("decode")(buf, out)
+        codec_kernels.half_decode(buf, out, self.kind)
 
     def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        self._kernel("decode_add")(buf, out)
+        codec_kernels.half_decode_add(buf, out, self.kind)
 
     def _encode_feedback_fast(self, x: np.ndarray, out: np.ndarray, residual) -> None:
-        self._kernel("encode_feedback")(x, out, residual)
+        codec_kernels.half_encode_feedback(x, out, residual, self.kind)
 
     def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
-        self._kernel("decode_add_feedback")(buf, out, residual)
+        codec_kernels.half_decode_add_feedback(buf, out, residual, self.kind)
 
     def _reduce_encode_fast(self, buf, x, out, residual) -> None:
-        self._kernel("reduce_encode")(buf, x, residual, out)
+        codec_kernels.half_reduce_encode(buf, x, residual, out, self.kind)
 
 
 class Fp16Codec(_HalfCodec):
-    name, lossy = "fp16", True
+    name, lossy, kind = "fp16", True, codec_kernels.FP16
 
     def _encode_numpy(self, x: np.ndarray, out: np.ndarray) -> None:
         with np.errstate(over="ignore"):  # past +-65504 is inf, on purpose
@@ -282,7 +282,7 @@ class Fp16Codec(_HalfCodec):
 
 
 class Bf16Codec(_HalfCodec):
-    name, lossy = "bf16", True
+    name, lossy, kind = "bf16", True, codec_kernels.BF16
 
     def _encode_numpy(self, x: np.ndarray, out: np.ndarray) -> None:
         bits = x.view(np.uint32)
