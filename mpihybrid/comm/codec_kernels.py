@@ -109,20 +109,16 @@ def int8_encode_feedback(x, out, residual, block):
 
 @njit
 def int8_decode(buf, out, block):
-    n = len(out)
-    nblocks = (n + block - 1) // block
-    scales = buf[: 4 * nblocks].view(np.float32)
-    q = buf[4 * nblocks :].view(np.int8)
-    for b in range(nblocks):
-        lo, hi = b * block, min(b * block + block, n)
-        qb, ob = q[lo:hi], out[lo:hi]
-        step = scales[b] / np.float32(127)
-        for i in range(len(ob)):
-            ob[i] = np.float32(qb[i]) * step
+    _int8_decode(buf, out, block, False)
 
 
 @njit
 def int8_decode_add(buf, out, block):
+    _int8_decode(buf, out, block, True)
+
+
+@njit
+def _int8_decode(buf, out, block, add):
     n = len(out)
     nblocks = (n + block - 1) // block
     scales = buf[: 4 * nblocks].view(np.float32)
@@ -131,8 +127,12 @@ def int8_decode_add(buf, out, block):
         lo, hi = b * block, min(b * block + block, n)
         qb, ob = q[lo:hi], out[lo:hi]
         step = scales[b] / np.float32(127)
-        for i in range(len(ob)):
-            ob[i] += np.float32(qb[i]) * step
+        if add:
+            for i in range(len(ob)):
+                ob[i] += np.float32(qb[i]) * step
+        else:
+            for i in range(len(ob)):
+                ob[i] = np.float32(qb[i]) * step
 
 
 @njit
