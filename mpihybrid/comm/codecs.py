@@ -235,32 +235,49 @@ class Fp32Codec(Codec):
         out += buf.view(np.float32)
 
 
-class _HalfCodec(Codec):
+class _KernelCodec(Codec):
+    """A codec whose fast path is codec_kernels.<family>_<operation>(..., kernel_arg)."""
+
+    family = ""
+
+    @property
+    def kernel_arg(self) -> int:
+        raise NotImplementedError
+
+    def _kernel(self, operation: str):
+        return getattr(codec_kernels, f"{self.family}_{operation}")
+
+    def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
+        self._kernel("encode")(x, out, residual, self.kernel_arg)
+
+    def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        self._kernel("decode")(buf, out, self.kernel_arg)
+
+    def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
+        self._kernel("decode_add")(buf, out, self.kernel_arg)
+
+    def _encode_feedback_fast(self, x: np.ndarray, out: np.ndarray, residual) -> None:
+        self._kernel("encode_feedback")(x, out, residual, self.kernel_arg)
+
+    def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
+        self._kernel("decode_add_feedback")(buf, out, residual, self.kernel_arg)
+
+    def _reduce_encode_fast(self, buf, x, out, residual) -> None:
+        self._kernel("reduce_encode")(buf, x, residual, out, self.kernel_arg)
+
+
+class _HalfCodec(_KernelCodec):
     """fp16 and bf16: two bytes a value; their kernels are codec_kernels.half_<operation> with
     the format's `kind` (codec_kernels.BF16 or FP16)."""
 
-    kind = -1
+    family, kind = "half", -1
+
+    @property
+    def kernel_arg(self) -> int:
+        return self.kind
 
     def nbytes(self, count: int) -> int:
         return 2 * count
-
-    def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
-        codec_kernels.half_encode(x, out, residual, self.kind)
-
-    def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        codec_kernels.half_decode(buf, out, self.kind)
-
-    def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        codec_kernels.half_decode_add(buf, out, self.kind)
-
-    def _encode_feedback_fast(self, x: np.ndarray, out: np.ndarray, residual) -> None:
-        codec_kernels.half_encode_feedback(x, out, residual, self.kind)
-
-    def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
-        codec_kernels.half_decode_add_feedback(buf, out, residual, self.kind)
-
-    def _reduce_encode_fast(self, buf, x, out, residual) -> None:
-        codec_kernels.half_reduce_encode(buf, x, residual, out, self.kind)
 
 
 class Fp16Codec(_HalfCodec):
@@ -308,10 +325,14 @@ class Bf16Codec(_HalfCodec):
         u32 <<= 16
 
 
-class Int8Codec(Codec):
+class Int8Codec(_KernelCodec):
     """Blockwise absmax int8: error per element <= scale / 254 (half a quantisation step)."""
 
-    name, lossy = "int8", True
+    name, lossy, family = "int8", True, "int8"
+
+    @property
+    def kernel_arg(self) -> int:
+        return self.block
 
     def __init__(self, block: int = 256, kernels: str = "auto") -> None:
         super().__init__(kernels)
@@ -384,24 +405,6 @@ class Int8Codec(Codec):
             xp.multiply(qfull, step[:nfull, None], out=ofull)
             if len(qtail):
                 xp.multiply(qtail, step[nfull], out=otail)
-
-    def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
-        codec_kernels.int8_encode(x, out, residual, self.block)
-
-    def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        codec_kernels.int8_decode(buf, out, self.block)
-
-    def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        codec_kernels.int8_decode_add(buf, out, self.block)
-
-    def _encode_feedback_fast(self, x: np.ndarray, out: np.ndarray, residual) -> None:
-        codec_kernels.int8_encode_feedback(x, out, residual, self.block)
-
-    def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
-        codec_kernels.int8_decode_add_feedback(buf, out, residual, self.block)
-
-    def _reduce_encode_fast(self, buf, x, out, residual) -> None:
-        codec_kernels.int8_reduce_encode(buf, x, residual, out, self.block)
 
 
 # The registry: name -> what makes one from (block, kernels). A new codec is a Codec subclass

@@ -67,41 +67,28 @@ def _one(pp: int, v: int) -> int:
     return 1
 
 
+def _one_chunk(name, build, bubble_text, bubble, memory_text) -> ScheduleSpec:
+    """A schedule of one chunk a rank, placed as a loop, its backwards whole."""
+    return ScheduleSpec(
+        name=name,
+        build=_each_rank(build),
+        placement="loop",
+        chunks=1,
+        min_microbatches=_one,
+        bubble_text=bubble_text,
+        bubble=bubble,
+        splits_backward=False,
+        memory_text=memory_text,
+    )
+
+
 SPECS: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
-        ScheduleSpec(
-            name="naive",
-            build=_each_rank(naive),
-            placement="loop",
-            chunks=1,
-            min_microbatches=_one,
-            bubble_text="(p-1)/p",
-            bubble=lambda p, m, v: (p - 1) / p,
-            splits_backward=False,
-            memory_text="1",
-        ),
-        ScheduleSpec(
-            name="gpipe",
-            build=_each_rank(gpipe),
-            placement="loop",
-            chunks=1,
-            min_microbatches=_one,
-            bubble_text="(p-1)/(m+p-1)",
-            bubble=lambda p, m, v: (p - 1) / (m + p - 1),
-            splits_backward=False,
-            memory_text="m",
-        ),
-        ScheduleSpec(
-            name="1f1b",
-            build=_each_rank(one_f_one_b),
-            placement="loop",
-            chunks=1,
-            min_microbatches=_one,
-            bubble_text="(p-1)/(m+p-1)",
-            bubble=lambda p, m, v: (p - 1) / (m + p - 1),
-            splits_backward=False,
-            memory_text="p",
+        _one_chunk("naive", naive, "(p-1)/p", lambda p, m, v: (p - 1) / p, "1"),
+        _one_chunk("gpipe", gpipe, "(p-1)/(m+p-1)", lambda p, m, v: (p - 1) / (m + p - 1), "m"),
+        _one_chunk(
+            "1f1b", one_f_one_b, "(p-1)/(m+p-1)", lambda p, m, v: (p - 1) / (m + p - 1), "p"
         ),
         ScheduleSpec(
             name="interleaved-1f1b",
