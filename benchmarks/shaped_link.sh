@@ -10,10 +10,13 @@
 #
 # Needs root, ip (iproute2) and tc; netem is not used. Every traffic of the namespace goes through
 # its loopback, both directions of a link share RATE. NP (2) ranks; the namespace (NS, default
-# mhlink) is made and removed by each call. Run it from the project's root with the venv active.
+# mhlink) is made and removed by each call; BURST (256kb, at least the loopback's 64 KiB MTU, or a
+# full packet never passes) and LIMIT (50ms) are tbf's bucket and
+# queue bound. Run it from the project's root with the venv active.
 set -euo pipefail
 
 RATE=${RATE:-2gbit}
+BURST=${BURST:-256kb}
 NS=${NS:-mhlink}
 NP=${NP:-2}
 REPEATS=${REPEATS:-5}
@@ -26,7 +29,7 @@ up() {
   down
   ip netns add "$NS"
   ip -n "$NS" link set lo up
-  tc -n "$NS" qdisc add dev lo root tbf rate "$RATE" burst 256kb latency 50ms
+  tc -n "$NS" qdisc add dev lo root tbf rate "$RATE" burst "$BURST" latency "${LIMIT:-50ms}"
 }
 
 # What this MPI needs (mpihybrid/launch.py does the same for the tests): Open MPI starts more

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -344,3 +345,30 @@ def test_split_backwards_of_one_rank_or_of_every_rank():
     assert split_backwards(zb) == {(s, mb) for s in range(2) for mb in range(3)}
     assert split_backwards(zb[1]) == {(1, mb) for mb in range(3)}
     assert split_backwards(build_schedule("1f1b", 2, 3)) == set()
+
+
+def test_a_message_waits_for_its_link_while_the_one_before_holds_it():
+    """GPipe at pp 2, M 2, F = B = 1 and a hop of 3 that holds the link all along: stage 0's
+    second activation leaves at 2 but its link is busy until 4, so it starts stage 1 at 7, not
+    5; stage 1's second gradient likewise waits for the first (stage 0's B1 at 15, not 11)."""
+    acts, pl = build_schedule("gpipe", 2, 2), placement_of("gpipe", 2)
+    free = simulate(acts, pl, Costs(forward=1.0, backward=1.0, weight=0.0, send=3.0))
+    wired = simulate(acts, pl, Costs(forward=1.0, backward=1.0, weight=0.0, send=3.0, wire=3.0))
+
+    def starts(sim):
+        return {str(a): t for a, t in sim.start.items()}
+
+    assert (starts(free)["1F1"], starts(free)["0B1"], free.makespan) == (5.0, 11.0, 12.0)
+    assert (starts(wired)["1F1"], starts(wired)["0B1"], wired.makespan) == (7.0, 15.0, 16.0)
+
+
+def test_one_wire_for_both_ways_makes_activations_and_gradients_meet():
+    """1F1B at pp 2, M 4 (F = B = 1, a hop of 3 holding its link): on a full-duplex link only
+    messages going the same way queue (23 against 22 unlinked); sharing one wire both ways, a
+    gradient waits for an activation too (stage 0's B0 at 10, not 9: 26)."""
+    acts, pl = build_schedule("1f1b", 2, 4), placement_of("1f1b", 2)
+    costs = Costs(forward=1.0, backward=1.0, weight=0.0, send=3.0)
+    duplex = simulate(acts, pl, replace(costs, wire=3.0))
+    shared = simulate(acts, pl, replace(costs, wire=3.0, shared_wire=True))
+    assert (simulate(acts, pl, costs).makespan, duplex.makespan, shared.makespan) == (22, 23, 26)
+    assert {str(a): t for a, t in shared.start.items()}["0B0"] == 10.0

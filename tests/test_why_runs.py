@@ -68,6 +68,16 @@ def test_whatif_and_its_bad_input(slowed, tmp_path):
     assert doc["predicted"]["phase"] == pytest.approx(doc["replayed"]["phase"], rel=1e-9)
     doc = json.loads(cli_here("whatif", slowed, "--set", "schedule=zb-v", "--json").stdout)
     assert doc["predicted"]["phase"] > 0 and doc["change"] == "schedule=zb-v"
+    # messages that hold their link: each step's hold is the one under which the run replays
+    # as without a link; a link 2000x slower queues them, one wire more than two
+    slow = ("--scale", "hop=2000", "--json")
+    plain = json.loads(cli_here("whatif", slowed, *slow).stdout)
+    for link in ("duplex", "shared"):
+        doc = json.loads(cli_here("whatif", slowed, "--set", f"link={link}", *slow).stdout)
+        assert doc["replayed"]["phase"] == pytest.approx(plain["replayed"]["phase"], rel=0.01)
+        assert doc["predicted"]["phase"] > plain["predicted"]["phase"]
+        assert doc["change"] == f"link={link}, hopx2000"
+        plain = doc
     for args, needle in (
         (("--scale", "F=-1"), "factor"),
         (("--scale", "F=nan"), "factor"),
@@ -79,6 +89,7 @@ def test_whatif_and_its_bad_input(slowed, tmp_path):
         (("--set", "partition=1,1,2"), "3 counts for 2 stages"),
         (("--set", "schedule=interleaved-1f1b"), "virtual_stages"),
         (("--set", "schedule=nope"), "nope"),
+        (("--set", "link=fast"), "duplex"),
     ):
         assert failed(cli_here("whatif", slowed, *args), needle), args
     assert failed(cli_here("whatif", tmp_path / "none.h5"), "no trace")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -47,6 +47,10 @@ class Change:
     # a change of M: per kind, each stage's cost of a micro-batch against the run's (predict.
     # rows.row_factors, what the whatif command passes); None: linear in the rows
     rows: dict[str, list[float]] | None = None
+    # each message holds its link for a hop that did not queue, and the next one waits:
+    # "duplex" (a link each way between two ranks) or "shared" (one wire both ways); None: every
+    # message in flight at once, each delayed by the run's mean hop
+    link: str | None = None
 
     def text(self) -> str:
         parts = [f"schedule={self.schedule}"] if self.schedule else []
@@ -54,6 +58,7 @@ class Change:
         parts += [f"virtual_stages={self.virtual_stages}"] if self.virtual_stages else []
         if self.partition:
             parts.append("partition=" + ",".join(map(str, self.partition)))
+        parts += [f"link={self.link}"] if self.link else []
         for key, f in self.scales.items():
             parts.append(f"{scale_name(key)}x{f:g}")
         return ", ".join(parts) or "none (the run itself)"
@@ -234,13 +239,22 @@ def replay(base: Measured, change: Change, plan=None) -> dict:
         plan = schedule_of(base, change, mean_of(base))
     (actions, placement), layout = plan
     m = change.microbatches or base.m
+    own = schedule_of(base, Change(), mean_of(base))[0] if change.link else None
     phases, bubbles = [], []
     for per_replica in base.costs:
         worst = None
         for k, costs in enumerate(per_replica):
+            if own is not None:  # the step's own hold, before another split moves the stages
+                hold = link_hold(own, sim_costs(base, costs, Change(), k, base.m), change.link)
             if layout is not None:
                 costs = layout.restage(presplit(costs), placement.num_stages, placement.stage_ranks)
-            sim = simulate(actions, placement, sim_costs(base, costs, change, k, m))
+            sim_c = sim_costs(base, costs, change, k, m)
+            if own is not None:
+                hold_f = hold * change.scales.get("hop", 1.0)
+                sim_c = replace(
+                    sim_c, send=hold_f, wire=hold_f, shared_wire=change.link == "shared"
+                )
+            sim = simulate(actions, placement, sim_c)
             if worst is None or sim.makespan > worst.makespan:
                 worst = sim
         phases.append(worst.makespan)
@@ -254,6 +268,25 @@ def replay(base: Measured, change: Change, plan=None) -> dict:
         "bubble": float(np.mean(bubbles)),
         "throughput": gb / step if gb and step > 0 else None,
     }
+
+
+def link_hold(own_plan, costs: Costs, link: str) -> float:
+    """Seconds a message holds its link ("duplex": one each way, "shared": one wire) in a step
+    of these costs: the hold under which the run's own lists (own_plan: (actions, placement))
+    take as long as with every message delayed by the step's mean hop and none waiting for
+    another, so the run replays as it does without a link. Where no message meets another on
+    its link that is the mean hop; where messages queue it is less, the rest being the queue."""
+    actions, placement = own_plan
+    target = simulate(actions, placement, costs).makespan
+    lo, hi = 0.0, costs.send
+    for _ in range(40 if hi > 0 else 0):
+        hold = (lo + hi) / 2
+        wired = replace(costs, send=hold, wire=hold, shared_wire=link == "shared")
+        if simulate(actions, placement, wired).makespan < target:
+            lo = hold
+        else:
+            hi = hold
+    return hi
 
 
 def measured_figures(base: Measured) -> dict:

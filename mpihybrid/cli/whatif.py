@@ -20,7 +20,9 @@ KEYS = {
     "v": "virtual_stages",
     "partition": "partition",
     "split": "partition",
+    "link": "link",
 }
+LINKS = ("duplex", "shared")
 KIND_NAMES = ("F", "B", "W")
 
 
@@ -32,7 +34,7 @@ def parse_set(items: tuple[str, ...]) -> dict:
         field = KEYS.get(key.strip().lower())
         if not sep or field is None:
             _fail(f"--set {item}: the keys are schedule, microbatches (M), virtual_stages (v), "
-                  "partition (split)")  # fmt: skip
+                  "partition (split), link")  # fmt: skip
         if field in ("microbatches", "virtual_stages"):
             try:
                 m = int(value)
@@ -46,6 +48,10 @@ def parse_set(items: tuple[str, ...]) -> dict:
             if not counts or not all(c.isdigit() for c in counts):
                 _fail(f"--set {item}: the layers of each stage, e.g. partition=3,1")
             out[field] = tuple(int(c) for c in counts)
+        elif field == "link":
+            if value.strip() not in LINKS:
+                _fail(f"--set {item}: link is duplex (a link each way) or shared (one wire)")
+            out[field] = value.strip()
         else:
             out[field] = value.strip()
     return out
@@ -85,7 +91,8 @@ def _scale_key(what: str, item: str):
 @click.argument("run", metavar="RUN.h5")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="schedule=NAME|csv:PATH|auto, microbatches=M, virtual_stages=V, "
-                   "partition=3,1 (layers per stage) (repeatable).")  # fmt: skip
+                   "partition=3,1 (layers per stage), link=duplex|shared (messages queue on "
+                   "their link) (repeatable).")  # fmt: skip
 @click.option("--scale", "scales", multiple=True, metavar="WHAT=FACTOR",
               help="hop=2, F=0.5, stage1.B=0.8, rank3=1.3 ... (repeatable).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON instead.")
@@ -112,7 +119,7 @@ def whatif(run, sets, scales, as_json) -> None:
         base = Measured.of(trace, run)
         _check_targets(base, change)
         change = costed(base, change)  # a change of M: predict's model of the rows
-        own = replay(base, Change())
+        own = replay(base, Change(link=change.link))
         asked = replay(base, change)
         gains = gain_table(base)
     except (ReplayError, ScheduleError) as exc:

@@ -4,6 +4,8 @@
 
 Each rank runs its compute actions in list order; an action starts once its rank is free and its
 inputs exist (+ `send` seconds when they come from another rank, by the schedule's Placement).
+With `wire` > 0 a message also holds its link that long, and the next one on the link waits for
+it (one link each way between two ranks, or one for both ways with `shared_wire`).
 Closed forms, F = B = W, are each schedule's spec (schedules.SPECS): naive (p-1)/p, GPipe and
 1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)/(3m+p-1) when m >= p, ...
 """
@@ -53,6 +55,10 @@ class Costs:
     # ring's steps) runs inside it
     tail: float | Sequence[float] = 0.0
     gap: float = 0.0  # a rank's own time between two compute actions (posting sends, tracing)
+    # seconds a message holds its link (0: no link is modelled, every message is in flight at
+    # once); shared_wire: both directions between two ranks share one (a hub, a loopback)
+    wire: float = 0.0
+    shared_wire: bool = False
     # model.vocab_parallel: seconds of each vocabulary pass (E, S, T, G: vocab_passes.py), one
     # number for every share or one per share; "tail": added to a share's last G of a step (its
     # gradient ring and optimizer update run inside it, as a stage's tail)
@@ -91,6 +97,7 @@ class SimResult:
     peak_per_rank: list[float]  # per rank, in micro-batches of a rank's share (peak_per_rank)
     start: dict[Action, float]
     end: dict[Action, float]
+    message_wait: float = 0.0  # with Costs.wire: the mean seconds a message waited for its link
 
 
 def peak_inflight(actions: dict[int, list[Action]], placement: Placement) -> list[int]:
@@ -122,12 +129,58 @@ def simulate(
 ) -> SimResult:
     """Run the compute actions of a (valid) schedule against `costs`; messages are not actions
     here, they add `costs.send` to every dependency that crosses ranks. A rank starts an action
-    `costs.gap` after its previous one at the earliest (its own overhead, idle, not busy)."""
+    `costs.gap` after its previous one at the earliest (its own overhead, idle, not busy). With
+    `costs.wire`, a message that finds its link busy also waits for it (the messages' waits are
+    settled by running the timing again until they stop changing)."""
     costs = costs or Costs()
-    pp = len(actions)
-    last = placement.num_stages - 1
     kinds = ("F", "B", "W", *VOCAB_KINDS)
     compute = {r: [a for a in acts if a.kind in kinds] for r, acts in actions.items()}
+    waits: dict = {}
+    run = _timed(compute, placement, costs, waits)
+    for _ in range(WIRE_ROUNDS if costs.wire > 0 else 0):
+        new = _link_waits(run[3], placement, costs)
+        if all(abs(new[k] - waits.get(k, 0.0)) < 1e-12 for k in new):
+            break
+        waits = new
+        run = _timed(compute, placement, costs, waits)
+    start, end, busy = run[:3]
+    pp = len(actions)
+    makespan = max(end.values(), default=0.0)
+    idle = [makespan - busy[r] for r in compute]
+    return SimResult(
+        makespan=makespan,
+        busy=[busy[r] for r in compute],
+        idle=idle,
+        bubble_fraction=sum(idle) / (pp * makespan) if makespan else 0.0,
+        peak_inflight=peak_inflight(compute, placement),
+        peak_per_rank=peak_per_rank(compute, placement),
+        start=start,
+        end=end,
+        message_wait=sum(waits.values()) / len(waits) if waits else 0.0,
+    )
+
+
+WIRE_ROUNDS = 50  # the most timings a run of messages on busy links takes to settle
+
+
+def _link_waits(messages: list, placement: Placement, costs: Costs) -> dict:
+    """(key, receiving rank) -> seconds its message waits for its link: the messages on each
+    link in the order they leave, each holding it `costs.wire` seconds."""
+    free: dict = {}
+    waits = {}
+    for leaves, key, sender, receiver in sorted(messages):
+        link = frozenset((sender, receiver)) if costs.shared_wire else (sender, receiver)
+        starts = max(leaves, free.get(link, leaves))
+        free[link] = starts + costs.wire
+        waits[(key, receiver)] = starts - leaves
+    return waits
+
+
+def _timed(compute: dict, placement: Placement, costs: Costs, waits: dict) -> tuple:
+    """(start, end, busy per rank, messages) of the compute lists; waits: seconds each message
+    (key, receiving rank) waits for its link; messages: (leaves, key, sender, receiver)."""
+    pp = len(compute)
+    last = placement.num_stages - 1
     # the vocabulary passes present (vocab_passes.add_vocab_passes simulates lists it is still
     # filling: an action waits for those passes only)
     present = {(a.kind, a.stage, a.microbatch) for acts in compute.values() for a in acts}
@@ -141,6 +194,7 @@ def simulate(
     clock = dict.fromkeys(compute, 0.0)  # when each rank is free again
     busy = dict.fromkeys(compute, 0.0)
     pc = dict.fromkeys(compute, 0)  # next action of each rank
+    messages = []
 
     def inputs(a: Action) -> list[tuple[str, int, int]]:
         s, mb = a.stage, a.microbatch
@@ -151,6 +205,7 @@ def simulate(
             return [("F", s, mb)] + ([("B", s + 1, mb)] if s < last else []) + extra
         return [("B", s, mb)] if a.kind == "W" else extra
 
+    wired = costs.wire > 0
     progress = True
     while progress:
         progress = False
@@ -163,6 +218,11 @@ def simulate(
                 ready = [
                     done[k] + (costs.send if key_rank(k, placement) != r else 0.0) for k in needed
                 ]
+                if wired:  # the waits for the links, and the messages that cross them
+                    sent = [(done[k], k, key_rank(k, placement), r) for k in needed]
+                    sent = [m for m in sent if m[2] != r]
+                    ready += [t + costs.send + waits.get((k, r), 0.0) for t, k, _, _ in sent]
+                    messages += sent
                 free = clock[r] + (costs.gap if pc[r] else 0.0)
                 start[a] = max([free, *ready])
                 closes = (
@@ -181,18 +241,7 @@ def simulate(
             f"rank {r} at {acts[pc[r]]}" for r, acts in compute.items() if pc[r] < len(acts)
         )
         raise ScheduleError(f"simulate: dependencies cannot be met ({stuck}); run validate()")
-    makespan = max(end.values(), default=0.0)
-    idle = [makespan - busy[r] for r in compute]
-    return SimResult(
-        makespan=makespan,
-        busy=[busy[r] for r in compute],
-        idle=idle,
-        bubble_fraction=sum(idle) / (pp * makespan) if makespan else 0.0,
-        peak_inflight=peak_inflight(compute, placement),
-        peak_per_rank=peak_per_rank(compute, placement),
-        start=start,
-        end=end,
-    )
+    return start, end, busy, messages
 
 
 def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
