@@ -387,6 +387,7 @@ REFUSALS = {
     "negative": (["model.kv_heads=-1"], r"model.kv_heads = -1: must be >= 0"),
     "gpt": (["model.kind=gpt", "model.kv_heads=2"], r"model.kv_heads = 2: a llama's setting"),
     "mlp": (["model.kind=mlp", "data.kind=teacher", "model.kv_heads=2"], r"a llama's setting"),
+    "gelu": (["model.gelu=erf"], r"model.gelu = 'erf': a gpt's setting \(model.kind = 'llama'"),
 }  # fmt: skip
 
 

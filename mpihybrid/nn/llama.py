@@ -23,10 +23,27 @@ import numpy as np
 
 from mpihybrid.comm.device import array_module
 from mpihybrid.nn.layers import FLOAT, Cost, Layer, Linear
-from mpihybrid.nn.transformer import GPT_INIT_STD, CausalAttention, Embedding, Residual
+from mpihybrid.nn.settings import Setting
+from mpihybrid.nn.transformer import (
+    GPT_INIT_STD,
+    HEADS,
+    TIE_EMBEDDINGS,
+    CausalAttention,
+    Embedding,
+    Residual,
+)
 
 ROPE_THETA = 10000.0  # Llama's base of the rotary frequencies
 RMS_EPS = 1e-5  # Llama 2's
+
+# model.* keys a llama reads beyond every kind's (nn/settings.py); hidden: the width C, depth:
+# its transformer layers
+LLAMA_SETTINGS = (
+    HEADS,
+    Setting("kv_heads", 0, "key/value heads (grouped-query attention); 0 = heads", low=0),
+    Setting("ffn", 0, "the SwiGLU's width, 0 = ceil(8/3 x hidden)", low=0),
+    TIE_EMBEDDINGS,  # Hugging Face's tie_word_embeddings
+)
 
 
 def _rows(a: np.ndarray) -> np.ndarray:
@@ -276,9 +293,8 @@ def _head_problem(dim: int, heads: int, kv_heads: int) -> str:
 
 
 def llama_check(cfg) -> str:
-    """What is wrong with a llama's model section, in one line ("" = nothing)."""
-    if cfg.kv_heads < 0:
-        return f"model.kv_heads = {cfg.kv_heads}: must be >= 0 (0 = model.heads)"
+    """What is wrong with a llama's model section beyond each setting's own check, in one line
+    ("" = nothing)."""
     return _head_problem(cfg.hidden, cfg.heads, cfg.kv_heads or cfg.heads)
 
 

@@ -119,11 +119,11 @@ def config_of(cfg, seq_len: int, vocab: int) -> dict:
         "bias": True,
         "dropout": 0.0,
         # tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); erf (model.gelu): nanoGPT's
-        "gelu": getattr(cfg, "gelu", "tanh"),
+        "gelu": cfg.gelu,
         "lm_head_bias": True,  # nanoGPT's lm_head has none
         "layer_norm_eps": 1e-5,
         "attention_scale": "1/sqrt(head_dim)",
-        "tie_embeddings": bool(getattr(cfg, "tie_embeddings", False)),
+        "tie_embeddings": bool(cfg.tie_embeddings),
         "linear_layout": "(out, in) as torch.nn.Linear",
         "written_by": "mpihybrid weights export",
     }
@@ -248,7 +248,7 @@ def init_problem(cfg, seq_len: int, vocab: int) -> str:
 
     if not cfg.init.endswith(".safetensors"):
         return f"model.init = {cfg.init!r}: expected a .safetensors file (weights export)"
-    if getattr(cfg, "vocab_parallel", False):  # the file holds the whole model: check that
+    if cfg.vocab_parallel:  # the file holds the whole model: check that
         cfg = dataclasses.replace(cfg, vocab_parallel=False)
     blocks = gpt_blocks(cfg, seq_len, vocab, tied=cfg.tie_embeddings)  # GPT.build's blocks
     return check_file(cfg, seq_len, vocab, cfg.init, blocks)
