@@ -471,3 +471,18 @@ def test_weights_export_of_a_llama_checkpoint(tmp_path):
                   "--tokens", "12")  # fmt: skip
     assert gen.returncode == 0, gen.stderr
     assert len(gen.stdout.split()) == 12 and all(0 <= int(t) < 37 for t in gen.stdout.split())
+
+
+def test_the_kind_lives_in_its_module_and_its_entry():
+    """#47's goal: a Llama in at most 3 package files (nn/llama.py, nn/kinds.py, one more);
+    every other file speaks of "a kind"."""
+    from tests.helpers import ROOT
+
+    package = ROOT / "mpihybrid"
+    files = sorted(
+        str(p.relative_to(ROOT))
+        for p in package.rglob("*.py")
+        if "llama" in p.read_text(encoding="utf-8").lower()
+    )
+    assert {"mpihybrid/nn/llama.py", "mpihybrid/nn/kinds.py"} <= set(files), files
+    assert len(files) <= 3, files
