@@ -311,7 +311,7 @@ def test_export_has_hugging_faces_names_and_the_reference_computes_its_loss(tie)
     bind_local(chunks, cfg)
     for chunk in chunks:
         chunk.flat_params += 0.3 * rng.standard_normal(chunk.num_params)
-    tensors, config = model_kind("llama").export(chunks, cfg, T, V)
+    tensors, config = model_kind("llama").weights.export(chunks, cfg, T, V)
     assert (config["num_key_value_heads"], config["intermediate_size"]) == (kv, F)
     assert config["tie_word_embeddings"] == tie and config["model_type"] == "llama"
     assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (kv * D, C)
@@ -458,7 +458,7 @@ def test_weights_export_of_a_llama_checkpoint(tmp_path):
     cli = run_mpi(1, "-m", "mpihybrid", "weights", "export", str(ckpt), "-o", str(out))
     assert cli.returncode == 0, cli.stderr
     job, step_dir, manifest = read_checkpoint(ckpt)
-    expected, config = model_kind("llama").export(
+    expected, config = model_kind("llama").weights.export(
         checkpoint_stages(step_dir, job, manifest), job.model, 8, 37
     )
     tensors = load_file(str(out))

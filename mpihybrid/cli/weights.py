@@ -60,10 +60,10 @@ def export(checkpoint_dir, output, overwrite) -> None:
     except DataError as exc:
         _fail(str(exc))
     m, d = job.model, job.data
-    kind = model_kind(m.kind)  # the kind's names and config (a gpt's: nanoGPT's)
-    if kind.export is None:
+    file = model_kind(m.kind).weights  # the kind's names and config (a gpt's: nanoGPT's)
+    if file is None:
         _fail(f"{checkpoint_dir}: a {m.kind} model has no weights file format")
-    tensors, config = kind.export(stages, m, d.seq_len, d.vocab)
+    tensors, config = file.export(stages, m, d.seq_len, d.vocab)
     config = {**config, "step": int(manifest.get("step", -1))}
     try:
         nw.write_pair(out, tensors, config, overwrite)

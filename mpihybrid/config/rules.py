@@ -282,13 +282,14 @@ def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:
 
 
 def _init_problem(m: ModelConfig, seq_len: int, vocab: int) -> str:
-    """model.init against the kind that would start from it (nn/kinds.py: ModelKind.init)."""
-    check = model_kind(m.kind).init
-    if check is None:
+    """model.init against the kind that would start from it (nn/kinds.py: ModelKind.weights)."""
+    file = model_kind(m.kind).weights
+    if file is None:
         return (
-            f"model.init = {m.init!r}: starts {kinds_with('init')} only (model.kind = {m.kind!r})"
+            f"model.init = {m.init!r}: starts {kinds_with('weights')} only (model.kind = "
+            f"{m.kind!r} has no weights file)"
         )
-    return check(m, seq_len, vocab)
+    return file.check(m, seq_len, vocab)
 
 
 def vocab_parallel_problem(job: Job) -> str:

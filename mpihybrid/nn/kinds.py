@@ -13,11 +13,11 @@ settings (the model.* keys it reads beyond every kind's, declared in its module:
 config/job.py makes [model] of every kind's, and `settings_problem` refuses another kind's key
 naming the kinds that read it), the rules its settings obey together, and the fused kernels its
 layers run (nn/kernels.py). A new kind is its module (blocks and settings) plus one entry here
-and its tests. Whether a weights file starts it (`init`: the file's check), what `weights
-export` writes of it (`export`), the loss its last stage computes (`loss`: the runtime's,
-evaluation's and profiles') and where its tied pair sits (`tie`: train/tie.py asks
-`tied_pair`) are its entry's too, so nothing outside nn/ tests a kind by its name or probes its
-layers.
+and its tests. What its safetensors file holds (`weights`: `weights export` writes it,
+`model.init` checks it and each stage loads its own blocks from it), the loss its last stage
+computes (`loss`: the runtime's, evaluation's and profiles') and where its tied pair sits
+(`tie`: train/tie.py asks `tied_pair`) are its entry's too, so nothing outside nn/ tests a kind
+by its name or probes its layers.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpihybrid.nn.layers import Layer, SoftmaxCrossEntropy
-from mpihybrid.nn.llama import LLAMA_SETTINGS, hf_export, llama_blocks, llama_check
+from mpihybrid.nn.llama import LLAMA_SETTINGS, llama_blocks, llama_check
+from mpihybrid.nn.llama_weights import hf_check, hf_export, hf_load
 from mpihybrid.nn.mlp import MLP_SETTINGS, mlp_blocks
 from mpihybrid.nn.settings import Setting, toml_text
 from mpihybrid.nn.transformer import GPT_SETTINGS, gpt_blocks
-from mpihybrid.nn.weights import config_of, export_tensors, init_problem
+from mpihybrid.nn.weights import config_of, export_tensors, init_problem, load_into
 
 Block = list[Layer]
 
@@ -56,6 +57,21 @@ TOKEN_TABLE = Tie()  # gpt's and llama's: the embedding leads, the head trails
 
 
 @dataclass(frozen=True)
+class WeightsFile:
+    """What a kind's safetensors file holds: `weights export` writes the whole model under the
+    kind's names with its config, `model.init` checks a file against the job's model (on every
+    rank, before any message) and each stage loads its own blocks' tensors from it."""
+
+    names: str  # whose names and layouts the tensors follow
+    # (the model's stages in order, model cfg, seq_len, vocab) -> (tensors by name, its config)
+    export: Callable[..., tuple[dict, dict]]
+    # (model cfg, seq_len, vocab) -> what keeps cfg.init's file from starting this model, in one
+    # line ("" = it fits)
+    check: Callable[..., str]
+    load: Callable[..., None]  # (stage, model cfg): its parameters from cfg.init's file
+
+
+@dataclass(frozen=True)
 class ModelKind:
     name: str
     blocks: Callable[..., list[Block]]  # (model cfg, in_features, num_classes) -> blocks
@@ -71,12 +87,8 @@ class ModelKind:
     loss: Callable[[], SoftmaxCrossEntropy]
     lead: tuple[str, ...] = ()  # blocks before the layers model.partition counts
     trail: tuple[str, ...] = ()  # blocks after them
-    # `weights export`: (the model's stages in order, model cfg, seq_len, vocab) -> (tensors by
-    # name, the config the file carries); None: the kind has no file format
-    export: Callable[..., tuple[dict, dict]] | None = None
-    # model.init: (model cfg, seq_len, vocab) -> what is wrong with the file for this model, in
-    # one line ("" = it fits); None: no file starts this kind
-    init: Callable[..., str] | None = None
+    # `weights export` and model.init: its file's names, written and read; None: it has none
+    weights: WeightsFile | None = None
     tie: Tie | None = None  # model.tie_embeddings: where its tied pair sits; None: it cannot tie
     settings: tuple[Setting, ...] = ()  # the model.* keys it reads beyond every kind's
 
@@ -189,8 +201,13 @@ GPT = ModelKind(
     loss=SoftmaxCrossEntropy,  # next-token, over the vocabulary
     lead=("embedding",),
     trail=("head",),
-    export=_gpt_export,  # nanoGPT's names (nn/weights.py)
-    init=init_problem,  # a nanoGPT-named file (weights export's, or nanoGPT's own)
+    # a nanoGPT-named file (weights export's, or nanoGPT's own; nn/weights.py)
+    weights=WeightsFile(
+        names="nanoGPT's",
+        export=_gpt_export,
+        check=init_problem,
+        load=lambda stage, cfg: load_into(stage, cfg.init, cfg.depth + 2),
+    ),
     tie=TOKEN_TABLE,  # nanoGPT's wte = lm_head
     settings=GPT_SETTINGS,  # model.vocab_parallel among them: nn/vocab.py
 )
@@ -210,7 +227,9 @@ LLAMA = ModelKind(
     loss=GPT.loss,
     lead=GPT.lead,
     trail=GPT.trail,
-    export=hf_export,  # Hugging Face's LlamaForCausalLM names
+    weights=WeightsFile(  # nn/llama_weights.py
+        names="Hugging Face's LlamaForCausalLM", export=hf_export, check=hf_check, load=hf_load
+    ),
     tie=TOKEN_TABLE,  # Hugging Face's tie_word_embeddings
     settings=LLAMA_SETTINGS,
 )
@@ -228,7 +247,7 @@ def model_kind(name: str) -> ModelKind:
 
 
 def kinds_with(fact: str) -> str:
-    """The kinds that have `fact` (a ModelKind field: init, vocab_parallel), for a line that
+    """The kinds that have `fact` (a ModelKind field: weights, vocab_parallel), for a line that
     refuses it to another kind: "a gpt", or "a gpt or a llama"."""
     return " or ".join(f"a {k.name}" for k in KINDS.values() if getattr(k, fact))
 

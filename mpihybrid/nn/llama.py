@@ -1,6 +1,7 @@
 """The pieces of a Llama that transformer.py lacks: RMSNorm, SwiGLU, rotary attention with
 grouped-query heads, and the token table without positions. Built by `llama_blocks`, the
-registry's `kinds.LLAMA` (model.kind = "llama"). A layer is two residual branches:
+registry's `kinds.LLAMA` (model.kind = "llama"; its weights file: llama_weights.py). A layer
+is two residual branches:
 
     x = x + Linear(C, C)(RotaryAttention(h, g)(Linear(C, (h + 2g) d)(RMSNorm(x))))
     x = x + Linear(F, C)(SwiGLU(Linear(C, 2F)(RMSNorm(x))))
@@ -340,55 +341,3 @@ def llama_blocks(cfg, seq_len: int, vocab: int, *, tied: bool = False) -> list[l
     head = Linear(width, vocab, bias=False, init_std=GPT_INIT_STD, tied=tied)
     blocks.append([RMSNorm(width), head])
     return blocks
-
-
-def hf_export(stages: list, cfg, seq_len: int, vocab: int) -> tuple[dict, dict]:
-    """`weights export` of a llama: every stage's tensors (the whole model, in order) under
-    Hugging Face's LlamaForCausalLM names and (out, in) layouts, and its LlamaConfig. The fused
-    q|k|v and gate|up matrices are cut by columns; a tied model has no lm_head.weight (HF's
-    tie_word_embeddings). The rotary convention is HF's (rotate_half): q_proj is our W_q^T."""
-    heads, kv_heads, width = cfg.heads, cfg.kv_heads or cfg.heads, cfg.hidden
-    d, ffn, kv = width // heads, ffn_width(cfg), (cfg.kv_heads or cfg.heads) * (width // heads)
-    cuts = {"q": slice(0, width), "k": slice(width, width + kv), "v": slice(width + kv, None)}
-    out = {}
-    for stage in stages:
-        for g, block in zip(stage.block_range, stage.blocks, strict=True):
-            if g == 0:
-                out["model.embed_tokens.weight"] = block[0].params["tokens"]
-            elif g == cfg.depth + 1:
-                out["model.norm.weight"] = block[0].params["weight"]
-                if not cfg.tie_embeddings:
-                    out["lm_head.weight"] = block[1].params["weight"].T
-            else:
-                (norm, qkv, _, o), (norm2, up, _, down) = (r.branch for r in block)
-                p = f"model.layers.{g - 1}."
-                out[p + "input_layernorm.weight"] = norm.params["weight"]
-                for name, cols in cuts.items():
-                    out[f"{p}self_attn.{name}_proj.weight"] = qkv.params["weight"][:, cols].T
-                out[p + "self_attn.o_proj.weight"] = o.params["weight"].T
-                out[p + "post_attention_layernorm.weight"] = norm2.params["weight"]
-                out[p + "mlp.gate_proj.weight"] = up.params["weight"][:, :ffn].T
-                out[p + "mlp.up_proj.weight"] = up.params["weight"][:, ffn:].T
-                out[p + "mlp.down_proj.weight"] = down.params["weight"].T
-    tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in out.items()}
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": width,
-        "intermediate_size": ffn,
-        "num_hidden_layers": cfg.depth,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": d,
-        "hidden_act": "silu",
-        "max_position_embeddings": seq_len,
-        "rms_norm_eps": RMS_EPS,
-        "rope_theta": ROPE_THETA,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": bool(cfg.tie_embeddings),
-        "torch_dtype": "float32",
-        "written_by": "mpihybrid weights export",
-    }
-    return tensors, config
