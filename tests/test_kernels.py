@@ -236,3 +236,102 @@ def test_adamw_fused_is_bit_identical(weight_decay):
     assert fast[3] and not reference[3]
     for f, r in zip(fast[:3], reference[:3], strict=True):
         np.testing.assert_array_equal(f, r)
+
+
+# ---- the llama kind's layers: RMSNorm, SwiGLU, the rotary embedding ---------------------------
+
+
+def test_rmsnorm_forward_backward():
+    from mpihybrid.nn.llama import RMSNorm
+
+    rng = _rng()
+    x = (rng.standard_normal((b, T, C)) * 2 + 0.5).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(C)).astype(np.float32)
+
+    def run():
+        layer = RMSNorm(C)
+        grads = {"weight": np.full(C, 0.5, np.float32)}
+        layer.bind({"weight": w}, grads)
+        y, cache = layer.forward(x)
+        dx = layer.backward(dy, cache)  # the weight gradient accumulates onto 0.5
+        return y, dx, grads["weight"]
+
+    assert_close("rmsnorm", *both(run), atol=1e-5)
+
+
+def test_swiglu_forward_backward():
+    from mpihybrid.nn.llama import SwiGLU
+
+    rng = _rng()
+    x = rng.standard_normal((b, T, 2 * F)).astype(np.float32)
+    dy = rng.standard_normal((b, T, F)).astype(np.float32)
+
+    def run():
+        y, cache = SwiGLU().forward(x)
+        return y, SwiGLU().backward(dy, cache)
+
+    assert_close("swiglu", *both(run), atol=(1e-6, 1e-5))
+
+
+def test_rotary_attention_forward_backward():
+    from mpihybrid.nn.llama import RotaryAttention
+
+    rng = _rng()
+    kv_heads, d = 2, C // HEADS
+    x = rng.standard_normal((b, T, C + 2 * kv_heads * d)).astype(np.float32)
+    dy = rng.standard_normal((b, T, C)).astype(np.float32)
+
+    def run():
+        layer = RotaryAttention(C, HEADS, kv_heads, T)
+        y, cache = layer.forward(x)
+        return y.copy(), layer.backward(dy, cache)
+
+    assert_close("rotary attention", *both(run), atol=1e-6)
+
+
+def test_the_rotary_kernel_reads_views():
+    """q and k are column views of the packed projections: the kernel takes their strides."""
+    from mpihybrid.nn import llama
+
+    rng = _rng()
+    d, width = C // HEADS, C
+    packed = rng.standard_normal((b, T, 3 * width)).astype(np.float32)
+    layer = llama.RotaryAttention(C, HEADS, HEADS, T)
+    cos, sin, _ = layer._cos_sin(packed, T, HEADS)
+    q = packed[..., width : 2 * width]
+    assert not q.flags.c_contiguous and kernels.fast(q, contiguous=False)
+
+    def run():
+        out = np.full((b, T, width), np.nan, np.float32)
+        llama._rotate(q, cos, sin, d, out)
+        return (out,)
+
+    assert_close("rotary", *both(run), atol=0.0)
+
+
+def test_llama_stage_with_kernels_matches_the_references():
+    from mpihybrid.config import load_job
+    from mpihybrid.nn.data import task_dims
+    from mpihybrid.nn.model import build_stage
+
+    sets = ["grid.pp=1", "model.kind=llama", "model.kv_heads=2", "model.ffn=100"]
+    job = load_job("jobs/gpt_learn.toml", sets, 1)
+    vocab_in, vocab = task_dims(job.data)
+    tokens = _rng().integers(0, vocab, (4, vocab_in))
+
+    def run():
+        stage = build_stage(job.model, vocab_in, vocab, 0, 1, seed=0)
+        stage.flat_params += np.random.default_rng(2).standard_normal(stage.num_params).astype(
+            np.float32
+        ) * np.float32(0.05)  # off the tiny init: every layer's output matters
+        logits, cache = stage.forward(tokens)
+        out = logits.copy()
+        dy = np.random.default_rng(5).standard_normal(logits.shape).astype(np.float32)
+        stage.backward(dy, cache, need_dx=False)
+        return out, stage.flat_grads.copy()
+
+    fast, reference = both(run)
+    scale = float(np.abs(reference[1]).max())
+    print(f"llama: largest gradient {scale:.2e}")
+    assert_close("llama", fast, reference, atol=(1e-4, 1e-5 * max(scale, 1.0)))

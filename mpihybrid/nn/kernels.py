@@ -14,6 +14,10 @@ gradient check runs the reference). The tests compare each kernel with its refer
     bias_gelu_forward   as gelu_forward (the bias add is the same float32 addition)
     bias_residual_add   bit for bit
     embedding_backward  bit for bit (np.add.at's order, which the reference and a device use)
+    rmsnorm_*           abs 1e-5 (row sums in another order than numpy's)
+    swiglu_*            abs 1e-6 forward, 1e-5 backward (x, dy ~ N(0, 1); the sigmoid
+                        through tanh_f32)
+    rotary              bit for bit (the same two products and sum, in one pass)
 
 No kernel for the cross-entropy: numpy's exp is vectorised, and a fused pass with a polynomial
 exp measured 0.7-0.8x the reference (benchmarks/kernel_ab.py, issue #31); the loss is numpy's.
@@ -40,10 +44,12 @@ njit_sums = _numba.njit(error_model="numpy", fastmath={"reassoc", "nsz", "arcp"}
 f32 = np.float32
 
 
-def fast(*arrays) -> bool:
-    """Whether the kernels apply: numba on, every array a C-contiguous float32 numpy array."""
+def fast(*arrays, contiguous: bool = True) -> bool:
+    """Whether the kernels apply: numba on, every array a C-contiguous (or, contiguous=False,
+    any strided) float32 numpy array."""
     return _numba.ENABLED and all(
-        type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays
+        type(a) is np.ndarray and a.dtype == np.float32 and (a.flags.c_contiguous or not contiguous)
+        for a in arrays
     )
 
 
@@ -301,3 +307,86 @@ def embedding_backward(tokens, dy, grad):  # (T), (T, C), (V, C)
         row = grad[tokens[i]]
         for j in range(dy.shape[1]):
             row[j] += dy[i, j]
+
+
+# ---- RMSNorm over the last dimension: y = x rstd w, rstd = 1 / sqrt(mean(x^2) + eps) ---------
+
+
+@njit_sums
+def rmsnorm_forward(x, w, eps, y, xhat, rstd):  # (R, C), (C), -, (R, C), (R, C), (R)
+    c = x.shape[1]
+    for r in range(x.shape[0]):
+        sq = np.float32(0.0)
+        for j in range(c):
+            sq += x[r, j] * x[r, j]
+        s = np.float32(1.0) / np.float32(math.sqrt(sq / np.float32(c) + eps))
+        rstd[r] = s
+        for j in range(c):
+            h = x[r, j] * s
+            xhat[r, j] = h
+            y[r, j] = h * w[j]
+
+
+@njit_sums
+def rmsnorm_backward_input(dy, xhat, rstd, w, dx):  # (R, C), (R, C), (R), (C), (R, C)
+    """dx = rstd (dxhat - xhat mean(dxhat xhat)), dxhat = dy w."""
+    c = dy.shape[1]
+    for r in range(dy.shape[0]):
+        total = np.float32(0.0)
+        for j in range(c):
+            total += dy[r, j] * w[j] * xhat[r, j]
+        m = total / np.float32(c)
+        s = rstd[r]
+        for j in range(c):
+            dx[r, j] = (dy[r, j] * w[j] - xhat[r, j] * m) * s
+
+
+@njit
+def rmsnorm_backward_weight(dy, xhat, dw):  # (R, C), (R, C), (C)
+    """dw += sum over rows of dy xhat (accumulated, as a W pass)."""
+    for r in range(dy.shape[0]):
+        for j in range(dy.shape[1]):
+            dw[j] += dy[r, j] * xhat[r, j]
+
+
+# ---- SwiGLU: y = silu(gate) up, gate and up the two halves of x's features ---------------------
+
+
+@njit
+def swiglu_forward(x, y, sig):  # (R, 2F), (R, F), (R, F)
+    """sig = sigmoid(gate) = (1 + tanh(gate / 2)) / 2, what the backward needs; y = gate sig up."""
+    f = y.shape[1]
+    for r in range(x.shape[0]):
+        for j in range(f):
+            g = x[r, j]
+            si = (tanh_f32(g * _HALF) + _ONE) * _HALF
+            sig[r, j] = si
+            y[r, j] = g * si * x[r, f + j]
+
+
+@njit
+def swiglu_backward(dy, x, sig, dx):  # (R, F), (R, 2F), (R, F), (R, 2F)
+    """dgate = dy up s (1 + gate (1 - s)), dup = dy gate s."""
+    f = dy.shape[1]
+    for r in range(dy.shape[0]):
+        for j in range(f):
+            g, si, d = x[r, j], sig[r, j], dy[r, j]
+            dx[r, f + j] = g * si * d
+            dx[r, j] = ((_ONE - si) * g + _ONE) * si * x[r, f + j] * d
+
+
+# ---- the rotary embedding: each head's feature pair (i, i + d/2) turned by its angle -----------
+
+
+@njit
+def rotary(x, cos, sin, d, out):  # (b, T, W) any strides, (T, W), (T, W), -, (b, T, W)
+    """out = x cos + (x2, x1) sin per head of d features (cos, sin tables as RotaryAttention
+    takes them: [cos, cos] and [-sin, sin] per head); one pass, x and out may be views."""
+    half = d // 2
+    for n in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            for h in range(0, x.shape[2], d):
+                for i in range(half):
+                    a, c = x[n, t, h + i], x[n, t, h + half + i]
+                    out[n, t, h + i] = a * cos[t, h + i] + c * sin[t, h + i]
+                    out[n, t, h + half + i] = c * cos[t, h + half + i] + a * sin[t, h + half + i]

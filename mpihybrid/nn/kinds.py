@@ -220,6 +220,12 @@ LLAMA = ModelKind(
     activation=GPT.activation,
     check=llama_check,
     kernels=lambda cfg: (
+        "rmsnorm_forward",
+        "rmsnorm_backward_input",
+        "rmsnorm_backward_weight",
+        "swiglu_forward",
+        "swiglu_backward",
+        "rotary",
         "softmax_causal_forward",
         "softmax_causal_backward",
         "embedding_backward",

@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from mpihybrid.comm.device import array_module
+from mpihybrid.nn import kernels
 from mpihybrid.nn.layers import FLOAT, Cost, Layer, Linear
 from mpihybrid.nn.settings import Setting
 from mpihybrid.nn.transformer import (
@@ -96,6 +97,13 @@ class RMSNorm(Layer):
         params["weight"][...] = 1.0
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        w = self.params["weight"]
+        if kernels.fast(x, w):  # one pass (nn/kernels.py); the numpy below is the reference
+            y, xhat = np.empty_like(x), np.empty_like(x)
+            rstd = np.empty((*x.shape[:-1], 1), np.float32)
+            kernels.rmsnorm_forward(_rows(x), w, np.float32(self.eps), _rows(y), _rows(xhat),
+                                    rstd.reshape(-1))  # fmt: skip
+            return y, (xhat, rstd)
         f = x.dtype.type
         ms = np.einsum("...c,...c->...", x, x)[..., None]  # no (..., C) temporary
         ms *= f(1.0 / self.dim)
@@ -109,7 +117,12 @@ class RMSNorm(Layer):
         self, dy: np.ndarray, cache: object, need_dx: bool = True
     ) -> tuple[np.ndarray | None, object]:
         xhat, rstd = cache
-        dxhat = dy * self.params["weight"].astype(dy.dtype, copy=False)
+        w = self.params["weight"]
+        if kernels.fast(dy, w):
+            dx = np.empty_like(dy)
+            kernels.rmsnorm_backward_input(_rows(dy), _rows(xhat), rstd.reshape(-1), w, _rows(dx))
+            return dx, (xhat, dy)
+        dxhat = dy * w.astype(dy.dtype, copy=False)
         # d/dx of x * rstd, rstd depending on x: rstd (dxhat - xhat mean(dxhat xhat))
         dx = xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True)
         np.subtract(dxhat, dx, out=dx)
@@ -118,7 +131,11 @@ class RMSNorm(Layer):
 
     def backward_weight(self, wcache: object) -> None:
         xhat, dy = wcache
-        self.grads["weight"] += np.einsum("bc,bc->c", _rows(dy), _rows(xhat))
+        dw = self.grads["weight"]
+        if kernels.fast(dy, xhat, dw):
+            kernels.rmsnorm_backward_weight(_rows(dy), _rows(xhat), dw)
+            return
+        dw += np.einsum("bc,bc->c", _rows(dy), _rows(xhat))
 
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
         # F reads x, writes xhat and y (12);  B reads dy, xhat, writes dxhat and dx (16);  W
@@ -139,6 +156,13 @@ class SwiGLU(Layer):
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
         f, half = x.shape[-1] // 2, x.dtype.type(0.5)
+        if kernels.fast(x):  # one pass (nn/kernels.py); the numpy below is the reference
+            y, sig = (
+                np.empty((*x.shape[:-1], f), np.float32),
+                np.empty((*x.shape[:-1], f), np.float32),
+            )
+            kernels.swiglu_forward(_rows(x), _rows(y), _rows(sig))
+            return y, (x, sig)
         gate, up = x[..., :f], x[..., f:]
         # sigmoid(a) = (1 + tanh(a / 2)) / 2: no exp to overflow at large |a|
         sig = np.multiply(gate, half)
@@ -155,8 +179,11 @@ class SwiGLU(Layer):
         # silu'(a) = s (1 + a (1 - s)), s = sigmoid(a):  dgate = dy up silu'(gate), dup = dy silu
         x, sig = cache
         f = sig.shape[-1]
-        gate, up = x[..., :f], x[..., f:]
         dx = array_module(dy).empty_like(x)
+        if kernels.fast(dy, x, sig):
+            kernels.swiglu_backward(_rows(dy), _rows(x), _rows(sig), _rows(dx))
+            return dx, None
+        gate, up = x[..., :f], x[..., f:]
         dgate, dup = dx[..., :f], dx[..., f:]
         np.multiply(gate, sig, out=dup)
         dup *= dy  # dup = dy silu(gate)
@@ -185,6 +212,9 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, d: int, out: np.nda
     sin, x and out (b, T, n d), cos and sin (T, n d) holding [cos, cos] and [-sin, sin] per head
     (negated sin turns back). Whole rows at a time: operations on the halves would loop over
     d/2-float pieces, several times slower at these widths."""
+    if kernels.fast(x, cos, sin, out, contiguous=False):  # views: the kernel reads strides
+        kernels.rotary(x, cos, sin, d, out)
+        return
     b, t, width = x.shape
     swapped = array_module(x).empty((b, t, width // d, 2, d // 2), x.dtype)
     swapped[...] = x.reshape(swapped.shape)[:, :, :, ::-1]  # (x1, x2) -> (x2, x1)
