@@ -274,40 +274,23 @@ def test_swiglu_forward_backward():
     assert_close("swiglu", *both(run), atol=(1e-6, 1e-5))
 
 
-def test_rotary_attention_forward_backward():
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_rotary_pack_and_unpack(kv_heads):
+    """q and k rotated into the attention core's layout, each kv head repeated (rotary_pack),
+    and back, the repeats summed (rotary_unpack)."""
     from mpihybrid.nn.llama import RotaryAttention
 
     rng = _rng()
-    kv_heads, d = 2, C // HEADS
-    x = rng.standard_normal((b, T, C + 2 * kv_heads * d)).astype(np.float32)
-    dy = rng.standard_normal((b, T, C)).astype(np.float32)
+    x = rng.standard_normal((b, T, C + 2 * kv_heads * (C // HEADS))).astype(np.float32)
+    dpacked = rng.standard_normal((b, T, 3 * C)).astype(np.float32)
 
     def run():
         layer = RotaryAttention(C, HEADS, kv_heads, T)
-        y, cache = layer.forward(x)
-        return y.copy(), layer.backward(dy, cache)
+        return layer.pack(x).reshape(b, T, 3 * C), layer.unpack(dpacked)
 
-    assert_close("rotary attention", *both(run), atol=1e-6)
-
-
-def test_the_rotary_kernel_reads_views():
-    """q and k are column views of the packed projections: the kernel takes their strides."""
-    from mpihybrid.nn import llama
-
-    rng = _rng()
-    d, width = C // HEADS, C
-    packed = rng.standard_normal((b, T, 3 * width)).astype(np.float32)
-    layer = llama.RotaryAttention(C, HEADS, HEADS, T)
-    cos, sin, _ = layer._cos_sin(packed, T, HEADS)
-    q = packed[..., width : 2 * width]
-    assert not q.flags.c_contiguous and kernels.fast(q, contiguous=False)
-
-    def run():
-        out = np.full((b, T, width), np.nan, np.float32)
-        llama._rotate(q, cos, sin, d, out)
-        return (out,)
-
-    assert_close("rotary", *both(run), atol=0.0)
+    fast, reference = both(run)
+    assert np.array_equal(fast[0], reference[0])  # rotary_pack: bit for bit
+    assert_close(f"rotary (kv {kv_heads})", fast, reference, atol=1e-6)
 
 
 def test_llama_stage_with_kernels_matches_the_references():

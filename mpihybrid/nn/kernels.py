@@ -17,7 +17,8 @@ gradient check runs the reference). The tests compare each kernel with its refer
     rmsnorm_*           abs 1e-5 (row sums in another order than numpy's)
     swiglu_*            abs 1e-6 forward, 1e-5 backward (x, dy ~ N(0, 1); the sigmoid
                         through tanh_f32)
-    rotary              bit for bit (the same two products and sum, in one pass)
+    rotary_pack         bit for bit (the same two products and sum, the same copies)
+    rotary_unpack       abs 1e-6 (bit for bit in the tests: numpy adds the repeats in order)
 
 No kernel for the cross-entropy: numpy's exp is vectorised, and a fused pass with a polynomial
 exp measured 0.7-0.8x the reference (benchmarks/kernel_ab.py, issue #31); the loss is numpy's.
@@ -44,12 +45,10 @@ njit_sums = _numba.njit(error_model="numpy", fastmath={"reassoc", "nsz", "arcp"}
 f32 = np.float32
 
 
-def fast(*arrays, contiguous: bool = True) -> bool:
-    """Whether the kernels apply: numba on, every array a C-contiguous (or, contiguous=False,
-    any strided) float32 numpy array."""
+def fast(*arrays) -> bool:
+    """Whether the kernels apply: numba on, every array a C-contiguous float32 numpy array."""
     return _numba.ENABLED and all(
-        type(a) is np.ndarray and a.dtype == np.float32 and (a.flags.c_contiguous or not contiguous)
-        for a in arrays
+        type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays
     )
 
 
@@ -375,18 +374,68 @@ def swiglu_backward(dy, x, sig, dx):  # (R, F), (R, 2F), (R, F), (R, 2F)
             dx[r, j] = ((_ONE - si) * g + _ONE) * si * x[r, f + j] * d
 
 
-# ---- the rotary embedding: each head's feature pair (i, i + d/2) turned by its angle -----------
+# ---- the rotary embedding with grouped-query heads, into and out of the attention's layout ----
 
 
 @njit
-def rotary(x, cos, sin, d, out):  # (b, T, W) any strides, (T, W), (T, W), -, (b, T, W)
-    """out = x cos + (x2, x1) sin per head of d features (cos, sin tables as RotaryAttention
-    takes them: [cos, cos] and [-sin, sin] per head); one pass, x and out may be views."""
-    half = d // 2
+def rotary_pack(x, cos, sin, packed):  # (b, T, (h + 2g) d), (T, d), (T, d), (b, T, 3, g, r, d)
+    """packed = (q, k, v) as the attention core takes them: each head's feature pair (i, i + d/2)
+    of q and k turned by its angle (x cos + (x2, x1) sin; cos = [cos, cos], sin = [-sin, sin]),
+    each of the g key/value heads repeated for its r query heads. The numpy path makes the same
+    values in three passes and two copies."""
+    g, r, d = packed.shape[3], packed.shape[4], packed.shape[5]
+    half, q_width = d // 2, g * r * d
     for n in range(x.shape[0]):
         for t in range(x.shape[1]):
-            for h in range(0, x.shape[2], d):
+            for k in range(g):
+                for j in range(r):
+                    q = (k * r + j) * d
+                    for i in range(half):
+                        m = half + i  # i's pair
+                        a, c = x[n, t, q + i], x[n, t, q + m]
+                        packed[n, t, 0, k, j, i] = a * cos[t, i] + c * sin[t, i]
+                        packed[n, t, 0, k, j, m] = c * cos[t, m] + a * sin[t, m]
+                key, value = q_width + k * d, q_width + g * d + k * d
                 for i in range(half):
-                    a, c = x[n, t, h + i], x[n, t, h + half + i]
-                    out[n, t, h + i] = a * cos[t, h + i] + c * sin[t, h + i]
-                    out[n, t, h + half + i] = c * cos[t, h + half + i] + a * sin[t, h + half + i]
+                    m = half + i
+                    a, c = x[n, t, key + i], x[n, t, key + m]
+                    low = a * cos[t, i] + c * sin[t, i]
+                    high = c * cos[t, m] + a * sin[t, m]
+                    for j in range(r):
+                        packed[n, t, 1, k, j, i] = low
+                        packed[n, t, 1, k, j, m] = high
+                for j in range(r):
+                    for i in range(d):
+                        packed[n, t, 2, k, j, i] = x[n, t, value + i]
+
+
+@njit
+def rotary_unpack(dpacked, cos, minus_sin, dx):  # (b, T, 3, g, r, d), (T, d), (T, d), (b, T, W)
+    """rotary_pack's backward: the r repeats of each key/value head's gradient summed, q's and
+    k's turned back by their angle (minus_sin = [sin, -sin])."""
+    g, r, d = dpacked.shape[3], dpacked.shape[4], dpacked.shape[5]
+    half, q_width = d // 2, g * r * d
+    for n in range(dpacked.shape[0]):
+        for t in range(dpacked.shape[1]):
+            for k in range(g):
+                for j in range(r):
+                    q = (k * r + j) * d
+                    for i in range(half):
+                        m = half + i
+                        a, c = dpacked[n, t, 0, k, j, i], dpacked[n, t, 0, k, j, m]
+                        dx[n, t, q + i] = a * cos[t, i] + c * minus_sin[t, i]
+                        dx[n, t, q + m] = c * cos[t, m] + a * minus_sin[t, m]
+                key, value = q_width + k * d, q_width + g * d + k * d
+                for i in range(half):
+                    m = half + i
+                    a, c = dpacked[n, t, 1, k, 0, i], dpacked[n, t, 1, k, 0, m]
+                    for j in range(1, r):
+                        a += dpacked[n, t, 1, k, j, i]
+                        c += dpacked[n, t, 1, k, j, m]
+                    dx[n, t, key + i] = a * cos[t, i] + c * minus_sin[t, i]
+                    dx[n, t, key + m] = c * cos[t, m] + a * minus_sin[t, m]
+                for i in range(d):
+                    v = dpacked[n, t, 2, k, 0, i]
+                    for j in range(1, r):
+                        v += dpacked[n, t, 2, k, j, i]
+                    dx[n, t, value + i] = v

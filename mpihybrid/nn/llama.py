@@ -212,9 +212,6 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, d: int, out: np.nda
     sin, x and out (b, T, n d), cos and sin (T, n d) holding [cos, cos] and [-sin, sin] per head
     (negated sin turns back). Whole rows at a time: operations on the halves would loop over
     d/2-float pieces, several times slower at these widths."""
-    if kernels.fast(x, cos, sin, out, contiguous=False):  # views: the kernel reads strides
-        kernels.rotary(x, cos, sin, d, out)
-        return
     b, t, width = x.shape
     swapped = array_module(x).empty((b, t, width // d, 2, d // 2), x.dtype)
     swapped[...] = x.reshape(swapped.shape)[:, :, :, ::-1]  # (x1, x2) -> (x2, x1)
@@ -264,11 +261,24 @@ class RotaryAttention(Layer):
         return x[..., : self.dim], x[..., self.dim : self.dim + kv], x[..., self.dim + kv :]
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        return self.core.forward(self.pack(x).reshape(x.shape[0], x.shape[1], 3 * self.dim))
+
+    def backward_input(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True
+    ) -> tuple[np.ndarray | None, object]:
+        dpacked, _ = self.core.backward_input(dy, cache)
+        return self.unpack(dpacked), None
+
+    def pack(self, x: np.ndarray) -> np.ndarray:
+        """The core's packed (b, T, 3, h, d) from x: q and k rotated, h split into (g, r) with
+        query head i reading kv head i // r."""
         b, t = x.shape[0], x.shape[1]
         g, r, d = self.kv_heads, self.heads // self.kv_heads, self.head_dim
-        q, k, v = self._views(x)
-        # the core's packed (b, T, 3, h, d), h split into (g, r): query head i uses kv head i // r
         packed = array_module(x).empty((b, t, 3, g, r, d), x.dtype)
+        if kernels.fast(x):  # one pass (nn/kernels.py); the numpy below is the reference
+            kernels.rotary_pack(x, *self._cos_sin(x, t, 1)[:2], packed)
+            return packed
+        q, k, v = self._views(x)
         cos, sin, _ = self._cos_sin(x, t, self.heads)
         _rotate(q, cos, sin, d, packed[:, :, 0].reshape(b, t, self.dim))
         cos, sin, _ = self._cos_sin(x, t, g)
@@ -276,24 +286,26 @@ class RotaryAttention(Layer):
         _rotate(k, cos, sin, d, rotated_k)
         packed[:, :, 1] = rotated_k.reshape(b, t, g, 1, d)
         packed[:, :, 2] = v.reshape(b, t, g, 1, d)
-        return self.core.forward(packed.reshape(b, t, 3 * self.dim))
+        return packed
 
-    def backward_input(
-        self, dy: np.ndarray, cache: object, need_dx: bool = True
-    ) -> tuple[np.ndarray | None, object]:
-        b, t = dy.shape[0], dy.shape[1]
+    def unpack(self, dpacked: np.ndarray) -> np.ndarray:
+        """pack's backward: dx (b, T, (h + 2g) d) from the core's (b, T, 3C) input gradient."""
+        b, t = dpacked.shape[0], dpacked.shape[1]
         g, r, d = self.kv_heads, self.heads // self.kv_heads, self.head_dim
-        dpacked, _ = self.core.backward_input(dy, cache)
         dpacked = dpacked.reshape(b, t, 3, g, r, d)
-        dx = array_module(dy).empty((b, t, self.dim + 2 * g * d), dy.dtype)
+        dx = array_module(dpacked).empty((b, t, self.dim + 2 * g * d), dpacked.dtype)
+        if kernels.fast(dpacked):
+            cos, _, minus_sin = self._cos_sin(dpacked, t, 1)
+            kernels.rotary_unpack(dpacked, cos, minus_sin, dx)
+            return dx
         dq, dk, dv = self._views(dx)
-        cos, _, minus_sin = self._cos_sin(dy, t, self.heads)
+        cos, _, minus_sin = self._cos_sin(dpacked, t, self.heads)
         _rotate(dpacked[:, :, 0].reshape(b, t, self.dim), cos, minus_sin, d, dq)
-        cos, _, minus_sin = self._cos_sin(dy, t, g)
+        cos, _, minus_sin = self._cos_sin(dpacked, t, g)
         summed = dpacked[:, :, 1].sum(axis=3).reshape(b, t, g * d)  # the repeated heads add up
         _rotate(summed, cos, minus_sin, d, dk)
         dpacked[:, :, 2].sum(axis=3, out=dv.reshape(b, t, g, d))
-        return dx, None
+        return dx
 
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
         # CausalAttention's on h heads, and: F rotates q and k (reads x, cos, sin, writes: 16 a
