@@ -4,11 +4,12 @@
     python benchmarks/kernel_ab.py --rounds 60
 
 Shapes are one micro-batch of jobs/gpt_bench.toml (b = 2 sequences x T = 64 tokens, C = 240,
-F = 2048, 4 heads) and AdamW over stage 0's 6,068,304 parameters. Each round times the fast
-path, then the reference, on the same inputs, so a drifting machine hits both alike; printed:
-median ms of each and their ratio. Runs on one core (set OMP_NUM_THREADS=1). Every kernel the
-layers take must show >= 1.0x here (issue #31); the cross-entropy has none (numpy's exp won), its
-row stays as the check that the numpy path is what runs.
+F = 2048, 4 heads) and AdamW over stage 0's 6,068,304 parameters; the llama kind's layers at
+docs/performance.md's llama shape (the same, SwiGLU width 640, 2 key/value heads). Each round
+times the fast path, then the reference, on the same inputs, so a drifting machine hits both
+alike; printed: median ms of each and their ratio. Runs on one core (set OMP_NUM_THREADS=1).
+Every kernel the layers take must show >= 1.0x here (issue #31); the cross-entropy has none
+(numpy's exp won), its row stays as the check that the numpy path is what runs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from mpihybrid import _numba
 from mpihybrid.nn.layers import GELU, LayerNorm, Linear, SoftmaxCrossEntropy
+from mpihybrid.nn.llama import RMSNorm, RotaryAttention, SwiGLU
 from mpihybrid.nn.optim import AdamW
 from mpihybrid.nn.transformer import CausalAttention, Embedding, Residual
 
@@ -87,6 +89,30 @@ def cases(rng: np.random.Generator) -> dict:
         "embedding backward (128 tokens x 240)": lambda: embedding.backward_weight((tokens, x)),
         "cross-entropy forward (numpy in both)": cross_entropy,
         "AdamW step (6.07 M parameters)": adamw,
+        **llama_cases(rng),
+    }
+
+
+def llama_cases(rng: np.random.Generator) -> dict:
+    """The llama kind's layers: RMSNorm, SwiGLU (width 640), rotary attention (2 kv heads)."""
+    x = rng.standard_normal((B, T, C)).astype(np.float32)
+    norm = RMSNorm(C)
+    norm.bind({"weight": np.ones(C, np.float32)}, {"weight": np.zeros(C, np.float32)})
+    norm_cache = norm.forward(x)[1]
+    gate_up = rng.standard_normal((B, T, 2 * 640)).astype(np.float32)
+    swiglu = SwiGLU()
+    swiglu_cache = swiglu.forward(gate_up)[1]
+    dy_ffn = rng.standard_normal((B, T, 640)).astype(np.float32)
+    rotary = RotaryAttention(C, HEADS, 2, T)
+    packed = rng.standard_normal((B, T, C + 2 * 2 * (C // HEADS))).astype(np.float32)
+    dpacked = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    return {
+        "RMSNorm forward (128 x 240)": lambda: norm.forward(x),
+        "RMSNorm backward (dx + dW)": lambda: norm.backward(x, norm_cache),
+        "SwiGLU forward (128 x 640)": lambda: swiglu.forward(gate_up),
+        "SwiGLU backward": lambda: swiglu.backward(dy_ffn, swiglu_cache),
+        "rotary pack (q, k rotated; kv heads x2)": lambda: rotary.pack(packed),
+        "rotary unpack (its backward)": lambda: rotary.unpack(dpacked),
     }
 
 

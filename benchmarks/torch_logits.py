@@ -114,6 +114,7 @@ def mpihybrid_gpt(config: dict, path: Path):
         kind="gpt", hidden=config["n_embd"], depth=config["n_layer"], heads=config["n_head"],
         ffn=config["n_inner"], partition="cost", init=str(path),
         tie_embeddings=config.get("tie_embeddings", False), vocab_parallel=False,
+        gelu=config.get("gelu", "tanh"),
     )  # fmt: skip
     stage = build_stage(cfg, config["block_size"], config["vocab_size"], 0, 1, seed=12345)
     weights.load_into(stage, path, cfg.depth + 2)

@@ -41,6 +41,8 @@ def gpt(depth=4, hidden=8, heads=2, ffn=16, partition="cost"):
         ffn=ffn,
         partition=partition,
         tie_embeddings=False,
+        vocab_parallel=False,
+        gelu="tanh",
     )
 
 

@@ -3,6 +3,9 @@ kind added to the registry alone is one the job, the model split and the cost mo
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import numpy as np
 import pytest
 
@@ -13,6 +16,7 @@ from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.kinds import KINDS, ModelKind, model_kind
 from mpihybrid.nn.layers import Linear, SoftmaxCrossEntropy
 from mpihybrid.nn.model import boundary_shapes, build_blocks, build_stage, layer_counts
+from mpihybrid.nn.settings import Setting
 
 
 def test_the_registered_kinds():
@@ -152,3 +156,49 @@ def test_the_kind_says_where_its_tied_pair_sits():
                            "model.vocab_parallel=true"])  # fmt: skip
     assert model_kind("gpt").tied_pair(split.model, []) == (None, None)
     assert model_kind("mlp").tie is None and not model_kind("mlp").ties(build_job({}, []).model)
+
+
+def test_a_kinds_settings_are_its_own(monkeypatch):
+    """[model] is every kind's keys and each kind's own, declared in its module: a new kind's
+    setting is a key of the section with its default and its check, and another kind's key
+    is refused naming the kinds that read it."""
+    from mpihybrid.config.job import model_config_class
+
+    kind = dataclasses.replace(LINEAR, settings=(Setting("slope", 1.0, "its own", low=0),))
+    monkeypatch.setitem(KINDS, "linear", kind)
+    cls = model_config_class()
+    assert cls().slope == 1.0 and cls(kind="linear", slope=2.0).slope == 2.0
+    assert (
+        kind.settings_problem(cls(kind="linear", slope=-1.0)) == "model.slope = -1.0: must be >= 0"
+    )
+    assert model_kind("gpt").settings_problem(cls(kind="gpt", slope=2.0)) == (
+        "model.slope = 2.0: a linear's setting (model.kind = 'gpt' does not read it)"
+    )
+    assert kind.settings_problem(cls(kind="linear", kv_heads=2)).startswith(
+        "model.kv_heads = 2: a llama's setting"
+    )
+    assert kind.settings_problem(cls(kind="linear", tie_embeddings=True)).startswith(
+        "model.tie_embeddings = true: a gpt's or a llama's setting"  # the kinds with a Tie
+    )
+    tying = dataclasses.replace(kind, tie=model_kind("gpt").tie)
+    with pytest.raises(ValueError, match="reads model.tie_embeddings iff it ties"):
+        model_config_class({"linear": tying})
+    other = dataclasses.replace(kind, settings=(Setting("heads", 8, "eight"),))
+    with pytest.raises(ValueError, match="model.heads: two defaults"):
+        model_config_class({**KINDS, "linear": other})
+
+
+def test_the_job_names_no_kind_and_docs_name_each_settings_readers():
+    """config/job.py makes [model] from the registry; docs/jobs.md's row of each kind's setting
+    names every kind that reads it."""
+    from mpihybrid.nn.kinds import kind_settings
+    from tests.helpers import ROOT
+
+    text = (ROOT / "mpihybrid" / "config" / "job.py").read_text()
+    assert [k for k in KINDS if re.search(rf"\b{k}\b", text, re.I)] == []
+    lines = (ROOT / "docs" / "jobs.md").read_text().splitlines()
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| `")}
+    for key in kind_settings():
+        row = rows[f"`model.{key}`"]
+        missing = [k.name for k in KINDS.values() if k.reads(key) and k.name not in row]
+        assert not missing, f"docs/jobs.md's model.{key} row does not name {missing}"

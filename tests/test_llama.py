@@ -311,7 +311,7 @@ def test_export_has_hugging_faces_names_and_the_reference_computes_its_loss(tie)
     bind_local(chunks, cfg)
     for chunk in chunks:
         chunk.flat_params += 0.3 * rng.standard_normal(chunk.num_params)
-    tensors, config = model_kind("llama").export(chunks, cfg, T, V)
+    tensors, config = model_kind("llama").weights.export(chunks, cfg, T, V)
     assert (config["num_key_value_heads"], config["intermediate_size"]) == (kv, F)
     assert config["tie_word_embeddings"] == tie and config["model_type"] == "llama"
     assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (kv * D, C)
@@ -387,6 +387,7 @@ REFUSALS = {
     "negative": (["model.kv_heads=-1"], r"model.kv_heads = -1: must be >= 0"),
     "gpt": (["model.kind=gpt", "model.kv_heads=2"], r"model.kv_heads = 2: a llama's setting"),
     "mlp": (["model.kind=mlp", "data.kind=teacher", "model.kv_heads=2"], r"a llama's setting"),
+    "gelu": (["model.gelu=erf"], r"model.gelu = 'erf': a gpt's setting \(model.kind = 'llama'"),
 }  # fmt: skip
 
 
@@ -457,7 +458,7 @@ def test_weights_export_of_a_llama_checkpoint(tmp_path):
     cli = run_mpi(1, "-m", "mpihybrid", "weights", "export", str(ckpt), "-o", str(out))
     assert cli.returncode == 0, cli.stderr
     job, step_dir, manifest = read_checkpoint(ckpt)
-    expected, config = model_kind("llama").export(
+    expected, config = model_kind("llama").weights.export(
         checkpoint_stages(step_dir, job, manifest), job.model, 8, 37
     )
     tensors = load_file(str(out))
@@ -470,3 +471,18 @@ def test_weights_export_of_a_llama_checkpoint(tmp_path):
                   "--tokens", "12")  # fmt: skip
     assert gen.returncode == 0, gen.stderr
     assert len(gen.stdout.split()) == 12 and all(0 <= int(t) < 37 for t in gen.stdout.split())
+
+
+def test_the_kind_lives_in_its_module_and_its_entry():
+    """#47's goal: a Llama in at most 3 package files (nn/llama.py, nn/kinds.py, one more);
+    every other file speaks of "a kind"."""
+    from tests.helpers import ROOT
+
+    package = ROOT / "mpihybrid"
+    files = sorted(
+        str(p.relative_to(ROOT))
+        for p in package.rglob("*.py")
+        if "llama" in p.read_text(encoding="utf-8").lower()
+    )
+    assert {"mpihybrid/nn/llama.py", "mpihybrid/nn/kinds.py"} <= set(files), files
+    assert len(files) <= 3, files

@@ -84,7 +84,13 @@ def test_a_split_vocabulary_counts_no_mirror():
 
 @pytest.mark.parametrize(
     "settings, says",
-    [(["model.kind=mlp", "data.kind=teacher"], "model.tie_embeddings: a gpt's")],
+    [
+        (
+            ["model.kind=mlp", "data.kind=teacher", "model.heads=4", "model.ffn=0"],
+            r"model.tie_embeddings = true: a gpt's or a llama's setting \(model.kind = 'mlp'",
+        ),
+        (["model.kind=mlp", "data.kind=teacher"], "model.heads = 2: a gpt's or a llama's"),
+    ],
 )
 def test_bad_tying_is_one_config_error(settings, says):
     with pytest.raises(ConfigError, match=says):

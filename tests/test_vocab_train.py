@@ -80,7 +80,11 @@ def test_vocab_parallel_replicas_identical_under_int8():
 @pytest.mark.parametrize(
     "settings, world, says",
     [
-        (["model.kind=mlp", "data.kind=teacher", "grid.pp=2"], 2, "model.vocab_parallel: a gpt"),
+        (
+            ["model.kind=llama", "grid.pp=2"],
+            2,
+            r"model.vocab_parallel = true: a gpt's setting \(model.kind = 'llama' does not",
+        ),
         (["grid.pp=1"], 1, "model.vocab_parallel needs grid.pp >= 2"),
     ],
 )

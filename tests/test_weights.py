@@ -206,7 +206,8 @@ def test_other_bad_inits(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=says):
             job(setting)
-    with pytest.raises(ConfigError, match="starts a gpt only"):
+    only = r"starts a gpt or a llama only \(model.kind = 'mlp' has no weights file\)"
+    with pytest.raises(ConfigError, match=only):
         load_job(None, [f"model.init={_file(tmp_path)}"], 2)
 
 

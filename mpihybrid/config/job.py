@@ -18,7 +18,7 @@ from mpihybrid.comm.device import CPU, Backend
 from mpihybrid.comm.layout import ORDERS, Layout
 from mpihybrid.comm.settings import GradientSettings, RingSettings
 from mpihybrid.nn.cost import Workload
-from mpihybrid.nn.kinds import model_kind
+from mpihybrid.nn.kinds import DEFAULT_KIND, kind_settings, model_kind
 from mpihybrid.pipeline.plan import Schedule, ScheduleError, make_schedule, spec_of
 from mpihybrid.pipeline.slowdown import Slowdown
 from mpihybrid.pipeline.spec import ScheduleSpec
@@ -57,20 +57,29 @@ class GridConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    kind: str = "mlp"  # mlp (teacher data) | gpt | llama (token data; nn/kinds.py)
-    hidden: int = 64  # mlp: width of every hidden layer; gpt, llama: the model width C
-    depth: int = 6  # mlp: Linear layers, the head included; gpt, llama: transformer layers
-    activation: str = "relu"  # mlp: relu | gelu (gpt: model.gelu; llama: SwiGLU)
-    norm: bool = False  # mlp: LayerNorm after each hidden Linear (gpt, llama: pre-norm)
-    heads: int = 4  # gpt, llama: attention heads (hidden must be divisible by heads)
-    kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0 = heads
-    ffn: int = 0  # gpt: feed-forward width, 0 = 4 * hidden; llama: SwiGLU's, 0 = ceil(8/3 hidden)
+class ModelSettings:
+    """[model]'s keys that every kind reads; ModelConfig adds each kind's own (its module's
+    settings, nn/settings.py), flat beside them: `model.heads`, not a sub-table."""
+
+    kind: str = DEFAULT_KIND  # a registered kind (nn/kinds.py): what the model is
+    hidden: int = 64  # the width of its layers (its kind's builder says which)
+    depth: int = 6  # its layers between the ends (its kind's builder says which count)
     partition: str | list = "cost"  # cost | uniform | timed | [layers per chunk]
-    init: str = ""  # gpt: start from this .safetensors file (weights export) instead of the seed
-    tie_embeddings: bool = False  # gpt, llama: the head's weight is the token table (nanoGPT's wte)
-    vocab_parallel: bool = False  # gpt: table and head split by vocabulary over the pp ranks
-    gelu: str = "tanh"  # gpt: GELU's form, tanh (GPT-2's) | erf (exact: nanoGPT's, torch's)
+    init: str = ""  # start from this .safetensors file (weights export) instead of the seed
+
+
+def model_config_class(kinds=None) -> type:
+    """The [model] dataclass: ModelSettings' keys, then every registered kind's own (its
+    default, its type), frozen like every section."""
+    settings = kind_settings(kinds).values()
+    own = [(s.name, type(s.default), field(default=s.default)) for s in settings]
+    cls = dataclasses.make_dataclass("ModelConfig", own, bases=(ModelSettings,), frozen=True)
+    cls.__module__ = __name__  # pickled (a job travels to every rank) by this module's name
+    cls.__doc__ = "[model]: every kind's keys (ModelSettings) and each kind's own (nn/kinds.py)."
+    return cls
+
+
+ModelConfig = model_config_class()
 
 
 @dataclass(frozen=True)
@@ -232,7 +241,7 @@ class Job:
 
     @property
     def tokens_per_sample(self) -> int:
-        """What a sample counts in rows and throughput: its tokens (a GPT), or itself."""
+        """What a sample counts in rows and throughput: its tokens (a token kind), or itself."""
         return model_kind(self.model.kind).tokens_per_sample(self.data.seq_len)
 
     @property

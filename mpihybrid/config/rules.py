@@ -45,8 +45,8 @@ def _check_names(job: Job) -> None:
     if c.cuda_aware != "auto" and not isinstance(c.cuda_aware, bool):
         raise ConfigError(f"comm.cuda_aware = {c.cuda_aware!r}: choose auto, true or false")
     _one_of("model.kind", m.kind, tuple(KINDS))
-    _one_of("model.activation", m.activation, ("relu", "gelu"))
-    _one_of("model.gelu", m.gelu, ("tanh", "erf"))
+    if wrong := KINDS[m.kind].settings_problem(m):  # its own keys, no other kind's (nn/kinds.py)
+        raise ConfigError(wrong)
     _one_of("data.kind", d.kind, KINDS[m.kind].data_kinds)
     try:
         if t.schedule != AUTO:
@@ -96,7 +96,7 @@ def validate(job: Job) -> None:
         )
     if wrong := vocab_parallel_problem(job):
         raise ConfigError(wrong)
-    # the kind's own rules, and the settings of other kinds it refuses (nn/kinds.py)
+    # the rules its kind's settings obey together (nn/kinds.py), a file to start from
     if wrong := KINDS[m.kind].check(m) or (m.init and _init_problem(m, d.seq_len, d.vocab)):
         raise ConfigError(wrong)
     _check_data(job)
@@ -110,8 +110,6 @@ def _check_ranges(job: Job) -> None:
     for where, value, low in [
         ("model.hidden", m.hidden, 1),
         ("model.depth", m.depth, 1),
-        ("model.heads", m.heads, 1),
-        ("model.ffn", m.ffn, 0),
         ("data.vocab", d.vocab, 2),
         ("data.seq_len", d.seq_len, 1),
         ("data.branching", d.branching, 1),
@@ -284,13 +282,14 @@ def _check_partition(m: ModelConfig, pp: int, virtual_stages: int) -> None:
 
 
 def _init_problem(m: ModelConfig, seq_len: int, vocab: int) -> str:
-    """model.init against the kind that would start from it (nn/kinds.py: ModelKind.init)."""
-    check = model_kind(m.kind).init
-    if check is None:
+    """model.init against the kind that would start from it (nn/kinds.py: ModelKind.weights)."""
+    file = model_kind(m.kind).weights
+    if file is None:
         return (
-            f"model.init = {m.init!r}: starts {kinds_with('init')} only (model.kind = {m.kind!r})"
+            f"model.init = {m.init!r}: starts {kinds_with('weights')} only (model.kind = "
+            f"{m.kind!r} has no weights file)"
         )
-    return check(m, seq_len, vocab)
+    return file.check(m, seq_len, vocab)
 
 
 def vocab_parallel_problem(job: Job) -> str:
@@ -298,11 +297,7 @@ def vocab_parallel_problem(job: Job) -> str:
     m = job.model
     if not m.vocab_parallel:
         return ""
-    if not model_kind(m.kind).vocab_parallel:
-        return (
-            f"model.vocab_parallel: {kinds_with('vocab_parallel')}'s (model.kind = {m.kind!r} "
-            "splits no vocabulary)"
-        )
+    # a kind that splits no vocabulary has refused the key (ModelKind.settings_problem)
     if job.grid.pp < 2:
         return (
             f"model.vocab_parallel needs grid.pp >= 2 (pp = {job.grid.pp}: one rank holds the "

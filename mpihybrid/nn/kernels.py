@@ -14,6 +14,11 @@ gradient check runs the reference). The tests compare each kernel with its refer
     bias_gelu_forward   as gelu_forward (the bias add is the same float32 addition)
     bias_residual_add   bit for bit
     embedding_backward  bit for bit (np.add.at's order, which the reference and a device use)
+    rmsnorm_*           abs 1e-5 (row sums in another order than numpy's)
+    swiglu_*            abs 1e-6 forward, 1e-5 backward (x, dy ~ N(0, 1); the sigmoid
+                        through tanh_f32)
+    rotary_pack         bit for bit (the same two products and sum, the same copies)
+    rotary_unpack       abs 1e-6 (bit for bit in the tests: numpy adds the repeats in order)
 
 No kernel for the cross-entropy: numpy's exp is vectorised, and a fused pass with a polynomial
 exp measured 0.7-0.8x the reference (benchmarks/kernel_ab.py, issue #31); the loss is numpy's.
@@ -301,3 +306,136 @@ def embedding_backward(tokens, dy, grad):  # (T), (T, C), (V, C)
         row = grad[tokens[i]]
         for j in range(dy.shape[1]):
             row[j] += dy[i, j]
+
+
+# ---- RMSNorm over the last dimension: y = x rstd w, rstd = 1 / sqrt(mean(x^2) + eps) ---------
+
+
+@njit_sums
+def rmsnorm_forward(x, w, eps, y, xhat, rstd):  # (R, C), (C), -, (R, C), (R, C), (R)
+    c = x.shape[1]
+    for r in range(x.shape[0]):
+        sq = np.float32(0.0)
+        for j in range(c):
+            sq += x[r, j] * x[r, j]
+        s = np.float32(1.0) / np.float32(math.sqrt(sq / np.float32(c) + eps))
+        rstd[r] = s
+        for j in range(c):
+            h = x[r, j] * s
+            xhat[r, j] = h
+            y[r, j] = h * w[j]
+
+
+@njit_sums
+def rmsnorm_backward_input(dy, xhat, rstd, w, dx):  # (R, C), (R, C), (R), (C), (R, C)
+    """dx = rstd (dxhat - xhat mean(dxhat xhat)), dxhat = dy w."""
+    c = dy.shape[1]
+    for r in range(dy.shape[0]):
+        total = np.float32(0.0)
+        for j in range(c):
+            total += dy[r, j] * w[j] * xhat[r, j]
+        m = total / np.float32(c)
+        s = rstd[r]
+        for j in range(c):
+            dx[r, j] = (dy[r, j] * w[j] - xhat[r, j] * m) * s
+
+
+@njit
+def rmsnorm_backward_weight(dy, xhat, dw):  # (R, C), (R, C), (C)
+    """dw += sum over rows of dy xhat (accumulated, as a W pass)."""
+    for r in range(dy.shape[0]):
+        for j in range(dy.shape[1]):
+            dw[j] += dy[r, j] * xhat[r, j]
+
+
+# ---- SwiGLU: y = silu(gate) up, gate and up the two halves of x's features ---------------------
+
+
+@njit
+def swiglu_forward(x, y, sig):  # (R, 2F), (R, F), (R, F)
+    """sig = sigmoid(gate) = (1 + tanh(gate / 2)) / 2, what the backward needs; y = gate sig up."""
+    f = y.shape[1]
+    for r in range(x.shape[0]):
+        for j in range(f):
+            g = x[r, j]
+            si = (tanh_f32(g * _HALF) + _ONE) * _HALF
+            sig[r, j] = si
+            y[r, j] = g * si * x[r, f + j]
+
+
+@njit
+def swiglu_backward(dy, x, sig, dx):  # (R, F), (R, 2F), (R, F), (R, 2F)
+    """dgate = dy up s (1 + gate (1 - s)), dup = dy gate s."""
+    f = dy.shape[1]
+    for r in range(dy.shape[0]):
+        for j in range(f):
+            g, si, d = x[r, j], sig[r, j], dy[r, j]
+            dx[r, f + j] = g * si * d
+            dx[r, j] = ((_ONE - si) * g + _ONE) * si * x[r, f + j] * d
+
+
+# ---- the rotary embedding with grouped-query heads, into and out of the attention's layout ----
+
+
+@njit
+def rotary_pack(x, cos, sin, packed):  # (b, T, (h + 2g) d), (T, d), (T, d), (b, T, 3, g, r, d)
+    """packed = (q, k, v) as the attention core takes them: each head's feature pair (i, i + d/2)
+    of q and k turned by its angle (x cos + (x2, x1) sin; cos = [cos, cos], sin = [-sin, sin]),
+    each of the g key/value heads repeated for its r query heads. The numpy path makes the same
+    values in three passes and two copies."""
+    g, r, d = packed.shape[3], packed.shape[4], packed.shape[5]
+    half, q_width = d // 2, g * r * d
+    for n in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            for k in range(g):
+                for j in range(r):
+                    q = (k * r + j) * d
+                    for i in range(half):
+                        m = half + i  # i's pair
+                        a, c = x[n, t, q + i], x[n, t, q + m]
+                        packed[n, t, 0, k, j, i] = a * cos[t, i] + c * sin[t, i]
+                        packed[n, t, 0, k, j, m] = c * cos[t, m] + a * sin[t, m]
+                key, value = q_width + k * d, q_width + g * d + k * d
+                for i in range(half):
+                    m = half + i
+                    a, c = x[n, t, key + i], x[n, t, key + m]
+                    low = a * cos[t, i] + c * sin[t, i]
+                    high = c * cos[t, m] + a * sin[t, m]
+                    for j in range(r):
+                        packed[n, t, 1, k, j, i] = low
+                        packed[n, t, 1, k, j, m] = high
+                for j in range(r):
+                    for i in range(d):
+                        packed[n, t, 2, k, j, i] = x[n, t, value + i]
+
+
+@njit
+def rotary_unpack(dpacked, cos, minus_sin, dx):  # (b, T, 3, g, r, d), (T, d), (T, d), (b, T, W)
+    """rotary_pack's backward: the r repeats of each key/value head's gradient summed, q's and
+    k's turned back by their angle (minus_sin = [sin, -sin])."""
+    g, r, d = dpacked.shape[3], dpacked.shape[4], dpacked.shape[5]
+    half, q_width = d // 2, g * r * d
+    for n in range(dpacked.shape[0]):
+        for t in range(dpacked.shape[1]):
+            for k in range(g):
+                for j in range(r):
+                    q = (k * r + j) * d
+                    for i in range(half):
+                        m = half + i
+                        a, c = dpacked[n, t, 0, k, j, i], dpacked[n, t, 0, k, j, m]
+                        dx[n, t, q + i] = a * cos[t, i] + c * minus_sin[t, i]
+                        dx[n, t, q + m] = c * cos[t, m] + a * minus_sin[t, m]
+                key, value = q_width + k * d, q_width + g * d + k * d
+                for i in range(half):
+                    m = half + i
+                    a, c = dpacked[n, t, 1, k, 0, i], dpacked[n, t, 1, k, 0, m]
+                    for j in range(1, r):
+                        a += dpacked[n, t, 1, k, j, i]
+                        c += dpacked[n, t, 1, k, j, m]
+                    dx[n, t, key + i] = a * cos[t, i] + c * minus_sin[t, i]
+                    dx[n, t, key + m] = c * cos[t, m] + a * minus_sin[t, m]
+                for i in range(d):
+                    v = dpacked[n, t, 2, k, 0, i]
+                    for j in range(1, r):
+                        v += dpacked[n, t, 2, k, j, i]
+                    dx[n, t, value + i] = v

@@ -8,15 +8,16 @@
 A kind declares its blocks (the builder of its module: mlp.py, transformer.py), the data
 kinds that feed it, whether a sample is a sequence of tokens (rows and throughput then count
 tokens, the input is token ids), the blocks around the layers `model.partition` counts (a
-GPT's embedding leads, its head trails), the shape of what crosses a pipeline boundary, the
-rules its settings obey beyond the common ones, and the fused kernels its layers run
-(nn/kernels.py). A third kind is its module of blocks plus one entry here (and its tests):
-llama.py and LLAMA are one. A kind's `check` also refuses the settings of other kinds that
-it does not read (model.kv_heads, model.tie_embeddings); whether a weights file starts it
-(`init`: the file's check), whether it splits its vocabulary (`vocab_parallel`), the loss its
-last stage computes (`loss`: the runtime's, evaluation's and profiles') and where its tied
-pair sits (`tie`: train/tie.py asks `tied_pair`) are its entry's too, so nothing outside nn/
-tests a kind by its name or probes its layers.
+GPT's embedding leads, its head trails), the shape of what crosses a pipeline boundary, its
+settings (the model.* keys it reads beyond every kind's, declared in its module: nn/settings.py;
+config/job.py makes [model] of every kind's, and `settings_problem` refuses another kind's key
+naming the kinds that read it), the rules its settings obey together, and the fused kernels its
+layers run (nn/kernels.py). A new kind is its module (blocks and settings) plus one entry here
+and its tests. What its safetensors file holds (`weights`: `weights export` writes it,
+`model.init` checks it and each stage loads its own blocks from it), the loss its last stage
+computes (`loss`: the runtime's, evaluation's and profiles') and where its tied pair sits
+(`tie`: train/tie.py asks `tied_pair`) are its entry's too, so nothing outside nn/ tests a kind
+by its name or probes its layers.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpihybrid.nn.layers import Layer, SoftmaxCrossEntropy
-from mpihybrid.nn.llama import hf_export, llama_blocks, llama_check
-from mpihybrid.nn.mlp import mlp_blocks
-from mpihybrid.nn.transformer import gpt_blocks
-from mpihybrid.nn.weights import config_of, export_tensors, init_problem
+from mpihybrid.nn.llama import LLAMA_SETTINGS, llama_blocks, llama_check
+from mpihybrid.nn.llama_weights import hf_check, hf_export, hf_load
+from mpihybrid.nn.mlp import MLP_SETTINGS, mlp_blocks
+from mpihybrid.nn.settings import Setting, toml_text
+from mpihybrid.nn.transformer import GPT_SETTINGS, gpt_blocks
+from mpihybrid.nn.weights import config_of, export_tensors, init_problem, load_into
 
 Block = list[Layer]
 
@@ -54,6 +57,21 @@ TOKEN_TABLE = Tie()  # gpt's and llama's: the embedding leads, the head trails
 
 
 @dataclass(frozen=True)
+class WeightsFile:
+    """What a kind's safetensors file holds: `weights export` writes the whole model under the
+    kind's names with its config, `model.init` checks a file against the job's model (on every
+    rank, before any message) and each stage loads its own blocks' tensors from it."""
+
+    names: str  # whose names and layouts the tensors follow
+    # (the model's stages in order, model cfg, seq_len, vocab) -> (tensors by name, its config)
+    export: Callable[..., tuple[dict, dict]]
+    # (model cfg, seq_len, vocab) -> what keeps cfg.init's file from starting this model, in one
+    # line ("" = it fits)
+    check: Callable[..., str]
+    load: Callable[..., None]  # (stage, model cfg): its parameters from cfg.init's file
+
+
+@dataclass(frozen=True)
 class ModelKind:
     name: str
     blocks: Callable[..., list[Block]]  # (model cfg, in_features, num_classes) -> blocks
@@ -62,20 +80,39 @@ class ModelKind:
     # per sample, the activation a chunk past the first receives: (model cfg, in_features,
     # the chunk's first layer) -> shape without the batch
     activation: Callable[..., tuple[int, ...]]
-    check: Callable[..., str]  # model cfg -> what is wrong with it, in one line ("" = nothing)
+    # model cfg -> what is wrong with its settings together, in one line ("" = nothing)
+    check: Callable[..., str]
     kernels: Callable[..., tuple[str, ...]]  # model cfg -> nn/kernels.py functions its layers run
     # makes the loss its last stage computes (the pipeline runtime's, evaluation's, profiles')
     loss: Callable[[], SoftmaxCrossEntropy]
     lead: tuple[str, ...] = ()  # blocks before the layers model.partition counts
     trail: tuple[str, ...] = ()  # blocks after them
-    # `weights export`: (the model's stages in order, model cfg, seq_len, vocab) -> (tensors by
-    # name, the config the file carries); None: the kind has no file format
-    export: Callable[..., tuple[dict, dict]] | None = None
-    # model.init: (model cfg, seq_len, vocab) -> what is wrong with the file for this model, in
-    # one line ("" = it fits); None: no file starts this kind
-    init: Callable[..., str] | None = None
-    vocab_parallel: bool = False  # model.vocab_parallel: table and head split by vocabulary
+    # `weights export` and model.init: its file's names, written and read; None: it has none
+    weights: WeightsFile | None = None
     tie: Tie | None = None  # model.tie_embeddings: where its tied pair sits; None: it cannot tie
+    settings: tuple[Setting, ...] = ()  # the model.* keys it reads beyond every kind's
+
+    def reads(self, key: str) -> bool:
+        """Whether model.`key`, a setting of some kind's, is one of this kind's."""
+        return any(s.name == key for s in self.settings)
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """Whether it can split its table and head by vocabulary (model.vocab_parallel)."""
+        return self.reads("vocab_parallel")
+
+    def settings_problem(self, cfg) -> str:
+        """What is wrong with the model section's kind settings, in one line ("" = nothing):
+        another kind's key away from its default (naming the kinds that read it), then each of
+        this kind's against its own check."""
+        for key, setting in kind_settings().items():
+            value = getattr(cfg, key)
+            if not self.reads(key) and value != setting.default:
+                return (
+                    f"model.{key} = {toml_text(value)}: {readers(key)} setting (model.kind = "
+                    f"{self.name!r} does not read it)"
+                )
+        return next((p for s in self.settings if (p := s.problem(getattr(cfg, s.name)))), "")
 
     def ties(self, cfg) -> bool:
         """Whether this model's head computes with its token table (model.tie_embeddings)."""
@@ -123,24 +160,6 @@ def _mlp_kernels(cfg) -> tuple[str, ...]:
     return gelu + (_LAYERNORM if cfg.norm else ())
 
 
-def _no_kv_heads(cfg) -> str:
-    if getattr(cfg, "kv_heads", 0):
-        return (
-            f"model.kv_heads = {cfg.kv_heads}: a llama's setting (model.kind = {cfg.kind!r} has "
-            "no grouped-query attention)"
-        )
-    return ""
-
-
-def _mlp_check(cfg) -> str:
-    if getattr(cfg, "tie_embeddings", False):  # no Tie: its first layer is no token table
-        return (
-            f"model.tie_embeddings: a gpt's or a llama's (model.kind = {cfg.kind!r}: its first "
-            "layer and its head have different shapes)"
-        )
-    return _no_kv_heads(cfg)
-
-
 def _gpt_export(stages: list, cfg, seq_len: int, vocab: int) -> tuple[dict, dict]:
     return export_tensors(stages, cfg.depth + 2), config_of(cfg, seq_len, vocab)
 
@@ -148,7 +167,7 @@ def _gpt_export(stages: list, cfg, seq_len: int, vocab: int) -> tuple[dict, dict
 def _gpt_check(cfg) -> str:
     if cfg.hidden % cfg.heads:
         return f"model.hidden({cfg.hidden}) is not divisible by model.heads({cfg.heads})"
-    return _no_kv_heads(cfg)
+    return ""
 
 
 MLP = ModelKind(
@@ -157,9 +176,10 @@ MLP = ModelKind(
     data_kinds=("teacher",),
     tokens=False,
     activation=lambda cfg, in_features, first: (first.in_features,),
-    check=_mlp_check,
+    check=lambda cfg: "",  # its settings are independent
     kernels=_mlp_kernels,
     loss=SoftmaxCrossEntropy,  # over the classes
+    settings=MLP_SETTINGS,
 )
 
 GPT = ModelKind(
@@ -181,10 +201,15 @@ GPT = ModelKind(
     loss=SoftmaxCrossEntropy,  # next-token, over the vocabulary
     lead=("embedding",),
     trail=("head",),
-    export=_gpt_export,  # nanoGPT's names (nn/weights.py)
-    init=init_problem,  # a nanoGPT-named file (weights export's, or nanoGPT's own)
-    vocab_parallel=True,  # nn/vocab.py
+    # a nanoGPT-named file (weights export's, or nanoGPT's own; nn/weights.py)
+    weights=WeightsFile(
+        names="nanoGPT's",
+        export=_gpt_export,
+        check=init_problem,
+        load=lambda stage, cfg: load_into(stage, cfg.init, cfg.depth + 2),
+    ),
     tie=TOKEN_TABLE,  # nanoGPT's wte = lm_head
+    settings=GPT_SETTINGS,  # model.vocab_parallel among them: nn/vocab.py
 )
 
 LLAMA = ModelKind(
@@ -195,6 +220,13 @@ LLAMA = ModelKind(
     activation=GPT.activation,
     check=llama_check,
     kernels=lambda cfg: (
+        "rmsnorm_forward",
+        "rmsnorm_backward_input",
+        "rmsnorm_backward_weight",
+        "swiglu_forward",
+        "swiglu_backward",
+        "rotary_pack",
+        "rotary_unpack",
         "softmax_causal_forward",
         "softmax_causal_backward",
         "embedding_backward",
@@ -202,11 +234,15 @@ LLAMA = ModelKind(
     loss=GPT.loss,
     lead=GPT.lead,
     trail=GPT.trail,
-    export=hf_export,  # Hugging Face's LlamaForCausalLM names
+    weights=WeightsFile(  # nn/llama_weights.py
+        names="Hugging Face's LlamaForCausalLM", export=hf_export, check=hf_check, load=hf_load
+    ),
     tie=TOKEN_TABLE,  # Hugging Face's tie_word_embeddings
+    settings=LLAMA_SETTINGS,
 )
 
 KINDS = {kind.name: kind for kind in (MLP, GPT, LLAMA)}
+DEFAULT_KIND = MLP.name  # model.kind left out
 
 
 def model_kind(name: str) -> ModelKind:
@@ -218,6 +254,26 @@ def model_kind(name: str) -> ModelKind:
 
 
 def kinds_with(fact: str) -> str:
-    """The kinds that have `fact` (a ModelKind field: init, vocab_parallel), for a line that
+    """The kinds that have `fact` (a ModelKind field: weights, vocab_parallel), for a line that
     refuses it to another kind: "a gpt", or "a gpt or a llama"."""
     return " or ".join(f"a {k.name}" for k in KINDS.values() if getattr(k, fact))
+
+
+def readers(key: str) -> str:
+    """The kinds whose settings hold model.`key`, for the line that refuses it to another:
+    "a gpt's or a llama's"."""
+    return " or ".join(f"a {k.name}'s" for k in KINDS.values() if k.reads(key))
+
+
+def kind_settings(kinds=None) -> dict[str, Setting]:
+    """Every kind's settings by key, in the registry's order (config/job.py makes [model] of
+    them). A key two kinds read has one default; a kind reads tie_embeddings where it has a
+    Tie. ValueError for a registry that breaks either."""
+    merged: dict[str, Setting] = {}
+    for kind in (KINDS if kinds is None else kinds).values():
+        if kind.reads("tie_embeddings") != (kind.tie is not None):
+            raise ValueError(f"model.kind {kind.name!r}: reads model.tie_embeddings iff it ties")
+        for s in kind.settings:
+            if merged.setdefault(s.name, s).default != s.default:
+                raise ValueError(f"model.{s.name}: two defaults ({kind.name!r}'s {s.default!r})")
+    return merged

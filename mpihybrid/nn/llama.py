@@ -1,6 +1,7 @@
 """The pieces of a Llama that transformer.py lacks: RMSNorm, SwiGLU, rotary attention with
 grouped-query heads, and the token table without positions. Built by `llama_blocks`, the
-registry's `kinds.LLAMA` (model.kind = "llama"). A layer is two residual branches:
+registry's `kinds.LLAMA` (model.kind = "llama"; its weights file: llama_weights.py). A layer
+is two residual branches:
 
     x = x + Linear(C, C)(RotaryAttention(h, g)(Linear(C, (h + 2g) d)(RMSNorm(x))))
     x = x + Linear(F, C)(SwiGLU(Linear(C, 2F)(RMSNorm(x))))
@@ -22,11 +23,29 @@ import math
 import numpy as np
 
 from mpihybrid.comm.device import array_module
+from mpihybrid.nn import kernels
 from mpihybrid.nn.layers import FLOAT, Cost, Layer, Linear
-from mpihybrid.nn.transformer import GPT_INIT_STD, CausalAttention, Embedding, Residual
+from mpihybrid.nn.settings import Setting
+from mpihybrid.nn.transformer import (
+    GPT_INIT_STD,
+    HEADS,
+    TIE_EMBEDDINGS,
+    CausalAttention,
+    Embedding,
+    Residual,
+)
 
 ROPE_THETA = 10000.0  # Llama's base of the rotary frequencies
 RMS_EPS = 1e-5  # Llama 2's
+
+# model.* keys a llama reads beyond every kind's (nn/settings.py); hidden: the width C, depth:
+# its transformer layers
+LLAMA_SETTINGS = (
+    HEADS,
+    Setting("kv_heads", 0, "key/value heads (grouped-query attention); 0 = heads", low=0),
+    Setting("ffn", 0, "the SwiGLU's width, 0 = ceil(8/3 x hidden)", low=0),
+    TIE_EMBEDDINGS,  # Hugging Face's tie_word_embeddings
+)
 
 
 def _rows(a: np.ndarray) -> np.ndarray:
@@ -78,6 +97,13 @@ class RMSNorm(Layer):
         params["weight"][...] = 1.0
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        w = self.params["weight"]
+        if kernels.fast(x, w):  # one pass (nn/kernels.py); the numpy below is the reference
+            y, xhat = np.empty_like(x), np.empty_like(x)
+            rstd = np.empty((*x.shape[:-1], 1), np.float32)
+            kernels.rmsnorm_forward(_rows(x), w, np.float32(self.eps), _rows(y), _rows(xhat),
+                                    rstd.reshape(-1))  # fmt: skip
+            return y, (xhat, rstd)
         f = x.dtype.type
         ms = np.einsum("...c,...c->...", x, x)[..., None]  # no (..., C) temporary
         ms *= f(1.0 / self.dim)
@@ -91,7 +117,12 @@ class RMSNorm(Layer):
         self, dy: np.ndarray, cache: object, need_dx: bool = True
     ) -> tuple[np.ndarray | None, object]:
         xhat, rstd = cache
-        dxhat = dy * self.params["weight"].astype(dy.dtype, copy=False)
+        w = self.params["weight"]
+        if kernels.fast(dy, w):
+            dx = np.empty_like(dy)
+            kernels.rmsnorm_backward_input(_rows(dy), _rows(xhat), rstd.reshape(-1), w, _rows(dx))
+            return dx, (xhat, dy)
+        dxhat = dy * w.astype(dy.dtype, copy=False)
         # d/dx of x * rstd, rstd depending on x: rstd (dxhat - xhat mean(dxhat xhat))
         dx = xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True)
         np.subtract(dxhat, dx, out=dx)
@@ -100,7 +131,11 @@ class RMSNorm(Layer):
 
     def backward_weight(self, wcache: object) -> None:
         xhat, dy = wcache
-        self.grads["weight"] += np.einsum("bc,bc->c", _rows(dy), _rows(xhat))
+        dw = self.grads["weight"]
+        if kernels.fast(dy, xhat, dw):
+            kernels.rmsnorm_backward_weight(_rows(dy), _rows(xhat), dw)
+            return
+        dw += np.einsum("bc,bc->c", _rows(dy), _rows(xhat))
 
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
         # F reads x, writes xhat and y (12);  B reads dy, xhat, writes dxhat and dx (16);  W
@@ -121,6 +156,13 @@ class SwiGLU(Layer):
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
         f, half = x.shape[-1] // 2, x.dtype.type(0.5)
+        if kernels.fast(x):  # one pass (nn/kernels.py); the numpy below is the reference
+            y, sig = (
+                np.empty((*x.shape[:-1], f), np.float32),
+                np.empty((*x.shape[:-1], f), np.float32),
+            )
+            kernels.swiglu_forward(_rows(x), _rows(y), _rows(sig))
+            return y, (x, sig)
         gate, up = x[..., :f], x[..., f:]
         # sigmoid(a) = (1 + tanh(a / 2)) / 2: no exp to overflow at large |a|
         sig = np.multiply(gate, half)
@@ -137,8 +179,11 @@ class SwiGLU(Layer):
         # silu'(a) = s (1 + a (1 - s)), s = sigmoid(a):  dgate = dy up silu'(gate), dup = dy silu
         x, sig = cache
         f = sig.shape[-1]
-        gate, up = x[..., :f], x[..., f:]
         dx = array_module(dy).empty_like(x)
+        if kernels.fast(dy, x, sig):
+            kernels.swiglu_backward(_rows(dy), _rows(x), _rows(sig), _rows(dx))
+            return dx, None
+        gate, up = x[..., :f], x[..., f:]
         dgate, dup = dx[..., :f], dx[..., f:]
         np.multiply(gate, sig, out=dup)
         dup *= dy  # dup = dy silu(gate)
@@ -216,11 +261,24 @@ class RotaryAttention(Layer):
         return x[..., : self.dim], x[..., self.dim : self.dim + kv], x[..., self.dim + kv :]
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, object]:
+        return self.core.forward(self.pack(x).reshape(x.shape[0], x.shape[1], 3 * self.dim))
+
+    def backward_input(
+        self, dy: np.ndarray, cache: object, need_dx: bool = True
+    ) -> tuple[np.ndarray | None, object]:
+        dpacked, _ = self.core.backward_input(dy, cache)
+        return self.unpack(dpacked), None
+
+    def pack(self, x: np.ndarray) -> np.ndarray:
+        """The core's packed (b, T, 3, h, d) from x: q and k rotated, h split into (g, r) with
+        query head i reading kv head i // r."""
         b, t = x.shape[0], x.shape[1]
         g, r, d = self.kv_heads, self.heads // self.kv_heads, self.head_dim
-        q, k, v = self._views(x)
-        # the core's packed (b, T, 3, h, d), h split into (g, r): query head i uses kv head i // r
         packed = array_module(x).empty((b, t, 3, g, r, d), x.dtype)
+        if kernels.fast(x):  # one pass (nn/kernels.py); the numpy below is the reference
+            kernels.rotary_pack(x, *self._cos_sin(x, t, 1)[:2], packed)
+            return packed
+        q, k, v = self._views(x)
         cos, sin, _ = self._cos_sin(x, t, self.heads)
         _rotate(q, cos, sin, d, packed[:, :, 0].reshape(b, t, self.dim))
         cos, sin, _ = self._cos_sin(x, t, g)
@@ -228,24 +286,26 @@ class RotaryAttention(Layer):
         _rotate(k, cos, sin, d, rotated_k)
         packed[:, :, 1] = rotated_k.reshape(b, t, g, 1, d)
         packed[:, :, 2] = v.reshape(b, t, g, 1, d)
-        return self.core.forward(packed.reshape(b, t, 3 * self.dim))
+        return packed
 
-    def backward_input(
-        self, dy: np.ndarray, cache: object, need_dx: bool = True
-    ) -> tuple[np.ndarray | None, object]:
-        b, t = dy.shape[0], dy.shape[1]
+    def unpack(self, dpacked: np.ndarray) -> np.ndarray:
+        """pack's backward: dx (b, T, (h + 2g) d) from the core's (b, T, 3C) input gradient."""
+        b, t = dpacked.shape[0], dpacked.shape[1]
         g, r, d = self.kv_heads, self.heads // self.kv_heads, self.head_dim
-        dpacked, _ = self.core.backward_input(dy, cache)
         dpacked = dpacked.reshape(b, t, 3, g, r, d)
-        dx = array_module(dy).empty((b, t, self.dim + 2 * g * d), dy.dtype)
+        dx = array_module(dpacked).empty((b, t, self.dim + 2 * g * d), dpacked.dtype)
+        if kernels.fast(dpacked):
+            cos, _, minus_sin = self._cos_sin(dpacked, t, 1)
+            kernels.rotary_unpack(dpacked, cos, minus_sin, dx)
+            return dx
         dq, dk, dv = self._views(dx)
-        cos, _, minus_sin = self._cos_sin(dy, t, self.heads)
+        cos, _, minus_sin = self._cos_sin(dpacked, t, self.heads)
         _rotate(dpacked[:, :, 0].reshape(b, t, self.dim), cos, minus_sin, d, dq)
-        cos, _, minus_sin = self._cos_sin(dy, t, g)
+        cos, _, minus_sin = self._cos_sin(dpacked, t, g)
         summed = dpacked[:, :, 1].sum(axis=3).reshape(b, t, g * d)  # the repeated heads add up
         _rotate(summed, cos, minus_sin, d, dk)
         dpacked[:, :, 2].sum(axis=3, out=dv.reshape(b, t, g, d))
-        return dx, None
+        return dx
 
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
         # CausalAttention's on h heads, and: F rotates q and k (reads x, cos, sin, writes: 16 a
@@ -276,9 +336,8 @@ def _head_problem(dim: int, heads: int, kv_heads: int) -> str:
 
 
 def llama_check(cfg) -> str:
-    """What is wrong with a llama's model section, in one line ("" = nothing)."""
-    if cfg.kv_heads < 0:
-        return f"model.kv_heads = {cfg.kv_heads}: must be >= 0 (0 = model.heads)"
+    """What is wrong with a llama's model section beyond each setting's own check, in one line
+    ("" = nothing)."""
     return _head_problem(cfg.hidden, cfg.heads, cfg.kv_heads or cfg.heads)
 
 
@@ -324,55 +383,3 @@ def llama_blocks(cfg, seq_len: int, vocab: int, *, tied: bool = False) -> list[l
     head = Linear(width, vocab, bias=False, init_std=GPT_INIT_STD, tied=tied)
     blocks.append([RMSNorm(width), head])
     return blocks
-
-
-def hf_export(stages: list, cfg, seq_len: int, vocab: int) -> tuple[dict, dict]:
-    """`weights export` of a llama: every stage's tensors (the whole model, in order) under
-    Hugging Face's LlamaForCausalLM names and (out, in) layouts, and its LlamaConfig. The fused
-    q|k|v and gate|up matrices are cut by columns; a tied model has no lm_head.weight (HF's
-    tie_word_embeddings). The rotary convention is HF's (rotate_half): q_proj is our W_q^T."""
-    heads, kv_heads, width = cfg.heads, cfg.kv_heads or cfg.heads, cfg.hidden
-    d, ffn, kv = width // heads, ffn_width(cfg), (cfg.kv_heads or cfg.heads) * (width // heads)
-    cuts = {"q": slice(0, width), "k": slice(width, width + kv), "v": slice(width + kv, None)}
-    out = {}
-    for stage in stages:
-        for g, block in zip(stage.block_range, stage.blocks, strict=True):
-            if g == 0:
-                out["model.embed_tokens.weight"] = block[0].params["tokens"]
-            elif g == cfg.depth + 1:
-                out["model.norm.weight"] = block[0].params["weight"]
-                if not cfg.tie_embeddings:
-                    out["lm_head.weight"] = block[1].params["weight"].T
-            else:
-                (norm, qkv, _, o), (norm2, up, _, down) = (r.branch for r in block)
-                p = f"model.layers.{g - 1}."
-                out[p + "input_layernorm.weight"] = norm.params["weight"]
-                for name, cols in cuts.items():
-                    out[f"{p}self_attn.{name}_proj.weight"] = qkv.params["weight"][:, cols].T
-                out[p + "self_attn.o_proj.weight"] = o.params["weight"].T
-                out[p + "post_attention_layernorm.weight"] = norm2.params["weight"]
-                out[p + "mlp.gate_proj.weight"] = up.params["weight"][:, :ffn].T
-                out[p + "mlp.up_proj.weight"] = up.params["weight"][:, ffn:].T
-                out[p + "mlp.down_proj.weight"] = down.params["weight"].T
-    tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in out.items()}
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": width,
-        "intermediate_size": ffn,
-        "num_hidden_layers": cfg.depth,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": d,
-        "hidden_act": "silu",
-        "max_position_embeddings": seq_len,
-        "rms_norm_eps": RMS_EPS,
-        "rope_theta": ROPE_THETA,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": bool(cfg.tie_embeddings),
-        "torch_dtype": "float32",
-        "written_by": "mpihybrid weights export",
-    }
-    return tensors, config

@@ -6,12 +6,20 @@ Its entry in the registry of model kinds is `kinds.MLP` (teacher data, one row p
 from __future__ import annotations
 
 from mpihybrid.nn.layers import GELU, Layer, LayerNorm, Linear, ReLU
+from mpihybrid.nn.settings import Setting
 
 # B = rows of a micro-batch, C = features, K = classes
 
 Block = list[Layer]
 
 ACTIVATIONS = {"relu": ReLU, "gelu": GELU}
+
+# model.* keys an mlp reads beyond every kind's (nn/settings.py); hidden: every hidden layer's
+# width, depth: its Linear layers, the head included
+MLP_SETTINGS = (
+    Setting("activation", "relu", "the hidden layers' activation", choices=tuple(ACTIVATIONS)),
+    Setting("norm", False, "LayerNorm after each hidden Linear"),
+)
 
 
 def mlp_blocks(cfg, in_features: int, num_classes: int) -> list[Block]:

@@ -24,9 +24,22 @@ from mpihybrid.comm.device import array_module
 from mpihybrid.nn import kernels
 from mpihybrid.nn.gelu import GELUErf
 from mpihybrid.nn.layers import FLOAT, GELU, Cost, Layer, LayerNorm, Linear, layer_costs
+from mpihybrid.nn.settings import Setting
 from mpihybrid.nn.vocab import Positions
 
 GPT_INIT_STD = 0.02  # GPT-2's initialisation of embeddings and linear weights
+
+# model.* keys a GPT reads beyond every kind's (nn/settings.py); hidden: the width C, depth: its
+# transformer layers
+HEADS = Setting("heads", 4, "attention heads (model.hidden must divide by it)", low=1)
+TIE_EMBEDDINGS = Setting("tie_embeddings", False, "the head's weight is the token table")
+GPT_SETTINGS = (
+    HEADS,
+    Setting("ffn", 0, "the feed-forward width, 0 = 4 x hidden", low=0),
+    TIE_EMBEDDINGS,  # nanoGPT's wte = lm_head
+    Setting("vocab_parallel", False, "table and head split by vocabulary over the pp ranks"),
+    Setting("gelu", "tanh", "GELU's form: tanh (GPT-2's) | erf (nanoGPT's)", ("tanh", "erf")),
+)
 
 
 class Embedding(Layer):
@@ -278,7 +291,8 @@ class Residual(Layer):
 def gpt_blocks(cfg, seq_len: int, vocab: int, *, tied: bool = False) -> list[list[Layer]]:
     """[Embedding], `depth` pre-norm transformer layers, [LayerNorm, LM head].
 
-    `cfg` needs: hidden (width C), depth (layers), heads, ffn (0 = 4 C). Linear weights are
+    `cfg` needs: hidden (width C), depth (layers), heads, ffn (0 = 4 C), vocab_parallel (table
+    and head left to nn/vocab.py) and gelu (tanh | erf). Linear weights are
     drawn from N(0, 0.02^2), the residual projections' scaled by 1/sqrt(2 depth) (GPT-2).
     Its entry in the registry of model kinds is `kinds.GPT`.
     """
@@ -290,7 +304,7 @@ def gpt_blocks(cfg, seq_len: int, vocab: int, *, tied: bool = False) -> list[lis
     out_std = GPT_INIT_STD / math.sqrt(2 * cfg.depth)
     # model.vocab_parallel: the token table and the head are shared out by vocabulary over the
     # pp ranks (nn/vocab.py); the stages keep the position table and the final norm
-    vocab_parallel = getattr(cfg, "vocab_parallel", False)
+    vocab_parallel = cfg.vocab_parallel
     first = Positions(vocab, seq_len, width) if vocab_parallel else Embedding(vocab, seq_len, width)
     blocks: list[list[Layer]] = [[first]]
     for _ in range(cfg.depth):
@@ -306,7 +320,7 @@ def gpt_blocks(cfg, seq_len: int, vocab: int, *, tied: bool = False) -> list[lis
             [
                 LayerNorm(width),
                 Linear(width, ffn, init_std=GPT_INIT_STD),
-                GELU() if getattr(cfg, "gelu", "tanh") == "tanh" else GELUErf(),
+                GELU() if cfg.gelu == "tanh" else GELUErf(),
                 Linear(ffn, width, init_std=out_std),
             ]
         )

@@ -119,11 +119,11 @@ def config_of(cfg, seq_len: int, vocab: int) -> dict:
         "bias": True,
         "dropout": 0.0,
         # tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); erf (model.gelu): nanoGPT's
-        "gelu": getattr(cfg, "gelu", "tanh"),
+        "gelu": cfg.gelu,
         "lm_head_bias": True,  # nanoGPT's lm_head has none
         "layer_norm_eps": 1e-5,
         "attention_scale": "1/sqrt(head_dim)",
-        "tie_embeddings": bool(getattr(cfg, "tie_embeddings", False)),
+        "tie_embeddings": bool(cfg.tie_embeddings),
         "linear_layout": "(out, in) as torch.nn.Linear",
         "written_by": "mpihybrid weights export",
     }
@@ -162,21 +162,30 @@ def file_config(path: str | Path) -> dict | None:
     return None if text is None else json.loads(text)
 
 
-def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) -> str:
-    """What keeps the file from starting this model, in one line ("" = it fits): a missing,
-    misshapen or unexpected tensor, another model's head count in its config."""
+def file_shapes(path: str | Path) -> tuple[dict[str, tuple[int, ...]] | None, str]:
+    """model.init's file: (each tensor's shape by name, "") or (None, why it cannot be read,
+    in one line). Any kind's file (its `weights` check calls it)."""
     from safetensors import SafetensorError, safe_open
 
     p = Path(path)
     try:  # a FIFO or a device: refused before safetensors opens it (open() would block)
         check_regular(p, what="model.init")
     except InputFileError as exc:
-        return str(exc)
+        return None, str(exc)
     try:
         with safe_open(str(p), framework="numpy") as f:
-            have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, ""  # noqa: SIM118
     except (SafetensorError, OSError, ValueError) as exc:
-        return f"model.init = {str(p)!r}: not a readable safetensors file ({exc})"
+        return None, f"model.init = {str(p)!r}: not a readable safetensors file ({exc})"
+
+
+def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) -> str:
+    """What keeps the file from starting this model, in one line ("" = it fits): a missing,
+    misshapen or unexpected tensor, another model's head count in its config."""
+    p = Path(path)
+    have, problem = file_shapes(p)
+    if have is None:
+        return problem
     want = expected_shapes(blocks)
     lenient = {HEAD_BIAS, HEAD} if WTE in have else {HEAD_BIAS}
     if biasless(have):  # nanoGPT's bias = False: every bias starts at zero (load_into)
@@ -195,11 +204,11 @@ def check_file(cfg, seq_len: int, vocab: int, path: str | Path, blocks: list) ->
     extra = sorted(k for k in set(have) - set(want) if not k.endswith(".attn.bias"))
     if HEAD in extra and WTE in want:  # a tied job: the file's head must be its wte
         extra.remove(HEAD)
-        if wrong := _untied(p, have):
-            return wrong
+        if not same_tensor(p, have, HEAD, WTE):
+            return untied_problem(p, HEAD, WTE)
     if extra:
         return f"model.init = {str(p)!r}: {len(extra)} tensors the model has not ({extra[0]}, ...)"
-    return _heads_problem(cfg, p)
+    return config_problem(p, {"n_head": ("model.heads", cfg.heads)})
 
 
 def biasless(names) -> bool:
@@ -208,9 +217,10 @@ def biasless(names) -> bool:
     return not any(k.endswith(".bias") and not k.endswith(".attn.bias") for k in names)
 
 
-def _heads_problem(cfg, p: Path) -> str:
-    """The head count the file's config says (its metadata's, else the JSON beside it) against
-    the job's: "" when they agree or when no config says."""
+def config_problem(p: Path, says: dict) -> str:
+    """The settings the file's config says (its metadata's, else the JSON beside it) against
+    the job's: says = {config key: (the job's setting, its value)}; "" when they agree or when
+    no config says."""
     beside = config_path(p)
     where = str(p)
     try:
@@ -218,27 +228,33 @@ def _heads_problem(cfg, p: Path) -> str:
         if config is None and beside.exists():
             where = str(beside)
             config = json.loads(read_text(beside, what="model.init's config", limit=MiB))
-        heads = (config or {}).get("n_head", cfg.heads)
+        config = config or {}
+        theirs = {key: config.get(key, ours) for key, (_, ours) in says.items()}
     except InputFileError as exc:
         return str(exc)
     except (ValueError, AttributeError) as exc:
         return f"model.init: {where} holds no readable JSON config ({exc})"
-    if heads != cfg.heads:
-        return f"model.init: {where} says n_head = {heads}, the job's model.heads = {cfg.heads}"
+    for key, (setting, ours) in says.items():
+        if theirs[key] != ours:
+            return f"model.init: {where} says {key} = {theirs[key]}, the job's {setting} = {ours}"
     return ""
 
 
-def _untied(p: Path, have: dict) -> str:
-    """A tied job's file with an lm_head.weight: "" when it is the file's wte (a tied model)."""
+def same_tensor(p: Path, have: dict, a: str, b: str) -> bool:
+    """Whether the file's tensors a and b are equal (a tied model's head and table)."""
     from safetensors import safe_open
 
-    if have[HEAD] == have[WTE]:
-        with safe_open(str(p), framework="numpy") as f:
-            if np.array_equal(f.get_tensor(HEAD), f.get_tensor(WTE)):
-                return ""
+    if have[a] != have[b]:
+        return False
+    with safe_open(str(p), framework="numpy") as f:
+        return bool(np.array_equal(f.get_tensor(a), f.get_tensor(b)))
+
+
+def untied_problem(p: Path, head: str, table: str) -> str:
+    """A tied job's file whose head is not its table, in one line."""
     return (
-        f"model.init = {str(p)!r}: lm_head.weight is not transformer.wte.weight (an untied "
-        "model) and this job ties them (model.tie_embeddings = true)"
+        f"model.init = {str(p)!r}: {head} is not {table} (an untied model) and this job ties "
+        "them (model.tie_embeddings = true)"
     )
 
 
@@ -248,7 +264,7 @@ def init_problem(cfg, seq_len: int, vocab: int) -> str:
 
     if not cfg.init.endswith(".safetensors"):
         return f"model.init = {cfg.init!r}: expected a .safetensors file (weights export)"
-    if getattr(cfg, "vocab_parallel", False):  # the file holds the whole model: check that
+    if cfg.vocab_parallel:  # the file holds the whole model: check that
         cfg = dataclasses.replace(cfg, vocab_parallel=False)
     blocks = gpt_blocks(cfg, seq_len, vocab, tied=cfg.tie_embeddings)  # GPT.build's blocks
     return check_file(cfg, seq_len, vocab, cfg.init, blocks)
@@ -256,14 +272,14 @@ def init_problem(cfg, seq_len: int, vocab: int) -> str:
 
 def nonfinite_problem(path: str | Path) -> str:
     """The first tensor of a model.init file holding a NaN or an infinity, in one line ("" =
-    none): read once, a tensor at a time, before any rank starts from it. A file without biases
-    (nanoGPT's bias = False) is said here, once."""
+    none): read once, a tensor at a time, before any rank starts from it. A nanoGPT-named file
+    without biases (nanoGPT's bias = False) is said here, once."""
     import logging
 
     from safetensors import safe_open
 
     with safe_open(str(path), framework="numpy") as f:
-        if biasless(f.keys()):
+        if WTE in f.keys() and biasless(f.keys()):  # noqa: SIM118 (a nanoGPT-named file)
             logging.getLogger("mpihybrid").info(
                 "model.init = %r has no biases (nanoGPT's bias = False): every bias starts at "
                 "zero, so the model computes the file's function",

@@ -23,7 +23,6 @@ from mpihybrid.config import ConfigError, Job
 from mpihybrid.nn.data import build_task
 from mpihybrid.nn.kinds import model_kind
 from mpihybrid.nn.model import Stage, boundary_shapes, build_stage
-from mpihybrid.nn.weights import load_into
 from mpihybrid.pipeline.runtime import PipelineRuntime
 from mpihybrid.pipeline.schedules import lower
 from mpihybrid.pipeline.wire import P2PWire, encoded_peers
@@ -101,7 +100,7 @@ def build_run(job: Job, world: MPI.Comm, backend: Backend) -> Run:
     }
     for st in stages.values():
         if job.model.init:  # the file was checked against the model (config.validate)
-            load_into(st, job.model.init, job.model.depth + 2)  # gpt: embedding, layers, head
+            model_kind(job.model.kind).weights.load(st, job.model)  # the stage's own blocks
         if not on_host:
             st.to_device(backend.asarray)  # initialised on the host: the same draws everywhere
         st.recompute = t.recompute == "full"

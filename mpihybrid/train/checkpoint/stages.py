@@ -116,13 +116,13 @@ def check_compatible(manifest: dict, job, path: Path) -> None:
 def _check_chunking(manifest: dict, job, path: Path) -> None:
     """A checkpoint's stages are its placement's chunks: another pp or chunks per rank (a V
     schedule's 2 after a loop's 1) is refused naming both and, for a kind a weights file starts
-    (nn/kinds.py: ModelKind.init), the way across."""
+    (nn/kinds.py: ModelKind.weights), the way across."""
     theirs = (manifest.get("pp"), manifest.get("virtual_stages"))
     mine = (job.grid.pp, job.train.virtual_stages)
     if theirs == mine:
         return
     across = ""
-    if model_kind(job.model.kind).init is not None:  # its weights export starts a job
+    if model_kind(job.model.kind).weights is not None:  # its weights export starts a job
         across = (
             f"; to go across, `mpihybrid weights export {path.parent} -o W.safetensors`, then "
             "start this job in another checkpoint.dir with model.init = W.safetensors (the "
