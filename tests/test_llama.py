@@ -411,24 +411,26 @@ TINY_LLAMA = [*LLAMA_JOB, "model.kv_heads=2", "model.ffn=24", "data.vocab=37", "
 
 @pytest.mark.mpi
 @pytest.mark.parametrize(
-    "dp, tie, schedules, extra, also",
+    "pp, dp, tie, schedules, extra, also",
     [
-        (1, "false", "1f1b,zb-v,auto", ["train.schedule_calibrate=0"], []),  # auto: searched
-        (2, "true", "1f1b,zb-v", ["train.recompute=full"], ["train.shard_optimizer=true"]),
+        (2, 1, "false", "1f1b,zb-v,auto", ["train.schedule_calibrate=0"], []),  # auto: searched
+        (2, 2, "true", "1f1b,zb-v", ["train.recompute=full"], ["train.shard_optimizer=true"]),
         # tests/fakegpu: CuPy's rule that host and device arrays never mix (grid.device = cuda)
-        (1, "true", "zb-v", [], ["--fake-gpu"]),
+        (2, 1, "true", "zb-v", [], ["--fake-gpu"]),
+        # four stages (a V of eight chunks: six layers), auto searched there too
+        (4, 1, "false", "1f1b,zb-v,auto", ["train.schedule_calibrate=0", "model.depth=6"], []),
     ],
-    ids=["dp1-auto", "dp2-tied-recompute-zero", "dp1-tied-fake-gpu"],
+    ids=["dp1-auto", "dp2-tied-recompute-zero", "dp1-tied-fake-gpu", "pp4-auto"],
 )
-def test_llama_hybrid_equals_serial(dp, tie, schedules, extra, also):
+def test_llama_hybrid_equals_serial(pp, dp, tie, schedules, extra, also):
     m, flags = 4, [a for a in also if a.startswith("--")]  # a flag of _mpi_train, not a run
     also = [a for a in also if a not in flags]
-    settings = [*TINY_LLAMA, "grid.pp=2", f"grid.dp={dp}", f"model.tie_embeddings={tie}",
+    settings = [*TINY_LLAMA, f"grid.pp={pp}", f"grid.dp={dp}", f"model.tie_embeddings={tie}",
                 f"train.microbatches={m}", f"train.global_batch={dp * m * 2}", *extra]  # fmt: skip
     argv = [arg for s in settings for arg in ("--set", s)]
     argv += [arg for a in also for arg in ("--also", a)]
     argv = ["--serial", *flags, "--schedules", schedules, *argv]
-    proc = run_mpi(2 * dp, "tests/_mpi_train.py", *argv, timeout=180)
+    proc = run_mpi(pp * dp, "tests/_mpi_train.py", *argv, timeout=180)
     runs = results(proc)
     names = schedules.split(",")
     assert [(r["schedule"], r["also"]) for r in runs] == [
@@ -441,6 +443,24 @@ def test_llama_hybrid_equals_serial(dp, tie, schedules, extra, also):
         np.testing.assert_allclose(r["losses"], r["serial_losses"], rtol=1e-5)
         assert r["replica_max_diff"] == 0.0
         assert r["losses"][0] == pytest.approx(math.log(37), rel=0.05)  # near-uniform at init
+
+
+@pytest.mark.mpi
+def test_llama_over_int8_rings_and_int8_pipeline_links():
+    """pp 2 x dp 2, zb-v: fp32 everywhere equals serial; the int8 gradient ring and the int8
+    activation links (every link encoded) keep the replicas identical and train close to it."""
+    settings = [*TINY_LLAMA, "grid.pp=2", "grid.dp=2", "train.microbatches=4",
+                "train.global_batch=16", "comm.p2p_codec_scope=all"]  # fmt: skip
+    argv = ["--serial", "--schedules", "zb-v", *[a for s in settings for a in ("--set", s)]]
+    argv += ["--also", "comm.codec=int8", "--also", "comm.p2p_codec=int8"]
+    runs = {r["also"]: r for r in results(run_mpi(4, "tests/_mpi_train.py", *argv, timeout=180))}
+    assert sorted(runs) == ["", "comm.codec=int8", "comm.p2p_codec=int8"]
+    assert runs[""]["allclose"] and runs[""]["max_abs_diff"] < 1e-5
+    for also in ("comm.codec=int8", "comm.p2p_codec=int8"):
+        r = runs[also]
+        assert r["replica_max_diff"] == 0.0, also
+        assert r["max_abs_diff"] > 0.0, also  # the lossy wire really carried it
+        np.testing.assert_allclose(r["losses"], runs[""]["losses"], rtol=0.02)
 
 
 @pytest.mark.mpi
