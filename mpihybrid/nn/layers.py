@@ -151,6 +151,18 @@ def _rows(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1, a.shape[-1])
 
 
+def norm_dx_kernel(kernel, dy: np.ndarray, cache: tuple, w: np.ndarray) -> np.ndarray | None:
+    """A normalisation's input gradient by its numba kernel (LayerNorm's, RMSNorm's: dy, xhat,
+    rstd, the weight, into dx), or None where the arrays are not the kernels' (the numpy
+    reference runs instead)."""
+    if not kernels.fast(dy, w):
+        return None
+    xhat, rstd = cache
+    dx = np.empty_like(dy)
+    kernel(_rows(dy), _rows(xhat), rstd.reshape(-1), w, _rows(dx))
+    return dx
+
+
 class Linear(Layer):
     """y = x @ W + b with W of shape (in, out); x may have leading dimensions, (..., in).
 
@@ -405,9 +417,8 @@ class LayerNorm(Layer):
     ) -> tuple[np.ndarray | None, object]:
         xhat, rstd = cache
         w = self.params["weight"]
-        if kernels.fast(dy, w):
-            dx = np.empty_like(dy)
-            kernels.layernorm_backward_input(_rows(dy), _rows(xhat), rstd.reshape(-1), w, _rows(dx))
+        dx = norm_dx_kernel(kernels.layernorm_backward_input, dy, cache, w)
+        if dx is not None:
             return dx, (xhat, dy)
         dxhat = dy * w.astype(dy.dtype, copy=False)
         # d/dx of (x - mean) * rstd, with both mean and rstd depending on x

@@ -24,7 +24,7 @@ import numpy as np
 
 from mpihybrid.comm.device import array_module
 from mpihybrid.nn import kernels
-from mpihybrid.nn.layers import FLOAT, Cost, Layer, Linear
+from mpihybrid.nn.layers import FLOAT, Cost, Layer, Linear, norm_dx_kernel
 from mpihybrid.nn.settings import Setting
 from mpihybrid.nn.transformer import (
     GPT_INIT_STD,
@@ -118,9 +118,8 @@ class RMSNorm(Layer):
     ) -> tuple[np.ndarray | None, object]:
         xhat, rstd = cache
         w = self.params["weight"]
-        if kernels.fast(dy, w):
-            dx = np.empty_like(dy)
-            kernels.rmsnorm_backward_input(_rows(dy), _rows(xhat), rstd.reshape(-1), w, _rows(dx))
+        dx = norm_dx_kernel(kernels.rmsnorm_backward_input, dy, cache, w)
+        if dx is not None:
             return dx, (xhat, dy)
         dxhat = dy * w.astype(dy.dtype, copy=False)
         # d/dx of x * rstd, rstd depending on x: rstd (dxhat - xhat mean(dxhat xhat))
