@@ -36,7 +36,7 @@ import os
 
 from mpihybrid import temps
 from mpihybrid.config import WARM
-from mpihybrid.config.searched import AUTO_TIME, apply, auto_placements
+from mpihybrid.config.searched import AUTO_GAP, AUTO_TIME, apply, auto_placements
 
 
 def costs_of(job, link: tuple[float, float] = (0.0, 0.0)):
@@ -88,6 +88,7 @@ def decide(
         ranges=ranges,
         time_limit=AUTO_TIME,
         deterministic=True,
+        gap_limit=AUTO_GAP,
         tick=tick,
     )
     best = result.best
