@@ -58,8 +58,10 @@ def _check(runs, names, also=("", TIED)):
 )  # fmt: skip
 def test_vocab_parallel_equals_serial(pp, dp, names):
     m = 2 * pp
+    # auto: a deterministic second of exact search per search (4 by default)
     settings = [*TINY_GPT, f"grid.pp={pp}", f"grid.dp={dp}", f"train.microbatches={m}",
-                f"train.global_batch={2 * m * dp}", f"model.depth={2 * pp - 2}"]  # fmt: skip
+                f"train.global_batch={2 * m * dp}", f"model.depth={2 * pp - 2}",
+                "train.schedule_time=1"]  # fmt: skip
     proc = run_mpi(pp * dp, "tests/_mpi_train.py", "--serial", "--schedules", ",".join(names),
                    "--also", TIED, *_argv(settings), timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
