@@ -72,7 +72,8 @@ class SearchResult:
     costs: SearchCosts
     status: str  # optimal | feasible (exact, with a proven bound) | heuristic
     bound: float  # proven lower bound of the best placement and split (0: none)
-    solver_seconds: list[tuple[str, str, float, float, float]] = field(default_factory=list)
+    # per solve: (placement and split, status, seconds, deterministic seconds, found, bound)
+    solver_seconds: list[tuple[str, str, float, float, float, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     table: list[dict] = field(default_factory=list)  # the built-ins on the same costs
     searched: Candidate | None = None  # the best order searched (best: a built-in on a tie)
@@ -284,7 +285,7 @@ def _checked_limit(limit: float, m: int) -> float:
 def _exact(per_split, found, m, limit, split, *, limits, notes, solves):
     """Solve every split tried exactly where small (limits: solve's; the time shared among
     them), seeded with its best order: {(style, split): (status, bound)}; the orders found join
-    `found`, each solve's (style, status, seconds, found, bound) `solves`."""
+    `found`, each solve's (style, status, seconds, deterministic seconds, found, bound) `solves`."""
     from mpihybrid.pipeline.search_exact import SolverMissing, solve
     from mpihybrid.pipeline.search_greedy import budgets
 
@@ -312,7 +313,8 @@ def _exact(per_split, found, m, limit, split, *, limits, notes, solves):
             notes.append(f"{exc}; the greedy's schedule instead")
             return {}
         sizes = [len(r) for r in seed.ranges]
-        solves.append((f"{key[0]} {sizes}", res.status, res.seconds, res.makespan, res.bound))
+        solves.append((f"{key[0]} {sizes}", res.status, res.seconds, res.work, res.makespan,
+                       res.bound))  # fmt: skip
         if res.lists is not None:
             sim = judge(res.lists, seed.placement, seed.sim_costs, m)
             found.append(
@@ -464,9 +466,9 @@ def format_result(result: SearchResult, grid: bool = True) -> str:
             f"{_time(anywhere, unit)} ({sim.makespan / anywhere - 1:+.1%} from it), "
             "whatever its placement, split, order or memory"
         )
-    for style, status, seconds, found, bound in result.solver_seconds:
+    for style, status, seconds, work, found, bound in result.solver_seconds:
         lines.append(
-            f"solver, {style}: {status} in {seconds:.2f} s (model step "
+            f"solver, {style}: {status} in {seconds:.2f} s, {work:.2f} deterministic (model step "
             f"{_time(found, unit)}, proven bound {_time(bound, unit)})"
         )
     lines += result.notes

@@ -60,6 +60,7 @@ class ExactResult:
     makespan: float  # of the rounded costs, in seconds (inf: nothing found)
     bound: float  # proven lower bound on it, in seconds
     seconds: float  # wall time of the solve
+    work: float = 0.0  # CP-SAT's deterministic time of it (what a deterministic limit counts)
 
     @property
     def gap(self) -> float:
@@ -161,10 +162,11 @@ def solve(
     solver, status, seconds = _run(cp_model, model, workers=workers, **limits)
     bound = solver.BestObjectiveBound() * tick if status != "infeasible" else float("inf")
     if status not in ("optimal", "feasible"):
-        return ExactResult(None, status, float("inf"), bound, seconds)
+        return ExactResult(None, status, float("inf"), bound, seconds, solver.deterministic_time)
     ticks = {key: solver.Value(v) for key, v in start.items() if key[0] not in VOCAB_KINDS}
     lists = _lists(placement, ticks)
-    return ExactResult(lists, status, solver.ObjectiveValue() * tick, bound, seconds)
+    found = solver.ObjectiveValue() * tick
+    return ExactResult(lists, status, found, bound, seconds, solver.deterministic_time)
 
 
 def _actions(model, placement, m: int, dur: dict, *, gap: int, horizon: int):
