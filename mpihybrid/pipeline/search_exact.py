@@ -171,16 +171,22 @@ def solve(
 
 def _actions(model, placement, m: int, dur: dict, *, gap: int, horizon: int):
     """(start, end, per_rank): every F, B and W an interval on its rank's timeline."""
-    start, end, per_rank = {}, {}, {r: [] for r in range(placement.pp)}
+    timeline = {}, {}, {r: [] for r in range(placement.pp)}
     for (k, s), ticks in dur.items():
+        rank = placement.rank_of(s)
         for mb in range(m):
-            key = (k, s, mb)
-            start[key] = model.NewIntVar(0, horizon, f"s{k}{s}_{mb}")
-            end[key] = start[key] + ticks
-            # the rank's gap after it: occupied (nothing else starts) but waited on by none
-            iv = model.NewFixedSizeIntervalVar(start[key], ticks + gap, f"i{k}{s}_{mb}")
-            per_rank[placement.rank_of(s)].append(iv)
-    return start, end, per_rank
+            _interval(model, timeline, (k, s, mb), ticks, rank, gap=gap, horizon=horizon)
+    return timeline
+
+
+def _interval(model, timeline, key, ticks: int, rank: int, *, gap: int, horizon: int) -> None:
+    """Action `key` (kind, stage or share, mb) of `ticks` on `rank`'s timeline, followed by the
+    rank's gap: occupied (nothing else starts) but waited on by none."""
+    start, end, per_rank = timeline
+    name = "{}{}_{}".format(*key)
+    start[key] = model.NewIntVar(0, horizon, f"s{name}")
+    end[key] = start[key] + ticks
+    per_rank[rank].append(model.NewFixedSizeIntervalVar(start[key], ticks + gap, f"i{name}"))
 
 
 def _share_ticks(costs: Costs, tick: float, pp: int) -> dict[tuple[str, int], int]:
@@ -209,15 +215,10 @@ def _add_shares(model, shares: dict, m: int, placement, timeline, *, after, hori
     """model.vocab_parallel's passes (module text): an interval per (kind, share, mb) on the
     share's rank, its inputs, the first stage's F after every E, the last stage's B after every
     T; timeline: (start, end, per_rank) of the model, which this fills in."""
-    start, end, per_rank = timeline
-    last = placement.num_stages - 1
+    start, last = timeline[0], placement.num_stages - 1
     for (k, r), ticks in shares.items():
         for mb in range(m):
-            key = (k, r, mb)
-            start[key] = model.NewIntVar(0, horizon, f"s{k}{r}_{mb}")
-            end[key] = start[key] + ticks
-            interval = model.NewFixedSizeIntervalVar(start[key], ticks + gap, f"i{k}{r}_{mb}")
-            per_rank[r].append(interval)
+            _interval(model, timeline, (k, r, mb), ticks, r, gap=gap, horizon=horizon)
     for (k, r), _ in shares.items():  # each rank's passes of a kind in micro-batch order
         for mb in range(m):
             for need in vocab_inputs(Action(r, k, mb), last, placement.pp):
