@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import itertools
 import math
+import re
 
 import pytest
 
@@ -365,3 +366,22 @@ def test_bench_names_what_auto_chose():
     split = job.model.partition
     assert _schedule_name(searched) == f"{name} (auto: v by zb-v, split {split})"
     assert searched.schedule.lists() == zbv.lists() and searched.schedule.csv == text
+
+
+def test_schedule_time_is_checked_and_zero_searches_without_the_solver():
+    """train.schedule_time: the exact search's deterministic limit; negative, NaN or inf is one
+    line, 0 runs no exact solve (the greedy and the built-ins: no proven bound)."""
+    from mpihybrid.cli.predict import _load_job
+    from mpihybrid.config import ConfigError
+    from mpihybrid.predict.cluster import find_cluster, load_cluster
+    from mpihybrid.predict.searched import predicted_auto
+
+    sets = ["train.schedule=auto"]
+    for value, says in (("-1", "train.schedule_time = -1.0: 0 (no exact search)"),
+                        ("nan", "train.schedule_time = nan"),
+                        ("inf", "train.schedule_time = inf: must be a finite")):  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            _load_job("jobs/gpt_bench.toml", [*sets, f"train.schedule_time={value}"])
+    job = _load_job("jobs/gpt_bench.toml", ["train.schedule=auto", "train.schedule_time=0"])
+    _, _, result = predicted_auto(job, load_cluster(find_cluster("local")))
+    assert result.status == "heuristic" and not result.solver_seconds

@@ -29,7 +29,10 @@ def test_auto_equals_serial(pp, dp, m, model, placements):
     """placements: train.schedule_placement of the run, then of each --also run (one launch)."""
     settings = [f"grid.pp={pp}", f"grid.dp={dp}", f"train.microbatches={m}",
                 f"train.global_batch={dp * m * 2}", "train.steps=3", "comm.codec=fp32",
-                "comm.sync_sends=true", "model.depth=8"]  # fmt: skip
+                "comm.sync_sends=true", "model.depth=8",
+                # a deterministic second per search, not 4: these check the schedule runs as
+                # serial, not how close the solve comes to proving it (tests/test_search.py)
+                "train.schedule_time=1"]  # fmt: skip
     if model == "gpt":
         settings += [*TINY_GPT, "train.optimizer=adamw", "train.lr=1e-4"]
     else:
@@ -51,7 +54,8 @@ def test_auto_equals_serial(pp, dp, m, model, placements):
 
 def test_auto_from_a_trace_resumes_bit_for_bit_and_refuses_another_model(tmp_path):
     base = ["--quiet", "--set", "grid.pp=2", "--set", "model.depth=8", "--set",
-            "train.optimizer=adamw", "--set", "model.hidden=16"]  # fmt: skip
+            "train.optimizer=adamw", "--set", "model.hidden=16", "--set",
+            "train.schedule_time=1"]  # fmt: skip
 
     def train(steps, *extra, ok=True):
         proc = run_mpi(2, "-m", "mpihybrid", "train", *base, "--set", f"train.steps={steps}",

@@ -36,7 +36,7 @@ import os
 
 from mpihybrid import temps
 from mpihybrid.config import WARM
-from mpihybrid.config.searched import AUTO_TIME, apply, auto_placements
+from mpihybrid.config.searched import AUTO_GAP, apply, auto_placements
 
 
 def costs_of(job, link: tuple[float, float] = (0.0, 0.0)):
@@ -86,8 +86,10 @@ def decide(
         max_inflight=t.schedule_inflight or None,
         placements=placements or auto_placements(t),
         ranges=ranges,
-        time_limit=AUTO_TIME,
+        time_limit=t.schedule_time,
+        exact=t.schedule_time > 0,
         deterministic=True,
+        gap_limit=AUTO_GAP,
         tick=tick,
     )
     best = result.best

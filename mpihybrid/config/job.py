@@ -113,6 +113,9 @@ class TrainConfig:
     schedule_inflight: float = 0.0
     schedule_placement: str = ""
     schedule_calibrate: int = 5  # steps the first search's schedule runs to calibrate (0: none)
+    # the exact search's deterministic time limit (CP-SAT's, about seconds), over every split a
+    # search solves (0: no exact search, the greedy and the built-ins alone)
+    schedule_time: float = 4.0
     early_grad_send: bool = True  # a backward sends its input gradient before the weight gradient
     optimizer: str = "sgd"
     lr: float = 0.01  # the peak rate (lr_schedule: the rate after the warmup)

@@ -227,6 +227,11 @@ def _check_auto(job: Job) -> None:
             f"train.schedule_calibrate = {t.schedule_calibrate}: 0 (no calibration) or at least "
             f"{WARM + 1} steps (the first {WARM} are a warm-up)"
         )
+    if not t.schedule_time >= 0:  # NaN too
+        raise ConfigError(
+            f"train.schedule_time = {t.schedule_time}: 0 (no exact search) or more of the exact "
+            "search's deterministic seconds"
+        )
     if t.schedule_placement not in PLACEMENTS:
         raise ConfigError(
             f"train.schedule_placement = {t.schedule_placement!r}: one of "

@@ -72,7 +72,8 @@ class SearchResult:
     costs: SearchCosts
     status: str  # optimal | feasible (exact, with a proven bound) | heuristic
     bound: float  # proven lower bound of the best placement and split (0: none)
-    solver_seconds: list[tuple[str, str, float, float, float]] = field(default_factory=list)
+    # per solve: (placement and split, status, seconds, deterministic seconds, found, bound)
+    solver_seconds: list[tuple[str, str, float, float, float, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     table: list[dict] = field(default_factory=list)  # the built-ins on the same costs
     searched: Candidate | None = None  # the best order searched (best: a built-in on a tie)
@@ -171,11 +172,12 @@ def search(
     deterministic: bool = False,
     ranges: list[range] | None = None,
     tick=None,
+    gap_limit: float = 0.0,
 ) -> SearchResult:
     """The best schedule found (module text). max_inflight: micro-batches of a rank's share
     (default_limit: what the fastest built-in holds, at least p); ranges: a split of the blocks
     to keep (only placements of that many stages are tried); tick(): called between candidates
-    (a watchdog's progress)."""
+    (a watchdog's progress); gap_limit: an exact solve stops once proved within it."""
     tick = tick or _progress
     rows = builtin_rows(costs, pp, m)
     limit = _checked_limit(default_limit(rows, pp) if max_inflight is None else max_inflight, m)
@@ -220,8 +222,9 @@ def search(
         raise ScheduleError(f"schedule search found no schedule: {why}")
     proved, solves = {}, []
     if exact:
-        proved = _exact(per_split, found, m, limit, split, time_limit=time_limit,
-                        deterministic=deterministic, notes=notes, solves=solves)  # fmt: skip
+        limits = {"time_limit": time_limit, "gap_limit": gap_limit, "deterministic": deterministic}
+        proved = _exact(per_split, found, m, limit, split, limits=limits, notes=notes,
+                        solves=solves)  # fmt: skip
         tick()
     best = searched = min(found, key=lambda c: c.key)
     if ranges is None:
@@ -279,10 +282,10 @@ def _checked_limit(limit: float, m: int) -> float:
     return float(min(limit, m))
 
 
-def _exact(per_split, found, m, limit, split, *, time_limit, deterministic, notes, solves):
-    """Solve every split tried exactly where small (the time shared among them), seeded with its
-    best order: {(style, split): (status, bound)}; the orders found join `found`, each solve's
-    (style, status, seconds, found, bound) `solves`."""
+def _exact(per_split, found, m, limit, split, *, limits, notes, solves):
+    """Solve every split tried exactly where small (limits: solve's; the time shared among
+    them), seeded with its best order: {(style, split): (status, bound)}; the orders found join
+    `found`, each solve's (style, status, seconds, deterministic seconds, found, bound) `solves`."""
     from mpihybrid.pipeline.search_exact import SolverMissing, solve
     from mpihybrid.pipeline.search_greedy import budgets
 
@@ -303,15 +306,15 @@ def _exact(per_split, found, m, limit, split, *, time_limit, deterministic, note
                 seed.sim_costs,
                 limit=budgets(seed.placement, limit),
                 split=split,
-                time_limit=time_limit / len(small),
                 hint=hint.lists,
-                deterministic=deterministic,
+                **(limits | {"time_limit": limits["time_limit"] / len(small)}),
             )
         except SolverMissing as exc:
             notes.append(f"{exc}; the greedy's schedule instead")
             return {}
         sizes = [len(r) for r in seed.ranges]
-        solves.append((f"{key[0]} {sizes}", res.status, res.seconds, res.makespan, res.bound))
+        solves.append((f"{key[0]} {sizes}", res.status, res.seconds, res.work, res.makespan,
+                       res.bound))  # fmt: skip
         if res.lists is not None:
             sim = judge(res.lists, seed.placement, seed.sim_costs, m)
             found.append(
@@ -463,9 +466,9 @@ def format_result(result: SearchResult, grid: bool = True) -> str:
             f"{_time(anywhere, unit)} ({sim.makespan / anywhere - 1:+.1%} from it), "
             "whatever its placement, split, order or memory"
         )
-    for style, status, seconds, found, bound in result.solver_seconds:
+    for style, status, seconds, work, found, bound in result.solver_seconds:
         lines.append(
-            f"solver, {style}: {status} in {seconds:.2f} s (model step "
+            f"solver, {style}: {status} in {seconds:.2f} s, {work:.2f} deterministic (model step "
             f"{_time(found, unit)}, proven bound {_time(bound, unit)})"
         )
     lines += result.notes

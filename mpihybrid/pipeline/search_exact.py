@@ -25,6 +25,9 @@ It shrinks the search a great deal; an optimum "proved" is then the optimum of F
 Without fifo only stage 0's forwards are ordered, which loses nothing (micro-batches are
 interchangeable). The solver is seeded with `hint` (the greedy's order, its simulated times).
 deterministic: one worker and a deterministic time limit, so the same costs give the same lists.
+gap_limit: the solve stops once its best is proved within this fraction of the optimum (CP-SAT's
+relative_gap_limit; 0: only at the optimum or the time limit); the status is then "feasible"
+with that gap unless the bound met the best.
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ from dataclasses import dataclass
 from mpihybrid.pipeline.actions import Action
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.simulate import Costs, simulate
-from mpihybrid.pipeline.vocab_passes import VOCAB_KINDS, key_rank, vocab_inputs
+from mpihybrid.pipeline.vocab_passes import (
+    VOCAB_KINDS,
+    add_vocab_passes,
+    key_rank,
+    vocab_inputs,
+)
 
 SCALE = 1000  # ticks of the longest action
 
@@ -52,6 +60,7 @@ class ExactResult:
     makespan: float  # of the rounded costs, in seconds (inf: nothing found)
     bound: float  # proven lower bound on it, in seconds
     seconds: float  # wall time of the solve
+    work: float = 0.0  # CP-SAT's deterministic time of it (what a deterministic limit counts)
 
     @property
     def gap(self) -> float:
@@ -97,6 +106,7 @@ def solve(
     fifo: bool = True,
     deterministic: bool = False,
     workers: int = 2,
+    gap_limit: float = 0.0,
 ) -> ExactResult:
     """The order minimising the makespan of these costs under the memory limit (module text)."""
     cp_model = _cp_model()
@@ -118,16 +128,7 @@ def solve(
     shares = _share_ticks(costs, tick, placement.pp)
     horizon = sum(dur[(k, s)] + gap for k in kinds for s in range(n)) * m + 2 * n * (hop + 1)
     horizon += sum(d + gap + hop for d in shares.values()) * m
-    start, end, per_rank = {}, {}, {r: [] for r in range(placement.pp)}
-    for s in range(n):
-        for mb in range(m):
-            for k in kinds:
-                key = (k, s, mb)
-                start[key] = model.NewIntVar(0, horizon, f"s{k}{s}_{mb}")
-                end[key] = start[key] + dur[(k, s)]
-                # the rank's gap after it: occupied (nothing else starts) but waited on by none
-                iv = model.NewFixedSizeIntervalVar(start[key], dur[(k, s)] + gap, f"i{k}{s}_{mb}")
-                per_rank[placement.rank_of(s)].append(iv)
+    start, end, per_rank = _actions(model, placement, m, dur, gap=gap, horizon=horizon)
 
     def after(key, before, cross: bool) -> None:
         model.Add(start[key] >= end[before] + (hop if cross else 0))
@@ -151,19 +152,41 @@ def solve(
                limit=limit)  # fmt: skip
     makespan = model.NewIntVar(0, horizon, "makespan")
     model.AddMaxEquality(makespan, [end[key] for key in start])
-    model.Add(makespan >= _fill_ticks(placement, m, dur, hop, kinds))  # implied: helps the proof
+    fill = _fill_ticks(placement, m, dur, hop, kinds, passes=_pass_work(shares, m))
+    model.Add(makespan >= fill)  # implied: helps the proof
     model.Minimize(makespan)
     if hint is not None:
-        _add_hint(model, start, makespan, hint, placement, dur=dur, hop=hop, gap=gap)
-    solver, status, seconds = _run(
-        cp_model, model, time_limit=time_limit, deterministic=deterministic, workers=workers
-    )
+        _add_hint(model, start, makespan, hint, placement, m=m, dur=dur, hop=hop, gap=gap,
+                  shares=shares)  # fmt: skip
+    limits = {"time_limit": time_limit, "deterministic": deterministic, "gap_limit": gap_limit}
+    solver, status, seconds = _run(cp_model, model, workers=workers, **limits)
     bound = solver.BestObjectiveBound() * tick if status != "infeasible" else float("inf")
     if status not in ("optimal", "feasible"):
-        return ExactResult(None, status, float("inf"), bound, seconds)
+        return ExactResult(None, status, float("inf"), bound, seconds, solver.deterministic_time)
     ticks = {key: solver.Value(v) for key, v in start.items() if key[0] not in VOCAB_KINDS}
     lists = _lists(placement, ticks)
-    return ExactResult(lists, status, solver.ObjectiveValue() * tick, bound, seconds)
+    found = solver.ObjectiveValue() * tick
+    return ExactResult(lists, status, found, bound, seconds, solver.deterministic_time)
+
+
+def _actions(model, placement, m: int, dur: dict, *, gap: int, horizon: int):
+    """(start, end, per_rank): every F, B and W an interval on its rank's timeline."""
+    timeline = {}, {}, {r: [] for r in range(placement.pp)}
+    for (k, s), ticks in dur.items():
+        rank = placement.rank_of(s)
+        for mb in range(m):
+            _interval(model, timeline, (k, s, mb), ticks, rank, gap=gap, horizon=horizon)
+    return timeline
+
+
+def _interval(model, timeline, key, ticks: int, rank: int, *, gap: int, horizon: int) -> None:
+    """Action `key` (kind, stage or share, mb) of `ticks` on `rank`'s timeline, followed by the
+    rank's gap: occupied (nothing else starts) but waited on by none."""
+    start, end, per_rank = timeline
+    name = "{}{}_{}".format(*key)
+    start[key] = model.NewIntVar(0, horizon, f"s{name}")
+    end[key] = start[key] + ticks
+    per_rank[rank].append(model.NewFixedSizeIntervalVar(start[key], ticks + gap, f"i{name}"))
 
 
 def _share_ticks(costs: Costs, tick: float, pp: int) -> dict[tuple[str, int], int]:
@@ -192,15 +215,10 @@ def _add_shares(model, shares: dict, m: int, placement, timeline, *, after, hori
     """model.vocab_parallel's passes (module text): an interval per (kind, share, mb) on the
     share's rank, its inputs, the first stage's F after every E, the last stage's B after every
     T; timeline: (start, end, per_rank) of the model, which this fills in."""
-    start, end, per_rank = timeline
-    last = placement.num_stages - 1
+    start, last = timeline[0], placement.num_stages - 1
     for (k, r), ticks in shares.items():
         for mb in range(m):
-            key = (k, r, mb)
-            start[key] = model.NewIntVar(0, horizon, f"s{k}{r}_{mb}")
-            end[key] = start[key] + ticks
-            interval = model.NewFixedSizeIntervalVar(start[key], ticks + gap, f"i{k}{r}_{mb}")
-            per_rank[r].append(interval)
+            _interval(model, timeline, (k, r, mb), ticks, r, gap=gap, horizon=horizon)
     for (k, r), _ in shares.items():  # each rank's passes of a kind in micro-batch order
         for mb in range(m):
             for need in vocab_inputs(Action(r, k, mb), last, placement.pp):
@@ -213,25 +231,41 @@ def _add_shares(model, shares: dict, m: int, placement, timeline, *, after, hori
             after(("B", last, mb), ("T", r, mb), placement.rank_of(last) != r)
 
 
-def _fill_ticks(placement: Placement, m: int, dur: dict, hop: int, kinds: tuple) -> int:
+def _pass_work(shares: dict, m: int) -> dict[int, tuple[int, int]]:
+    """Per rank: the ticks of its passes that may run before any input (its E's) and of those
+    that wait for the last stage's F (its S, T and G), {} without the passes."""
+    work: dict[int, tuple[int, int]] = {}
+    for (k, r), ticks in shares.items():
+        early, late = work.get(r, (0, 0))
+        work[r] = (early + m * ticks, late) if k == "E" else (early, late + m * ticks)
+    return work
+
+
+def _fill_ticks(placement: Placement, m: int, dur: dict, hop: int, kinds: tuple, *, passes) -> int:
     """search_bounds' fill bound in the model's own ticks: for every rank and stage it holds,
     the first micro-batch's forward through the stages before it, then the rank's work on that
-    stage and its later ones. Implied by the constraints, so adding it cuts nothing feasible."""
+    stage and its later ones, and its S, T and G passes (which wait for the last stage's F of
+    their micro-batch, so come after that release too; passes: _pass_work). Implied by the
+    constraints, so adding it cuts nothing feasible."""
     n, bound, release = placement.num_stages, 0, [0] * placement.num_stages
     for s in range(1, n):
         crossing = hop if placement.crosses(s - 1, s) else 0
         release[s] = release[s - 1] + dur[("F", s - 1)] + crossing
     for r in range(placement.pp):
         mine = placement.stages_of(r)
+        early, late = passes.get(r, (0, 0))
+        everything = sum(m * dur[(k, t)] for t in mine for k in kinds) + early + late
+        bound = max(bound, everything)
         for s in mine:
             work = sum(m * dur[(k, t)] for t in mine if t >= s for k in kinds)
-            bound = max(bound, release[s] + work)
+            bound = max(bound, release[s] + work + late)
     return bound
 
 
-def _run(cp_model, model, *, time_limit: float, deterministic: bool, workers: int):
+def _run(cp_model, model, *, time_limit: float, deterministic: bool, workers: int, gap_limit):
     """(the solver, "optimal" | "feasible" | "infeasible" | "unknown", seconds it took)."""
     solver = cp_model.CpSolver()
+    solver.parameters.relative_gap_limit = gap_limit
     if deterministic:
         solver.parameters.num_workers = 1
         solver.parameters.max_deterministic_time = time_limit
@@ -246,7 +280,10 @@ def _run(cp_model, model, *, time_limit: float, deterministic: bool, workers: in
         cp_model.FEASIBLE: "feasible",
         cp_model.INFEASIBLE: "infeasible",
     }
-    return solver, names.get(code, "unknown"), seconds
+    status = names.get(code, "unknown")
+    if status == "optimal" and solver.ObjectiveValue() > solver.BestObjectiveBound():
+        status = "feasible"  # stopped by the gap limit, not proved
+    return solver, status, seconds
 
 
 def _solve_ticking(solver, model) -> int:
@@ -266,9 +303,11 @@ def _solve_ticking(solver, model) -> int:
     return codes[0]
 
 
-def _add_hint(model, start, makespan, hint, placement, *, dur, hop, gap) -> None:
+def _add_hint(model, start, makespan, hint, placement, *, m, dur, hop, gap, shares) -> None:
     """The hint's start times as the model counts them (its own durations and gap in ticks, no
-    tail), so a hint whose order the model allows is a solution to start from."""
+    tail), so a hint whose order the model allows is a solution to start from; with the
+    vocabulary passes, placed on it as training places them (vocab_passes.add_vocab_passes), so
+    every variable is hinted and the first solution is the hint as training would run it."""
     n = placement.num_stages
     ticks = Costs(
         forward=[dur[("F", s)] for s in range(n)],
@@ -276,7 +315,12 @@ def _add_hint(model, start, makespan, hint, placement, *, dur, hop, gap) -> None
         weight=[dur.get(("W", s), 0) for s in range(n)],
         send=hop,
         gap=gap,
+        vocab={k: [shares[(k, r)] for r in range(placement.pp)] for k in VOCAB_KINDS}
+        if shares
+        else None,
     )
+    if shares:
+        hint = add_vocab_passes(hint, placement, m, ticks, simulate)
     result = simulate(hint, placement, ticks)
     for a, t in result.start.items():
         key = (a.kind, a.stage, a.microbatch)

@@ -56,19 +56,22 @@ def predicted_auto(job: Job, cluster: Cluster, time_limit: float | None = None):
     """(the job with "auto" replaced by the schedule searched on the predicted costs, a line
     saying what was found, the search's result); ScheduleError, one line, when the costs or
     the limit are bad. time_limit: the exact search's (deterministic; default train's)."""
-    from mpihybrid.config.searched import AUTO_TIME, apply, auto_placements
+    from mpihybrid.config.searched import AUTO_GAP, apply, auto_placements
     from mpihybrid.nn.model import layer_counts
     from mpihybrid.pipeline.search import csv_of, search
 
     t = job.train
+    time_limit = t.schedule_time if time_limit is None else time_limit
     result = search(
         block_costs(job, cluster),
         job.grid.pp,
         t.microbatches,
         max_inflight=t.schedule_inflight or None,
         placements=auto_placements(t),
-        time_limit=AUTO_TIME if time_limit is None else time_limit,
+        time_limit=time_limit,
+        exact=time_limit > 0,
         deterministic=True,
+        gap_limit=AUTO_GAP,
     )
     best = result.best
     payload = {
