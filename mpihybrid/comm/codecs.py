@@ -33,7 +33,9 @@ Byte layouts (native byte order; every rank of a job shares one machine type):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -244,26 +246,30 @@ class _KernelCodec(Codec):
     def kernel_arg(self) -> int:
         raise NotImplementedError
 
-    def _kernel(self, operation: str):
-        return getattr(codec_kernels, f"{self.family}_{operation}")
+    @functools.cached_property
+    def _k(self):
+        """The family's kernels, looked up once (the ring calls them every chunk)."""
+        ops = ("encode", "decode", "decode_add", "encode_feedback", "decode_add_feedback",
+               "reduce_encode")  # fmt: skip
+        return SimpleNamespace(**{op: getattr(codec_kernels, f"{self.family}_{op}") for op in ops})
 
     def _encode_fast(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
-        self._kernel("encode")(x, out, residual, self.kernel_arg)
+        self._k.encode(x, out, residual, self.kernel_arg)
 
     def _decode_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        self._kernel("decode")(buf, out, self.kernel_arg)
+        self._k.decode(buf, out, self.kernel_arg)
 
     def _decode_add_fast(self, buf: np.ndarray, out: np.ndarray) -> None:
-        self._kernel("decode_add")(buf, out, self.kernel_arg)
+        self._k.decode_add(buf, out, self.kernel_arg)
 
     def _encode_feedback_fast(self, x: np.ndarray, out: np.ndarray, residual) -> None:
-        self._kernel("encode_feedback")(x, out, residual, self.kernel_arg)
+        self._k.encode_feedback(x, out, residual, self.kernel_arg)
 
     def _decode_add_feedback_fast(self, buf: np.ndarray, out: np.ndarray, residual) -> None:
-        self._kernel("decode_add_feedback")(buf, out, residual, self.kernel_arg)
+        self._k.decode_add_feedback(buf, out, residual, self.kernel_arg)
 
     def _reduce_encode_fast(self, buf, x, out, residual) -> None:
-        self._kernel("reduce_encode")(buf, x, residual, out, self.kernel_arg)
+        self._k.reduce_encode(buf, x, residual, out, self.kernel_arg)
 
 
 class _HalfCodec(_KernelCodec):
