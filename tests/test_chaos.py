@@ -43,10 +43,11 @@ def test_a_rank_stopped_after_the_last_step_does_not_hang_the_job():
     proc = run_mpi(2, "tests/_mpi_inject.py", "stop-end", "train", "--quiet", "--set",
                    "model.hidden=16", "--set", "model.depth=4", "--set", "train.steps=3",
                    "--set", "comm.timeout_s=3", timeout=90)  # fmt: skip
-    assert proc.returncode != 0
-    assert "held-out accuracy" in proc.stdout  # the run itself finished and said so
+    said = f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode != 0, said
+    assert "held-out accuracy" in proc.stdout, said  # the run itself finished and said so
     lines = [x for x in proc.stderr.splitlines() if x.startswith("mpihybrid: error:")]
-    assert lines and "not every rank reached the end within 10 s after the run" in lines[0]
+    assert lines and "not every rank reached the end within 10 s after the run" in lines[0], said
 
 
 def test_leftovers_removes_this_jobs_shm_and_hydra_files_only(tmp_path):
@@ -67,3 +68,28 @@ def test_leftovers_removes_this_jobs_shm_and_hydra_files_only(tmp_path):
     assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_before", "not_mpich"]
     assert list(tmp.iterdir()) == []
     assert "slurm/leftovers.sh" in (ROOT / "slurm" / "train.sbatch").read_text()
+
+
+def test_a_failing_rank_waits_until_the_launcher_has_read_its_last_line():
+    """_abort (abort_job, bound_the_exit) waits until the pipe to the launcher is read, not a
+    fixed moment: a rank's last line was lost so in CI. Without a reader it gives up at its
+    limit; on a file it asks nothing."""
+    import threading
+
+    from mpihybrid.cli.commands import _unread, drain_output
+
+    read, write = os.pipe()
+    try:
+        os.write(write, b"mpihybrid: error: the last line\n")
+        assert _unread(write) == 32
+        drain_output(limit_s=0.3, fds=(write,))  # nobody reads: gives up
+        assert _unread(write) == 32
+        reader = threading.Timer(0.5, os.read, (read, 4096))
+        reader.start()
+        drain_output(limit_s=60.0, fds=(write,))
+        assert _unread(write) == 0  # returned once the line was read, well before its limit
+        reader.join()
+    finally:
+        os.close(read), os.close(write)
+    with open(os.devnull, "w") as devnull:
+        assert _unread(devnull.fileno()) is None

@@ -29,7 +29,8 @@ EXIT_PREEMPTED = 3  # a signal asked the job to stop; a checkpoint was written (
 MAX_REPEATS = 10_000
 MAX_STEPS = 100_000
 MAX_SIZES = 64  # bench allreduce --sizes (each size: what the node's memory holds)
-ABORT_DRAIN_S = 0.25  # abort_job: time for the launcher to forward the rank's last line
+ABORT_DRAIN_S = 0.25  # _abort: time for the launcher to pass a read line on
+DRAIN_LIMIT_S = 5.0  # _abort: the longest wait for the launcher to read a rank's output
 DEBUG_ENV = "MPIHYBRID_DEBUG"  # set (not 0): a failing rank prints its full traceback
 
 
@@ -138,9 +139,7 @@ def bound_the_exit(world, timeout_s: float) -> None:
                 f"{bound:g} s after the run (one stopped?): ending the job\n"
             )
             sys.stderr.flush()
-            temps.remove_all()
-            world.Abort(EXIT_FAILED)
-            os._exit(EXIT_FAILED)
+            _abort(world)
         time.sleep(0.005)
     _BOUND.append(open(os.devnull, "w"))  # noqa: SIM115 -- open until the process ends
     # a year at most: faulthandler refuses a timeout past its clock's range (1e12 s)
@@ -154,7 +153,7 @@ def _debug_env() -> bool:
 def abort_job(world, exc: BaseException, what: str, debug: bool) -> NoReturn:
     """One rank failed where the others may wait in a collective: one line on stderr (the rank,
     the step, the error; the full traceback with --debug or MPIHYBRID_DEBUG=1), MPI_Abort for
-    the whole job, then leave at once: MPI_Abort returns under some MPIs (the PyPI MPICH)."""
+    the whole job (_abort)."""
     step = getattr(exc, "step", None)
     where = f"rank {world.rank}" + (f", step {step}" if step is not None else "")
     if debug:
@@ -164,10 +163,45 @@ def abort_job(world, exc: BaseException, what: str, debug: bool) -> NoReturn:
     sys.stderr.write(f"mpihybrid: error: {what} failed on {where}: {_one_line(exc)}{said}\n")
     sys.stdout.flush()
     sys.stderr.flush()
-    # The launcher forwards a rank's stderr on its own time, and MPI_Abort can end the
-    # forwarding before it has read the line (the line was lost once in a loaded test run):
-    # give it a moment, on this failure path only.
+    _abort(world)
+
+
+def _unread(fd: int) -> int | None:
+    """Bytes written to `fd` that its reader has not read yet: a pipe's (the launcher's, under
+    Hydra and Open MPI alike); None where `fd` is no pipe (a file, a terminal)."""
+    import fcntl
+    import stat
+    import struct
+    import termios
+
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return None
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+    except (OSError, ValueError):
+        return None
+
+
+def drain_output(limit_s: float = DRAIN_LIMIT_S, fds: tuple[int, ...] = (1, 2)) -> None:
+    """Wait until the launcher has read what this rank wrote to stdout and stderr (at most
+    limit_s), then ABORT_DRAIN_S for it to pass the lines on; ABORT_DRAIN_S alone where the
+    streams are no pipes. The launcher forwards a rank's output on its own time, and MPI_Abort
+    can end the forwarding first: a rank's last line was lost so once in a loaded test run
+    (abort_job) and once in CI (bound_the_exit), with a fixed 0.25 s wait."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        unread = [_unread(fd) for fd in fds]
+        if not any(unread):  # all read, or no pipes to ask
+            break
+        time.sleep(0.01)
     time.sleep(ABORT_DRAIN_S)
+
+
+def _abort(world) -> NoReturn:
+    """MPI_Abort for the whole job once this rank's last line is out (drain_output, on the
+    failure paths only); then leave at once, as MPI_Abort returns under some MPIs (the PyPI
+    MPICH)."""
+    drain_output()
     temps.remove_all()  # os._exit skips atexit
     try:
         world.Abort(EXIT_FAILED)
