@@ -13,6 +13,11 @@ drifts over minutes (benchmarks/core_speeds.py), so neighbours share it where ro
 floor is the same job predicted from its own other run, three runs away:
 
     flock -x /tmp/mh_heavy.lock python benchmarks/whatif_pairs.py --paired runs/p1 --reps 2
+
+Another --paired call on the same OUT adds its repetitions to those there (a sitting in pieces, so
+the lock is held minutes at a time). --bind pins each rank to its own core (`-bind-to core`, the
+launcher's own binding): two ranks that share a core for part of a run, or move between cores,
+are the spread a run without it carries.
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ PAIRS = [
 ]
 
 
+BIND: list[str] = []  # --bind: the launcher's arguments that pin each rank to a core
+
+
 def train(name: str, out: Path, steps: int) -> Path:
     """One run of JOBS[name] on 2 ranks, traced to OUT/NAME.h5."""
     job, settings = JOBS[name]
@@ -73,8 +81,8 @@ def train(name: str, out: Path, steps: int) -> Path:
     sets = [
         x for s in [f"train.steps={steps}", "trace.overwrite=true", *settings] for x in ("--set", s)
     ]
-    cmd = [os.environ.get("MPIEXEC", "mpiexec"), "-n", "2", sys.executable, "-m", "mpihybrid",
-           "train", job, "--quiet", *sets, "--trace", str(path)]  # fmt: skip
+    cmd = [os.environ.get("MPIEXEC", "mpiexec"), "-n", "2", *BIND, sys.executable, "-m",
+           "mpihybrid", "train", job, "--quiet", *sets, "--trace", str(path)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     return path
@@ -86,10 +94,13 @@ def write(out: Path, steps: int) -> None:
         print(train(name, out, steps), flush=True)
 
 
-def paired(out: Path, reps: int, steps: int) -> None:
-    """Each pair's trace and change run A B B A per repetition, under OUT/pairNN/repR."""
-    for i, (src, _, real) in enumerate(PAIRS):
-        for r in range(reps):
+def paired(out: Path, reps: int, steps: int, only: list[int]) -> None:
+    """Each pair's trace and change run A B B A per repetition, under OUT/pairNN/repR, after
+    the repetitions already there."""
+    for i in only:
+        src, _, real = PAIRS[i]
+        done = len(list((out / f"pair{i:02d}").glob("rep*")))
+        for r in range(done, done + reps):
             d = out / f"pair{i:02d}" / f"rep{r}"
             for k, name in (("a1", src), ("b1", real), ("b2", real), ("a2", src)):
                 train(name, d / k, steps)
@@ -203,13 +214,15 @@ if __name__ == "__main__":
     parser.add_argument("--reps", type=int, default=2, help="0: report OUT's runs again")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", help="the pairs to run, by index (0,3,14)")
+    parser.add_argument("--bind", action="store_true", help="pin each rank to its own core")
     args = parser.parse_args()
-    if args.only:
-        PAIRS[:] = [PAIRS[int(i)] for i in args.only.split(",")]
+    only = [int(i) for i in args.only.split(",")] if args.only else list(range(len(PAIRS)))
+    if args.bind:
+        BIND[:] = ["-bind-to", "core"]
     if args.write:
         write(Path(args.write), int(args.folders[0]) if args.folders else args.steps)
     elif args.paired and args.reps:
-        paired(Path(args.paired), args.reps, args.steps)
+        paired(Path(args.paired), args.reps, args.steps, only)
     elif args.paired:
         paired_report(Path(args.paired))
     else:

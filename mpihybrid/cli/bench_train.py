@@ -157,6 +157,7 @@ def bench_train(
         # the median over the repeats, as the throughput: with an even count the median is
         # between two repeats, and the first alone (the chosen one) may be the slow one
         "step_time": statistics.median(run[1] for run in runs),
+        "step_times": [run[1] for run in runs],  # each repeat's median step
         "bubble": report["bubble"]["measured"],
         "bubble_predicted": report["bubble"]["formula"],
         "bubble_simulated": report["bubble"]["predicted"],
