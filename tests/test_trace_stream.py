@@ -57,6 +57,28 @@ def test_every_flush_leaves_a_whole_trace(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["run.h5"]  # no temporary left behind
 
 
+def test_rows_of_a_skewed_clock_are_kept_in_the_formats_order(tmp_path):
+    """/events is sorted by (start, rank). A flush's rows are, but a rank's estimated clock
+    offset can put its last rows of one flush after another's first of the next (a loaded CI
+    run's resumed trace): the reader sorts across parts, a publish rewrites the table in order."""
+    path = tmp_path / "run.h5"
+    writer = TraceWriter(path, config="", attrs={})
+    writer.start()
+    first = rows([0, 1])
+    first["rank"][-1] = 1  # rank 1's last row of the flush, at 5.0
+    writer.flush(first, metrics([0, 1]))
+    early = rows([2], t0=4.5)  # rank 0's first row of the next flush reads 4.5
+    for flush in (early[:1], early[1:]):
+        writer.flush(flush, metrics([]))  # parts, after the file
+        middle = load(path).events
+        assert np.all(np.diff(middle["start"]) >= 0), middle["start"]
+    writer.flush(rows([3], t0=10), metrics([2, 3]), finished=True)  # published: one file
+    with h5py.File(path) as f:
+        starts = f["events"]["start"]
+    assert len(starts) == 12 and np.all(np.diff(starts) >= 0), starts
+    assert [p.name for p in tmp_path.iterdir()] == ["run.h5"]
+
+
 def test_a_resumed_writer_continues_the_trace(tmp_path):
     path = tmp_path / "run.h5"
     write_trace(path, events=rows([0, 1, 2]), steps=metrics([0, 1, 2]), config="", attrs={})

@@ -28,6 +28,8 @@ from mpihybrid.trace.read import (
     SCHEMA_VERSION,
     WRITER_ATTRS,
     Trace,
+    by_start,
+    in_order,
     load,
     parts_dir,
 )
@@ -216,7 +218,12 @@ class TraceWriter:
         progress("trace flush")
 
     def _fill(self, f: h5py.File, events: np.ndarray, tables: dict, finished: bool, attrs) -> None:
-        _append(f["events"], events)
+        ds, events = f["events"], by_start(events)
+        n = ds.shape[0]
+        if n and len(events) and not in_order(np.concatenate([ds[n - 1 :], events[:1]])):
+            events = by_start(np.concatenate([ds[:], events]))  # a skewed clock's rows: rare,
+            ds.resize((0,))  # the whole table rewritten in order
+        _append(ds, events)
         for group, rows in tables.items():
             for name, values in rows.items():
                 _append(_steps_dataset(f.require_group(group), name, values), values)
