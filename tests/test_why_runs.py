@@ -122,3 +122,31 @@ def test_compare_attributes_and_pictures_draw_the_path(slowed, tmp_path):
     png = tmp_path / "t.png"
     assert cli_here("timeline", slowed, "-o", png).returncode == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.mpi
+def test_a_placement_change_carries_each_stage_at_its_cores_speed(slowed):
+    """The trace holds each rank's core speed (train.probe's product, timed at the step
+    boundaries); whatif's restage brings a stage's costs to an average core by its rank's speed
+    and the new stages to their own rank's: moving work from a slower core to a faster one makes
+    it cheaper, equal speeds change nothing, and the work on an average core is kept."""
+    from mpihybrid.analysis.replay import Measured, presplit
+
+    trace = load(slowed)
+    probe = trace.attrs["core_probe_s"]
+    assert len(probe) == 4 and all(0 < x < 0.05 for x in probe), probe
+    base = Measured.of(trace)
+    assert base.speeds(1) == ((0, 1), [probe[2], probe[3]])  # replica 1: world ranks 2 and 3
+    layout = BlockLayout.of(trace.config, 2)
+    costs = presplit(base.costs[0][0])
+    v = (0, 1, 1, 0)
+    plain = layout.restage(costs, 4, v)
+    even = layout.restage(costs, 4, v, ((0, 1), [2e-4, 2e-4]))
+    assert even.forward == pytest.approx(plain.forward)
+    slow1 = layout.restage(costs, 4, v, ((0, 1), [1e-4, 2e-4]))  # rank 1's core 2x slower
+    factor = [2 / 3, 4 / 3]  # each core's time over the mean
+    assert slow1.forward[3] == pytest.approx(plain.forward[3] / 2)  # rank 1's blocks on rank 0
+    assert slow1.forward[0] == pytest.approx(plain.forward[0])  # rank 0's stay on rank 0
+    average = sum(f / factor[r] for f, r in zip(slow1.forward, v, strict=True))
+    measured = sum(f / factor[r] for f, r in zip(costs.forward, (0, 1), strict=True))
+    assert average == pytest.approx(measured)

@@ -95,6 +95,15 @@ class Measured:
     # model.vocab_parallel: the lists as they ran (costs.ran_lists: their passes were placed on
     # timed costs no schedule name rebuilds); None without
     lists: dict | None = None
+    probe: list[float] | None = None  # each world rank's core speed (core_probe_s); None: unknown
+
+    def speeds(self, replica: int):
+        """(the trace's stage ranks, probe seconds by pipeline rank) of one replica, for
+        restage; None where the trace has no probe (an older trace, a GPU run)."""
+        if not self.probe or self.ran is None:
+            return None
+        ranks = self.replica_ranks[replica]
+        return self.ran.placement.stage_ranks, [self.probe[w] for w in ranks]
 
     @classmethod
     def of(cls, trace, path: str = "the trace") -> Measured:
@@ -145,12 +154,22 @@ class Measured:
             ran.name, pp, dp, ran.microbatches, ran.virtual_stages, ran.early_grad_send,
             steps[: len(costs)], costs, times, phases, ranks,
             int(gb) if gb is not None else None, path, trace.config, ran, ran_lists(ev),
+            _probe(attrs, pp * dp),
         )  # fmt: skip
 
     @property
     def overhead(self) -> float:
         """Mean seconds of a step outside its pipeline phase."""
         return float(np.mean(self.step_time) - np.mean(self.phase))
+
+
+def _probe(attrs: dict, world: int) -> list[float] | None:
+    """The trace's core_probe_s (train.probe), where it has one positive figure a rank."""
+    probe = attrs.get("core_probe_s")
+    if probe is None or len(probe) != world:
+        return None
+    values = [float(x) for x in probe]
+    return values if all(np.isfinite(x) and x > 0 for x in values) else None
 
 
 def _phase(rows: np.ndarray) -> float:
@@ -247,7 +266,9 @@ def replay(base: Measured, change: Change, plan=None) -> dict:
             if own is not None:  # the step's own hold, before another split moves the stages
                 hold = link_hold(own, sim_costs(base, costs, Change(), k, base.m), change.link)
             if layout is not None:
-                costs = layout.restage(presplit(costs), placement.num_stages, placement.stage_ranks)
+                costs = layout.restage(
+                    presplit(costs), placement.num_stages, placement.stage_ranks, base.speeds(k)
+                )
             sim_c = sim_costs(base, costs, change, k, m)
             if own is not None:
                 hold_f = hold * change.scales.get("hop", 1.0)

@@ -3,7 +3,7 @@ of placement or split: a V from a loop trace, interleaving from 1F1B, partition=
 blocks' estimated FLOPs.
 
     layout = BlockLayout.of(trace.config, num_stages)      # None: the job is not readable
-    costs = layout.restage(step_costs, new_num_stages, stage_ranks)
+    costs = layout.restage(step_costs, new_num_stages, stage_ranks, speeds)
 
 Inside each of the trace's stages, its measured F, B, W and optimizer tail are shared among its
 blocks in proportion to their estimated training FLOPs (nn.model.block_costs) and parameters
@@ -12,6 +12,13 @@ stages sum their blocks' shares. The new split is the one asked, or the one the 
 model.partition makes for that many chunks ("cost" where the trace's list of counts does not
 fit). Elementwise work (norms, softmax) is not in the estimate, so a block heavy in it is
 carried a little light.
+
+speeds (the trace's `core_probe_s`, train.probe): each pipeline rank's core speed over the run,
+as (the ranks the trace's stages ran on, seconds of the probe by pipeline rank). A stage's
+costs are first brought to an average core (divided by its rank's probe over the mean) and
+the new stages' costs to their own rank's: a trace measures a stage's work on its core, and a
+placement change moves blocks between cores that may differ by tens of percent (a V's layers
+on both ranks cost 20 % more on one core in one run, docs/analysis.md).
 """
 
 from __future__ import annotations
@@ -68,9 +75,16 @@ class BlockLayout:
             model = dataclasses.replace(self.model, partition="cost")
             return chunk_ranges(model, self.all_blocks, num_stages)
 
-    def restage(self, costs: SearchCosts, num_stages: int, stage_ranks) -> SearchCosts:
+    def restage(self, costs: SearchCosts, num_stages: int, stage_ranks, speeds=None):
         """`costs` (one step's, per trace stage, W already split where it ran whole) on
-        `num_stages` new stages placed by `stage_ranks`."""
+        `num_stages` new stages placed by `stage_ranks`; speeds: (the trace's stage ranks,
+        probe seconds by pipeline rank), or None to carry costs as measured."""
+        factor = None
+        if speeds is not None:
+            ran_ranks, probe = speeds
+            mean = sum(probe) / len(probe)
+            factor = [x / mean for x in probe]
+            costs = _at_speed(costs, [1 / factor[r] for r in ran_ranks])
         run = dataclasses.replace(costs, can_split=True, whole=())
         if not run.tail:
             run = dataclasses.replace(run, tail=(0.0,) * run.units)
@@ -83,7 +97,7 @@ class BlockLayout:
         def per(values: tuple) -> tuple:
             return tuple(float(sum(values[i] for i in r)) for r in new)
 
-        return SearchCosts(
+        out = SearchCosts(
             per(per_block.forward),
             per(per_block.backward),
             per(per_block.weight),
@@ -95,3 +109,21 @@ class BlockLayout:
             source=f"{costs.source}, restaged",
             stage_ranks=tuple(stage_ranks),
         )
+        return out if factor is None else _at_speed(out, [factor[r] for r in stage_ranks])
+
+
+def _at_speed(costs: SearchCosts, factor: list[float]) -> SearchCosts:
+    """`costs` with each stage's F, B, W and tail multiplied by its factor."""
+
+    def times(values):
+        if not isinstance(values, tuple | list) or not values:
+            return values  # a tail of 0.0: none measured
+        return tuple(float(v) * f for v, f in zip(values, factor, strict=True))
+
+    return dataclasses.replace(
+        costs,
+        forward=times(costs.forward),
+        backward=times(costs.backward),
+        weight=times(costs.weight),
+        tail=times(costs.tail),
+    )

@@ -10,6 +10,7 @@ evaluations train.evaluate, its trace train.tracing, the step line train.report.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -26,6 +27,7 @@ from mpihybrid.train import build, checkpoint, clip, evaluate, report, tracing
 from mpihybrid.train.build import Run
 from mpihybrid.train.flight import FlightRecorder, record_dir, run_id
 from mpihybrid.train.memory import peak_rss_bytes
+from mpihybrid.train.probe import CoreProbe
 from mpihybrid.train.state import nonfinite_stages
 from mpihybrid.train.stops import (
     StopRequested,
@@ -161,6 +163,8 @@ def _steps(
     resumed: bool,
 ) -> Summary | None:
     """Every step from record.start, then the end's collectives (rank 0: the Summary)."""
+    if run.trace.writing and run.backend.xp is np:  # the core's speed, for the trace (whatif)
+        record.probe = CoreProbe()
     offset = clock_offset(world)
     if not quiet and world.rank == 0 and _numba.ENABLED and not _numba.kernels_cached():
         log.info("compiling kernels (numba): the first step takes a while; cached after it")
@@ -312,6 +316,8 @@ def _step_boundary(
     world.Allreduce(mine, sums, op=MPI.SUM)
     run.flight.end(i)
     run.watchdog.at_boundary()
+    if record.probe is not None:  # every rank at once, as all run at once in the step
+        record.probe.tick()
     record.losses.append(float(sums[0] / (job.grid.dp * t.microbatches)))
     record.accuracies.append(float(sums[1] / max(sums[2], 1)))
     finite = bool(np.isfinite(sums[0])) and not sums[4]
@@ -398,11 +404,12 @@ def _finish(
     sent = bytes_sent(world, run.runtime, run.states)
     peaks = world.gather(record.peak_inflight, root=0)
     peak_rss = world.gather(record.peak_rss, root=0)
+    probes = world.gather(record.probe.mean() if record.probe else math.nan, root=0)
     flight.end(i)
     _checkpoint_if_signalled(job, world, run, record)
     # the rows since the last flush (every row when no trace file is written), on rank 0
     i = flight.begin("trace flush")
-    end = tracing.end_attrs(runtime_s, test_accuracy, peak_rss)
+    end = tracing.end_attrs(runtime_s, test_accuracy, peak_rss, probes)
     events = run.trace.flush(end, finished=True)
     flight.end(i)
     run.release()

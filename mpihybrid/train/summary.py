@@ -14,6 +14,7 @@ from mpihybrid.pipeline.as_run import grid_as_run
 from mpihybrid.train.evaluate import HeldOutLoss
 from mpihybrid.train.history import History
 from mpihybrid.train.live_stragglers import LiveStragglers
+from mpihybrid.train.probe import CoreProbe
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Record:
     grad_norm: float = math.nan  # the last step's global gradient norm (train.grad_clip)
     grad_norms: list = field(default_factory=list)  # every step's of this run (train.grad_clip)
     stragglers: LiveStragglers = field(default_factory=LiveStragglers)  # the live line
+    probe: CoreProbe | None = None  # this core's speed (a traced run on the CPU: train.loop)
 
 
 @dataclass

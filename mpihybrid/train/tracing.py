@@ -14,6 +14,7 @@ attributes are is said here.)
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 import sys
@@ -134,11 +135,18 @@ def run_attrs(world, job: Job, hostnames: list[str]) -> dict:
     }
 
 
-def end_attrs(runtime_s: float, test_accuracy: float, peak_rss: list[int] | None) -> dict:
+def end_attrs(
+    runtime_s: float, test_accuracy: float, peak_rss: list[int] | None, probes=None
+) -> dict:
     """The trace attributes known only at the end (this part's runtime after a resume; every
-    rank's peak resident set over the steps, on rank 0, which writes them)."""
+    rank's peak resident set over the steps and its core's speed, train.probe, on rank 0, which
+    writes them)."""
     attrs = {"runtime_s": runtime_s, "test_accuracy": test_accuracy}
-    return attrs if peak_rss is None else {**attrs, "peak_rss_bytes": [int(b) for b in peak_rss]}
+    if peak_rss is not None:
+        attrs["peak_rss_bytes"] = [int(b) for b in peak_rss]
+    if probes is not None and all(math.isfinite(x) for x in probes):
+        attrs["core_probe_s"] = [float(x) for x in probes]
+    return attrs
 
 
 def begin_trace(
