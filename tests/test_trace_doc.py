@@ -66,7 +66,7 @@ def fresh(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr
     with h5py.File(path) as f:  # the one attribute load() consumes
         names = [str(n) for n in f.attrs["json_attrs"]]
-        assert names == ["hostnames", "host_cores", "peak_rss_bytes"]
+        assert names == ["hostnames", "host_cores", "peak_rss_bytes", "core_probe_s"]
     return load(path)
 
 
@@ -82,13 +82,14 @@ def test_every_documented_attribute_is_written_with_its_type(fresh):
         if kind == "int array":
             assert isinstance(value, np.ndarray) and value.dtype.kind == "i", name
         elif kind.startswith("list of "):
-            want = {"list of strings": str, "list of ints": int}[kind]
+            want = {"list of strings": str, "list of ints": int, "list of floats": float}[kind]
             assert isinstance(value, list) and all(isinstance(v, want) for v in value), name
         else:
             want = PYTHON_TYPES[kind]
             assert isinstance(value, want) and (want is bool or not isinstance(value, bool)), name
     assert len(fresh.attrs["hostnames"]) == fresh.attrs["world_size"]  # one per rank
     assert len(fresh.attrs["peak_rss_bytes"]) == fresh.attrs["world_size"]
+    assert len(fresh.attrs["core_probe_s"]) == fresh.attrs["world_size"]
     assert len(fresh.attrs["host_cores"]) == fresh.attrs["world_size"]
 
 

@@ -327,7 +327,7 @@ def _check_values(path: Path, trace: Trace) -> None:
                 raise TraceError(
                     f"{path}: attribute stage_ranks is not {pp * v} pp ranks below pp({pp})"
                 )
-        for name, want in (("hostnames", str), ("peak_rss_bytes", int)):
+        for name, want in (("hostnames", str), ("peak_rss_bytes", int), ("core_probe_s", float)):
             value = attrs.get(name)
             if value is not None and not (
                 isinstance(value, list)
