@@ -403,8 +403,9 @@ def _finish(
     replica_diff = replica_check(world, run.grid, run.stages)
     sent = bytes_sent(world, run.runtime, run.states)
     peaks = world.gather(record.peak_inflight, root=0)
-    peak_rss = world.gather(record.peak_rss, root=0)
-    probes = world.gather(record.probe.mean() if record.probe else math.nan, root=0)
+    probe = record.probe.mean() if record.probe else math.nan
+    ends = world.gather((record.peak_rss, probe), root=0)  # by rank; None but on rank 0
+    peak_rss, probes = ([end[i] for end in ends] for i in (0, 1)) if ends else (None, None)
     flight.end(i)
     _checkpoint_if_signalled(job, world, run, record)
     # the rows since the last flush (every row when no trace file is written), on rank 0
