@@ -1,6 +1,8 @@
 """Stragglers found (docs/analysis.md): N runs of the laptop job (pp = 2 x dp = 2, or --pp 1:
-1 x 2) with rank 1's forwards slowed 1.3x (train.slowdown = 1:F:1.3) and N healthy runs; for
-each, whether analyze names the slowed rank (and nothing else) and the step of the live line.
+1 x 2) with rank 1's forwards slowed 1.3x (train.slowdown = 1:F:1.3), N healthy runs and N runs
+with rank 1 on a 1.3x slower device (1:D:1.3: every action and its core probe); for each,
+whether analyze names the slowed rank (and nothing else), the step of the live line, and
+whether the slower device is reported as one and not named.
 
     flock -x /tmp/mh_heavy.lock python benchmarks/straggler_runs.py runs/strag --runs 10
 """
@@ -35,8 +37,10 @@ def run(folder: Path, name: str, slow: str, steps: int, pp: int) -> dict:
         subprocess.run([sys.executable, "-m", "mpihybrid", "analyze", str(path), "--json"],
                        capture_output=True, text=True, env=env, check=True).stdout
     )  # fmt: skip
-    named = [(s["rank"], s["kind"]) for s in doc["why"]["stragglers"]["named"]]
-    return {"name": name, "named": named, "live": live, "live_step": step}
+    found = doc["why"]["stragglers"]
+    named = [(s["rank"], s["kind"]) for s in found["named"]]
+    devices = [d["rank"] for d in found.get("devices", [])]
+    return {"name": name, "named": named, "devices": devices, "live": live, "live_step": step}
 
 
 def main() -> None:
@@ -48,20 +52,25 @@ def main() -> None:
     args = parser.parse_args()
     folder = Path(args.folder)
     folder.mkdir(parents=True, exist_ok=True)
-    hit = clean = live_ok = quiet_ok = 0
+    hit = clean = live_ok = quiet_ok = told = device_clean = device_quiet = 0
     for i in range(args.runs):
-        for slow in ("1:F:1.3", ""):
-            r = run(folder, f"{'slow' if slow else 'healthy'}{i}", slow, args.steps, args.pp)
+        for name, slow in (("slow", "1:F:1.3"), ("healthy", ""), ("device", "1:D:1.3")):
+            r = run(folder, f"{name}{i}", slow, args.steps, args.pp)
             print(json.dumps(r), flush=True)
-            if slow:
+            if name == "slow":
                 hit += bool(r["named"]) and r["named"][0] == (1, "F")
                 live_ok += any("rank 1 (stage" in line and ") F" in line for line in r["live"])
-            else:
+            elif name == "healthy":
                 clean += not r["named"]
                 quiet_ok += not r["live"]
+            else:
+                told += r["devices"] == [1]
+                device_clean += not r["named"]
+                device_quiet += not r["live"]
     n = args.runs
     print(f"slowed: named first {hit}/{n}, live line {live_ok}/{n}; healthy: nothing named "
-          f"{clean}/{n}, no live line {quiet_ok}/{n}")  # fmt: skip
+          f"{clean}/{n}, no live line {quiet_ok}/{n}; slower device: reported {told}/{n}, "
+          f"nothing named {device_clean}/{n}, no live line {device_quiet}/{n}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -197,6 +197,29 @@ def test_a_rank_slow_on_the_clock_only_waited_for_a_core(wall, cpu, verdict):
     assert ("waited for a core" in text) == (verdict == "waited"), text
 
 
+@pytest.mark.parametrize(
+    "wall, probe, verdict",
+    [(1.3, [1.0, 1.3], "device"), (1.3, [1.0, 1.0], "chronic"), (1.3, [1.3, 1.0], "chronic"),
+     (1.6, [1.0, 1.3], "chronic"), (1.3, None, "chronic")],
+)  # fmt: skip
+def test_a_rank_slow_by_its_cores_speed_alone_is_a_slower_device(wall, probe, verdict):
+    """Slow in wall and CPU time by as much as its core is slower than its replica's (the trace's
+    core probe): a slower device, reported with what it costs, never named; slow beyond its
+    core's speed, or on the faster core, or with no probe: a straggler in its work."""
+    from mpihybrid.analysis.stragglers import straggler_lines, stragglers
+
+    found = stragglers(_replicas(wall, wall), list(range(6)), dp=2, probe=probe)
+    (score,) = [s for s in found["scores"] if s["rank"] == 1]
+    assert score["verdict"] == verdict
+    assert [s["rank"] for s in found["named"]] == ([1] if verdict == "chronic" else [])
+    assert [d["rank"] for d in found["devices"]] == ([1] if verdict == "device" else [])
+    text = "\n".join(straggler_lines(found))
+    assert ("a slower device, not its work" in text) == (verdict == "device"), text
+    if verdict == "device":
+        assert found["devices"][0]["core"] == pytest.approx(1.3)
+        assert found["devices"][0]["kinds"] == {"F": pytest.approx(1.3)}
+
+
 class _Runtime:
     stages = {0}
 
@@ -205,31 +228,45 @@ class _Runtime:
 
 
 class _Gather:
-    """world.gather over two replicas in one process: rank 1's row is scaled."""
+    """world.gather over two replicas in one process: rank 1's row is scaled (its core's
+    probe seconds by `core`)."""
 
-    def __init__(self, wall: float, cpu: float):
-        self.wall, self.cpu = wall, cpu
+    def __init__(self, wall: float, cpu: float, core: float = 1.0):
+        self.wall, self.cpu, self.core = wall, cpu, core
 
     def gather(self, row, root=0):
-        pp_rank, mean, stages, now, host = row
+        pp_rank, mean, stages, now, host, speed = row
         other_now = now.copy()
         other_now[0] *= self.wall
         other_now[2] *= self.cpu
         other_mean = mean.copy()
         other_mean[0] *= self.wall
         other_mean[1] *= self.cpu
-        return [row, (pp_rank, other_mean, stages, other_now, host)]
+        other = (pp_rank, other_mean, stages, other_now, host, speed * self.core)
+        return [row, other]
 
 
-@pytest.mark.parametrize("cpu, logged", [(1.3, True), (1.0, False)])
-def test_the_live_line_names_a_rank_only_when_its_cpu_time_is_slow_too(cpu, logged, caplog):
+class _Probe:
+    def median(self):
+        return 1e-4
+
+
+@pytest.mark.parametrize(
+    "cpu, core, logged", [(1.3, 1.0, True), (1.0, 1.0, False), (1.3, 1.3, False)]
+)
+def test_the_live_line_names_a_rank_only_when_its_cpu_time_is_slow_beyond_its_core(
+    cpu, core, logged, caplog
+):
+    """Slow on the clock only (it waited for a core), or in CPU time by its core's speed alone
+    (a slower device): no line; slow in CPU time on a core as fast as its replica's: the line."""
     from mpihybrid.train.live_stragglers import LiveStragglers
 
-    watch, runtime, world = LiveStragglers(), _Runtime(), _Gather(1.3, cpu)
+    watch, runtime, world = LiveStragglers(), _Runtime(), _Gather(1.3, cpu, core)
+    probe = _Probe()
     with caplog.at_level(logging.WARNING, logger="mpihybrid"):
         for line in range(8):
             runtime.kind_seconds["F"] = [0.01 * (line + 1), 4 * (line + 1), 0.01 * (line + 1)]
-            watch.observe(world, runtime, 0)
+            watch.observe(world, runtime, 0, probe)
     said = [r.getMessage() for r in caplog.records if "straggler:" in r.getMessage()]
     assert bool(said) == logged, said
     if logged:
@@ -248,3 +285,14 @@ def test_a_change_of_m_scales_the_costs_by_the_cost_model_not_linearly():
     assert row_factors(job, 4, 4, 2) == {k: [1.0, 1.0] for k in "FBW"}
     assert row_factors("not toml [", 4, 8, 2) is None
     assert row_factors(job, 4, 8, 3) is None  # not the trace's stages
+
+
+def test_a_slowdown_names_its_kinds_or_a_slower_device():
+    """train.slowdown: some of F, B, W, or D alone (a slower device: every kind and the core
+    probe); anything else is one error naming the choices."""
+    from mpihybrid.pipeline.slowdown import Slowdown
+
+    assert Slowdown.parse("1:D:1.3").device and not Slowdown.parse("1:FB:1.3").device
+    for text in ("1:DF:1.3", "1:X:2", "1::2"):
+        with pytest.raises(ValueError, match="D \\(a slower device\\)"):
+            Slowdown.parse(text)

@@ -55,6 +55,34 @@ def test_analyze_names_the_slowed_rank_and_attributes_all_idle(slowed):
 
 
 @pytest.mark.mpi
+def test_a_rank_on_a_slower_device_is_reported_as_one_not_named(tmp_path):
+    """pp = 1 x dp = 2, rank 1 on a 3x slower device (train.slowdown = 1:D:3: its every action
+    and its core probe): analyze reports the device with what it costs, names no straggler in
+    the work, and the live run logs no straggler line; the probe's figures are in the trace.
+    128 rows a micro-batch: the optimizer's update, which runs inside the last backward of the
+    replica whose ring ends last, stays a small part of the live line's mean B."""
+    path = tmp_path / "device.h5"
+    proc = run_mpi(
+        2,
+        *("-m", "mpihybrid", "train", "--quiet", "--trace", str(path)),
+        *("--set", "grid.pp=1", "--set", "grid.dp=2", "--set", "model.hidden=128"),
+        *("--set", "model.depth=4", "--set", "train.global_batch=1024"),
+        *("--set", "train.steps=8", "--set", "train.slowdown=1:D:3"),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "straggler:" not in proc.stdout, proc.stdout[-2000:]
+    probe = load(path).attrs["core_probe_s"]
+    assert probe[1] > 2 * probe[0], probe
+    found = json.loads(cli_here("analyze", path, "--json").stdout)["why"]["stragglers"]
+    assert found["named"] == [], found["named"]
+    (device,) = found["devices"]
+    assert device["rank"] == 1 and device["core"] > 2 and device["cost"]["costs"] > 0
+    assert set(device["kinds"]) == {"F", "B"}, device
+    text = cli_here("analyze", path).stdout
+    assert "a slower device, not its work" in text and "straggler       none" in text, text
+
+
+@pytest.mark.mpi
 def test_whatif_and_its_bad_input(slowed, tmp_path):
     proc = cli_here("whatif", slowed, "--set", "schedule=gpipe", "--scale", "rank3.F=0.33")
     assert proc.returncode == 0, proc.stderr

@@ -18,13 +18,14 @@ from mpihybrid.units import table
 
 def why(trace, steps: list[int], path: str = "the trace") -> dict:
     """{"critical": {shares, representative, paths}, "idle", "stragglers", "gain", "notes"}."""
-    from mpihybrid.analysis.replay import Measured, ReplayError, gain_table
+    from mpihybrid.analysis.replay import Measured, ReplayError, core_probe, gain_table
 
     try:
         lanes = Lanes.of(trace.events)
     except LanesError as exc:
         return {"notes": [str(exc)]}
     steps = [s for s in steps if s in set(lanes.step_numbers())]
+    pp, dp = int(trace.attrs.get("pp", 1)), int(trace.attrs.get("dp", 1))
     paths = critical_paths(lanes, steps)
     rep = representative(paths)
     doc: dict = {
@@ -35,7 +36,7 @@ def why(trace, steps: list[int], path: str = "the trace") -> dict:
             "paths": [p.as_dict() for p in paths],
         },
         "idle": attribute_idle(lanes, steps),
-        "stragglers": stragglers(trace.events, steps, int(trace.attrs.get("dp", 1)))
+        "stragglers": stragglers(trace.events, steps, dp, core_probe(trace.attrs, pp * dp))
         | {"oversubscribed": oversubscription(trace.attrs)},
         "gain": [],
         "notes": [],
@@ -43,7 +44,7 @@ def why(trace, steps: list[int], path: str = "the trace") -> dict:
     try:
         base = Measured.of(trace, path)
         doc["gain"] = gain_table(base)[:4]
-        for named in doc["stragglers"]["named"]:
+        for named in doc["stragglers"]["named"] + doc["stragglers"]["devices"]:
             named["cost"] = straggler_cost(base, named)
     except ReplayError as exc:
         doc["notes"].append(f"no replay: {exc}")

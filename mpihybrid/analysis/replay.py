@@ -154,7 +154,7 @@ class Measured:
             ran.name, pp, dp, ran.microbatches, ran.virtual_stages, ran.early_grad_send,
             steps[: len(costs)], costs, times, phases, ranks,
             int(gb) if gb is not None else None, path, trace.config, ran, ran_lists(ev),
-            _probe(attrs, pp * dp),
+            core_probe(attrs, pp * dp),
         )  # fmt: skip
 
     @property
@@ -163,7 +163,7 @@ class Measured:
         return float(np.mean(self.step_time) - np.mean(self.phase))
 
 
-def _probe(attrs: dict, world: int) -> list[float] | None:
+def core_probe(attrs: dict, world: int) -> list[float] | None:
     """The trace's core_probe_s (train.probe), where it has one positive figure a rank."""
     probe = attrs.get("core_probe_s")
     if probe is None or len(probe) != world:

@@ -3,10 +3,13 @@ run, train/live_stragglers.py during it), and one made on purpose (train.slowdow
 default): one rank's F, B or W actions
 take `factor` times as long, by doing real extra work after each (matrix products on the same
 core, as a slower device would), so tests and demonstrations can make a straggler that the
-analysis must find (docs/analysis.md).
+analysis must find (docs/analysis.md). Kind D is a slower device: every compute action and the
+core probe (train.probe) take `factor` times as long, which the analysis must not blame on the
+rank's work.
 
     slow = Slowdown.parse("1:F:1.3")      # rank 1's forwards 1.3x; "0:FBW:2": all its compute
     slow.after("F", seconds_it_took)      # on that rank: work (factor - 1) x as long again
+    Slowdown.parse("1:D:1.3")             # rank 1 on a 1.3x slower device
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ class Slowdown:
         rank, kinds, factor = parts
         if not rank.isdigit():
             raise ValueError(f"{text!r}: the rank must be a whole number >= 0")
-        if not kinds or any(k not in "FBW" for k in kinds):
-            raise ValueError(f"{text!r}: the kinds are some of F, B, W")
+        if kinds != "D" and (not kinds or any(k not in "FBW" for k in kinds)):
+            raise ValueError(f"{text!r}: the kinds are some of F, B, W, or D (a slower device)")
         try:
             value = float(factor)
         except ValueError:
@@ -50,9 +53,14 @@ class Slowdown:
             raise ValueError(f"{text!r}: the factor must be a number from 1 to 100")
         return cls(int(rank), kinds, value)
 
+    @property
+    def device(self) -> bool:
+        """The whole device is slower: every compute kind and the core probe."""
+        return self.kinds == "D"
+
     def after(self, kind: str, seconds: float) -> None:
         """Work (factor - 1) x `seconds` more when `kind` is slowed."""
-        if kind in self.kinds and seconds > 0:
+        if (kind in self.kinds or self.device) and seconds > 0:
             burn((self.factor - 1.0) * seconds)
 
 

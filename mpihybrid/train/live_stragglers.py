@@ -9,10 +9,12 @@ together (its mean since the first line against its fastest peer's):
 
 On a CPU run a rank counts as slow only when its actions' thread CPU time is slow by the same
 rule, as analyze counts it: slow on the clock alone, it waited for a core (another process on
-its core, more ranks than cores), which is the host's doing. On a host with more ranks than
+its core, more ranks than cores), which is the host's doing; and only when it is slow beyond
+its core's speed (train.probe, over the run so far): a rank whose core is as much slower as
+its actions is a slower device, not a straggler in its work. On a host with more ranks than
 cores the line still says that a rank waiting for a core may look slow for that alone.
 
-    watch = LiveStragglers(); watch.observe(world, runtime, pp_rank)   # collective
+    watch = LiveStragglers(); watch.observe(world, runtime, pp_rank, probe)   # collective
 """
 
 from __future__ import annotations
@@ -39,13 +41,17 @@ class LiveStragglers:
         self.since: np.ndarray | None = None  # every rank's totals at the first line
         self.caveat = ""  # rank 0: what an oversubscribed host makes of the scores
 
-    def observe(self, world, runtime, pp_rank: int) -> None:
-        """Collective over `world`: score the interval since the last call (rank 0 logs)."""
+    def observe(self, world, runtime, pp_rank: int, probe=None) -> None:
+        """Collective over `world`: score the interval since the last call (rank 0 logs);
+        probe: this rank's train.probe.CoreProbe (None: its core's speed is not known)."""
         now = np.array([[runtime.kind_seconds[k][i] for k in KINDS] for i in (0, 1, 2)])
         mean = _means(now - self.last)
         self.last = now
         host = (hostname(), os.cpu_count() or 1) if self.since is None else None
-        rows = world.gather((pp_rank, mean, _stages(runtime), now, host), root=0)
+        # this core's probe so far (NaN: not known); a timing is due at most every 50 ms, so a
+        # run of short steps has few since the first line
+        speed = probe.median() if probe is not None else np.nan
+        rows = world.gather((pp_rank, mean, _stages(runtime), now, host, speed), root=0)
         if rows is None:
             return
         totals = np.array([r[3] for r in rows])
@@ -55,6 +61,7 @@ class LiveStragglers:
             return
         self.lines += 1
         overall = np.array([_means(t, empty=np.inf) for t in totals - self.since])
+        speed = np.array([r[5] for r in rows], dtype=float)
         replicas: dict[int, list[int]] = {}  # pp rank -> the world ranks at that position
         for rank, row in enumerate(rows):
             replicas.setdefault(row[0], []).append(rank)
@@ -63,11 +70,12 @@ class LiveStragglers:
                 continue  # one replica: nothing does the same work
             line = np.array([rows[i][1] for i in peers])  # [peer, wall|cpu, kind]
             best = overall[peers]
+            core = _core(speed[peers])
             for j, rank in enumerate(peers):
                 for k, kind in enumerate(KINDS):
-                    if _slow(line[:, :, k], j):
+                    if _slow(line[:, :, k], j, core[j]):
                         score = overall[rank][0][k] / best[:, 0, k].min()
-                        self._count(rank, kind, score, _slow(best[:, :, k], j), rows)
+                        self._count(rank, kind, score, _slow(best[:, :, k], j, core[j]), rows)
 
     def _count(self, rank: int, kind: str, score: float, overall: bool, rows: list) -> None:
         """A slow line for (rank, kind); the first time it is chronic and slow over all the
@@ -91,16 +99,24 @@ def _means(totals: np.ndarray, empty: float = np.nan) -> np.ndarray:
         return np.where(count > 0, np.stack([seconds, cpu]) / np.maximum(count, 1), empty)
 
 
-def _slow(means: np.ndarray, j: int) -> bool:
+def _core(speeds: np.ndarray) -> np.ndarray:
+    """Each peer's core against its fastest peer's (train.probe seconds), 1 where unknown."""
+    if not np.isfinite(speeds).all() or not (speeds > 0).all():
+        return np.ones_like(speeds)
+    return speeds / speeds.min()
+
+
+def _slow(means: np.ndarray, j: int, core: float = 1.0) -> bool:
     """Peer j's mean (row j of [peer, wall|cpu]) is THRESHOLD x the fastest peer's on the
-    clock, and in CPU time too where the run measures it (NaN: a GPU's)."""
+    clock, and in CPU time too where the run measures it (NaN: a GPU's), and still so with
+    its core's slowness (`core`: its probe over the fastest peer's) taken out."""
     wall, cpu = means[:, 0], means[:, 1]
     fastest = np.min(np.where(np.isnan(wall), np.inf, wall))
     if not 0 < fastest < np.inf or not wall[j] >= THRESHOLD * fastest:
         return False
     if np.isnan(cpu).any():
-        return True
-    return bool(cpu[j] >= THRESHOLD * np.min(cpu))
+        return bool(wall[j] >= THRESHOLD * core * fastest)
+    return bool(cpu[j] >= THRESHOLD * core * np.min(cpu))
 
 
 def _caveat(hosts: list[tuple[str, int]]) -> str:

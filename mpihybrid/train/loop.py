@@ -163,8 +163,10 @@ def _steps(
     resumed: bool,
 ) -> Summary | None:
     """Every step from record.start, then the end's collectives (rank 0: the Summary)."""
-    if run.trace.writing and run.backend.xp is np:  # the core's speed, for the trace (whatif)
-        record.probe = CoreProbe()
+    # the core's speed, for whatif and the stragglers (the live line scores replicas)
+    live = job.grid.dp > 1 and job.train.log_every
+    if (run.trace.writing or live) and run.backend.xp is np:
+        record.probe = CoreProbe(run.runtime.slow)  # a slower device (train.slowdown D) too
     offset = clock_offset(world)
     if not quiet and world.rank == 0 and _numba.ENABLED and not _numba.kernels_cached():
         log.info("compiling kernels (numba): the first step takes a while; cached after it")
@@ -328,7 +330,7 @@ def _step_boundary(
     tracing.trace_step(job, run.trace, record, step, asked=sums[3] > 0, stopping=stopping)
     line_due = t.log_every and ((step + 1) % t.log_every == 0 or step == t.steps - 1)
     if line_due and job.grid.dp > 1:  # collective: the live straggler line (rank 0)
-        record.stragglers.observe(world, run.runtime, run.grid.pp_rank)
+        record.stragglers.observe(world, run.runtime, run.grid.pp_rank, record.probe)
     if not quiet and line_due:
         report.log_step(  # collective: the peak memory over the ranks
             job,
@@ -403,7 +405,7 @@ def _finish(
     replica_diff = replica_check(world, run.grid, run.stages)
     sent = bytes_sent(world, run.runtime, run.states)
     peaks = world.gather(record.peak_inflight, root=0)
-    probe = record.probe.mean() if record.probe else math.nan
+    probe = record.probe.median() if record.probe else math.nan
     ends = world.gather((record.peak_rss, probe), root=0)  # by rank; None but on rank 0
     peak_rss, probes = ([end[i] for end in ends] for i in (0, 1)) if ends else (None, None)
     flight.end(i)
