@@ -66,7 +66,10 @@ def fresh(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr
     with h5py.File(path) as f:  # the one attribute load() consumes
         names = [str(n) for n in f.attrs["json_attrs"]]
-        assert names == ["hostnames", "host_cores", "peak_rss_bytes", "core_probe_s"]
+        assert names == [
+            "hostnames", "host_cores", "peak_rss_bytes", "core_probe_s", "row_probe_rows",
+            "row_probe_s",
+        ]  # fmt: skip
     return load(path)
 
 
@@ -91,6 +94,7 @@ def test_every_documented_attribute_is_written_with_its_type(fresh):
     assert len(fresh.attrs["peak_rss_bytes"]) == fresh.attrs["world_size"]
     assert len(fresh.attrs["core_probe_s"]) == fresh.attrs["world_size"]
     assert len(fresh.attrs["host_cores"]) == fresh.attrs["world_size"]
+    assert len(fresh.attrs["row_probe_s"]) == 6 * fresh.attrs["pp"] * fresh.attrs["virtual_stages"]
 
 
 @pytest.mark.mpi

@@ -200,12 +200,13 @@ def test_a_rank_slow_on_the_clock_only_waited_for_a_core(wall, cpu, verdict):
 @pytest.mark.parametrize(
     "wall, probe, verdict",
     [(1.3, [1.0, 1.3], "device"), (1.3, [1.0, 1.0], "chronic"), (1.3, [1.3, 1.0], "chronic"),
-     (1.6, [1.0, 1.3], "chronic"), (1.3, None, "chronic")],
+     (1.6, [1.0, 1.3], "chronic"), (1.3, None, "chronic"), (1.18, [1.0, 1.06], "healthy")],
 )  # fmt: skip
 def test_a_rank_slow_by_its_cores_speed_alone_is_a_slower_device(wall, probe, verdict):
     """Slow in wall and CPU time by as much as its core is slower than its replica's (the trace's
     core probe): a slower device, reported with what it costs, never named; slow beyond its
-    core's speed, or on the faster core, or with no probe: a straggler in its work."""
+    core's speed, or on the faster core, or with no probe: a straggler in its work; a little
+    slow on a core a little slower, neither beyond the other: healthy."""
     from mpihybrid.analysis.stragglers import straggler_lines, stragglers
 
     found = stragglers(_replicas(wall, wall), list(range(6)), dp=2, probe=probe)
@@ -271,6 +272,23 @@ def test_the_live_line_names_a_rank_only_when_its_cpu_time_is_slow_beyond_its_co
     assert bool(said) == logged, said
     if logged:
         assert said[0].startswith("straggler: rank 1 (stage 0) F 1.30x")
+
+
+def test_a_change_of_m_scales_each_stage_on_the_line_through_its_row_probe():
+    """The trace's two timings of a chunk's pass (train/row_probe.py): a fixed part and one in
+    the rows, carried to the new rows; a line that falls with the rows, or below zero at no
+    rows, is taken as linear; a probe of other chunks is not used."""
+    from mpihybrid.predict.rows import probed_factors
+
+    # chunk 0: F = 1 ms + 1 us a row (128 rows: 1.128 ms, 64: 1.064), B linear, W noise
+    seconds = [1.128e-3, 1.064e-3, 2e-3, 1e-3, 1e-3, 1.2e-3]
+    got = probed_factors(([128, 64], seconds), 4, 8, 1)
+    assert got["F"] == [pytest.approx(1.064 / 1.128)]
+    assert got["B"] == [pytest.approx(0.5)] and got["W"] == [pytest.approx(0.5)]
+    assert probed_factors(([128, 64], seconds), 4, 2, 1)["F"] == [pytest.approx(1.256 / 1.128)]
+    # through zero below no rows: 2 ms at 128, 0.5 ms at 64 would cost -1 ms at none
+    assert probed_factors(([128, 64], [2e-3, 0.5e-3] * 3), 4, 8, 1)["F"] == [0.5]
+    assert probed_factors(([128, 64], seconds), 4, 8, 2) is None
 
 
 def test_a_change_of_m_scales_the_costs_by_the_cost_model_not_linearly():

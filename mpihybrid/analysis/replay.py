@@ -45,7 +45,7 @@ class Change:
     # or "*"); "hop", "gap", "tail" -> factor
     scales: dict = field(default_factory=dict)
     # a change of M: per kind, each stage's cost of a micro-batch against the run's (predict.
-    # rows.row_factors, what the whatif command passes); None: linear in the rows
+    # rows.costed, what the whatif command passes); None: linear in the rows
     rows: dict[str, list[float]] | None = None
     # each message holds its link for a hop that did not queue, and the next one waits:
     # "duplex" (a link each way between two ranks) or "shared" (one wire both ways); None: every
@@ -96,6 +96,8 @@ class Measured:
     # timed costs no schedule name rebuilds); None without
     lists: dict | None = None
     probe: list[float] | None = None  # each world rank's core speed (core_probe_s); None: unknown
+    # (row_probe_rows, row_probe_s): each chunk's passes at two row counts (train.row_probe)
+    row_probe: tuple | None = None
 
     def speeds(self, replica: int):
         """(the trace's stage ranks, probe seconds by pipeline rank) of one replica, for
@@ -155,6 +157,7 @@ class Measured:
             steps[: len(costs)], costs, times, phases, ranks,
             int(gb) if gb is not None else None, path, trace.config, ran, ran_lists(ev),
             core_probe(attrs, pp * dp),
+            (attrs["row_probe_rows"], attrs["row_probe_s"]) if "row_probe_s" in attrs else None,
         )  # fmt: skip
 
     @property

@@ -19,7 +19,8 @@ the host's doing, not the rank's work; it is reported as such ("waited"), never 
 the trace has every rank's core speed (`core_probe_s`, train.probe), a step counts as slow only
 when the rank is slow beyond its core's speed against its replicas' cores: a rank whose core is
 as much slower as its actions is a slower device ("device": reported with what it costs, never
-named as a straggler in its work).
+named as a straggler in its work) where its core is at least half of that slowness (in log:
+1.15x actions on a 1.07x core); a step slow by less than that beyond its core counts as healthy.
 """
 
 from __future__ import annotations
@@ -60,10 +61,13 @@ def stragglers(events: np.ndarray, steps: list[int], dp: int, probe=None) -> dic
                 cpu_relative = np.array([mine[s] / cpu_fastest[(stage, kind, s)] for s in per])
             known = np.isfinite(cpu_relative)  # NaN: no CPU time (a GPU run, an older trace)
             on_cpu = ~known | (cpu_relative >= THRESHOLD)
-            work = np.where(known, cpu_relative, relative) / core >= THRESHOLD
+            score = np.where(known, cpu_relative, relative)
+            work = score / core >= THRESHOLD
+            # the core explains the step where it is at least half its slowness (in log)
+            by_core = np.log(core) >= 0.5 * np.log(np.maximum(score, 1.0))
             late = relative >= THRESHOLD
             slow = int(np.sum(late & on_cpu & work))
-            device = int(np.sum(late & on_cpu & ~work))
+            device = int(np.sum(late & on_cpu & ~work & by_core))
             waited = int(np.sum(late & ~on_cpu))
         verdict = (
             _verdict(slow, waited, device, len(values)) if relative is not None else "no peers"

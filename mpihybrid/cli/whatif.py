@@ -118,7 +118,7 @@ def whatif(run, sets, scales, as_json) -> None:
     try:
         base = Measured.of(trace, run)
         _check_targets(base, change)
-        change = costed(base, change)  # a change of M: predict's model of the rows
+        change = costed(base, change)  # a change of M: the trace's row probe, or the model
         own = replay(base, Change(link=change.link))
         asked = replay(base, change)
         gains = gain_table(base)

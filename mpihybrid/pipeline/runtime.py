@@ -107,6 +107,8 @@ class PipelineRuntime:
         # seconds, count and thread CPU seconds of each compute kind so far (train/
         # live_stragglers reads them). The CPU time tells a rank that waited for a core from one
         # that worked longer; a GPU's time is not the host thread's, so it is not read there.
+        # A stage's last weight gradient is left out: the gradient rings and updates that run
+        # inside it run on the replica whose ring ends last, not on every replica alike.
         self.kind_seconds = {k: [0.0, 0, 0.0] for k in "FBW"}
         self.cpu_clock = time.thread_time if backend.name == "cpu" else None
         self.cpu0 = float("nan")  # the thread's CPU clock when the running action started
@@ -231,14 +233,17 @@ class PipelineRuntime:
         # a GPU queues kernels: wait for them so the trace times the work, not its launch
         self.backend.synchronize()  # a no-op on the CPU
         letter = kind[0].upper()
-        if self.slow is not None:
+        if self.slow is not None and self.cpu_clock is not None:  # in CPU time, as analyzed
+            self.slow.after(letter, self.cpu_clock() - self.cpu0, self.cpu_clock)
+        elif self.slow is not None:
             self.slow.after(letter, Recorder.clock() - t0)
         t1 = Recorder.clock()  # one reading: the kind's total and the trace row agree
         cpu = self.cpu_clock() - self.cpu0 if self.cpu_clock is not None else float("nan")
-        total = self.kind_seconds[letter]
-        total[0] += t1 - t0
-        total[1] += 1
-        total[2] += cpu
+        if self._grad_hook(letter, a.stage, a.microbatch) is None:
+            total = self.kind_seconds[letter]
+            total[0] += t1 - t0
+            total[1] += 1
+            total[2] += cpu
         self.recorder.record(KIND[kind], state.step, a.stage, a.microbatch, t0, t1, nbytes, -1, cpu)
 
     def _forward(self, a: Action, state: _Step, t0: float) -> None:

@@ -58,15 +58,17 @@ class Slowdown:
         """The whole device is slower: every compute kind and the core probe."""
         return self.kinds == "D"
 
-    def after(self, kind: str, seconds: float) -> None:
-        """Work (factor - 1) x `seconds` more when `kind` is slowed."""
+    def after(self, kind: str, seconds: float, clock=time.perf_counter) -> None:
+        """Work (factor - 1) x `seconds` more on `clock` when `kind` is slowed: the thread's CPU
+        time where the action was timed in it (another process on the core then lengthens the
+        wall, not the work), else the wall's."""
         if (kind in self.kinds or self.device) and seconds > 0:
-            burn((self.factor - 1.0) * seconds)
+            burn((self.factor - 1.0) * seconds, clock)
 
 
-def burn(seconds: float) -> None:
-    """Real arithmetic until `seconds` have passed (not a sleep: it holds the core)."""
+def burn(seconds: float, clock=time.perf_counter) -> None:
+    """Real arithmetic until `seconds` have passed on `clock` (not a sleep: it holds the core)."""
     a = np.full((_BLOCK, _BLOCK), 1.0 / _BLOCK, dtype=np.float32)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    end = clock() + seconds
+    while clock() < end:
         a = a @ a

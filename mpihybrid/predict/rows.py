@@ -1,8 +1,11 @@
-"""What a change of M does to a micro-batch's cost, for whatif's replay (analysis/replay.py):
-predict's cost model of each stage at the new rows against the run's. Not linear in the rows: a
-layer call's fixed cost and its weights' traffic stay. Only the shape is taken from the model
-(the packaged `local` cluster by default); the trace's measured costs are what it scales.
+"""What a change of M does to a micro-batch's cost, for whatif's replay (analysis/replay.py).
+Not linear in the rows: a layer call's fixed cost and its weights' traffic stay. Where the
+trace timed each chunk's passes at two row counts (train/row_probe.py), the line through them,
+the host's own; else predict's cost model of each stage at the new rows against the run's (the
+packaged `local` cluster: a shape calibrated on another machine). Either way only the shape is
+taken; the trace's measured costs are what it scales.
 
+    rows = probed_factors(probe, m_run=4, m_new=8, units=2)            # {"F": [...], ...} | None
     rows = row_factors(trace_config_toml, m_run=4, m_new=8, units=2)   # {"F": [...], ...} | None
     change = costed(base, change)          # a whatif Change with its rows, as the command runs it
 """
@@ -45,12 +48,38 @@ def row_factors(
     return out
 
 
+def probed_factors(probe, m_run: int, m_new: int, units: int) -> dict[str, list[float]] | None:
+    """Per kind, each of the `units` chunks' cost of a micro-batch at M = m_new against M =
+    m_run, on the line through the trace's two timings of it (probe: (row_probe_rows,
+    row_probe_s)); None where the probe is not of these chunks. A line that falls with the rows
+    (noise) or would cost less than nothing at no rows is taken through zero (linear)."""
+    (rows, other), seconds = probe
+    if len(seconds) != 6 * units or rows == other:
+        return None
+    new_rows = rows * m_run / m_new
+    out: dict[str, list[float]] = {k: [] for k in "FBW"}
+    for unit in range(units):
+        for p, kind in enumerate("FBW"):
+            at_rows, at_other = seconds[6 * unit + 2 * p], seconds[6 * unit + 2 * p + 1]
+            slope = (at_rows - at_other) / (rows - other)
+            fixed = at_rows - slope * rows
+            if at_rows <= 0 or slope <= 0 or fixed < 0:
+                out[kind].append(m_run / m_new)
+            else:
+                out[kind].append((fixed + slope * new_rows) / at_rows)
+    return out
+
+
 def costed(base, change):
     """`change` (analysis.replay.Change) on `base` (its Measured) with a change of M costed by
-    row_factors, as the whatif command replays it; unchanged without a change of M."""
+    the trace's row probe, else row_factors, as the whatif command replays it; unchanged
+    without a change of M."""
     if not change.microbatches:
         return change
     units = base.costs[0][0].units
-    return dataclasses.replace(
-        change, rows=row_factors(base.config, base.m, change.microbatches, units)
-    )
+    rows = None
+    if base.row_probe is not None:
+        rows = probed_factors(base.row_probe, base.m, change.microbatches, units)
+    if rows is None:
+        rows = row_factors(base.config, base.m, change.microbatches, units)
+    return dataclasses.replace(change, rows=rows)

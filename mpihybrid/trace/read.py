@@ -11,6 +11,7 @@ The file layout is documented in docs/trace-format.md.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -335,6 +336,7 @@ def _check_values(path: Path, trace: Trace) -> None:
                 and all(isinstance(x, want) and not isinstance(x, bool) for x in value)
             ):
                 raise TraceError(f"{path}: attribute {name} is not a list of {world} values")
+        _check_row_probe(path, attrs, pp * v)
     ev = trace.events
     bad = ~(np.isfinite(ev["start"]) & np.isfinite(ev["end"]))
     _first_bad(path, bad, "has a non-finite time (nan or inf)")
@@ -375,3 +377,25 @@ def _plain(value: Any) -> Any:
     if isinstance(value, np.ndarray) and value.dtype.kind in "OSU":
         return [v.decode() if isinstance(v, bytes) else str(v) for v in value.tolist()]
     return value
+
+
+def _check_row_probe(path, attrs: dict, chunks: int) -> None:
+    """row_probe_rows: two positive row counts; row_probe_s: six seconds a model chunk."""
+    rows, seconds = attrs.get("row_probe_rows"), attrs.get("row_probe_s")
+    if rows is None and seconds is None:
+        return
+    good_rows = (
+        isinstance(rows, list)
+        and len(rows) == 2
+        and all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in rows)
+    )
+    good_seconds = (
+        isinstance(seconds, list)
+        and len(seconds) == 6 * chunks
+        and all(isinstance(x, float) and math.isfinite(x) and x >= 0 for x in seconds)
+    )
+    if not (good_rows and good_seconds):
+        raise TraceError(
+            f"{path}: attributes row_probe_rows and row_probe_s are not two row counts and "
+            f"6 x {chunks} seconds"
+        )

@@ -23,7 +23,7 @@ from mpihybrid.config import Job
 from mpihybrid.nn.data import replica_microbatches
 from mpihybrid.nn.optim import learning_rate
 from mpihybrid.trace.recorder import KIND, Recorder, clock_offset
-from mpihybrid.train import build, checkpoint, clip, evaluate, report, tracing
+from mpihybrid.train import build, checkpoint, clip, evaluate, report, row_probe, tracing
 from mpihybrid.train.build import Run
 from mpihybrid.train.flight import FlightRecorder, record_dir, run_id
 from mpihybrid.train.memory import peak_rss_bytes
@@ -406,13 +406,18 @@ def _finish(
     sent = bytes_sent(world, run.runtime, run.states)
     peaks = world.gather(record.peak_inflight, root=0)
     probe = record.probe.median() if record.probe else math.nan
-    ends = world.gather((record.peak_rss, probe), root=0)  # by rank; None but on rank 0
-    peak_rss, probes = ([end[i] for end in ends] for i in (0, 1)) if ends else (None, None)
     flight.end(i)
+    i = flight.begin("row probe")
+    timed_rows = None  # how this host's passes scale with the rows (whatif's change of M)
+    if record.probe is not None and run.trace.writing and run.grid.dp_rank == 0:
+        timed_rows = row_probe.time_rows(job.workload, sorted(run.stages))
+    flight.end(i)
+    ends = world.gather((record.peak_rss, probe, timed_rows), root=0)  # None but on rank 0
+    peak_rss, probes, rows = ([end[i] for end in ends] for i in (0, 1, 2)) if ends else [None] * 3
     _checkpoint_if_signalled(job, world, run, record)
     # the rows since the last flush (every row when no trace file is written), on rank 0
     i = flight.begin("trace flush")
-    end = tracing.end_attrs(runtime_s, test_accuracy, peak_rss, probes)
+    end = tracing.end_attrs(runtime_s, test_accuracy, peak_rss, probes, rows)
     events = run.trace.flush(end, finished=True)
     flight.end(i)
     run.release()

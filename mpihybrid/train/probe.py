@@ -50,7 +50,7 @@ class CoreProbe:
         t0 = time.thread_time()
         np.matmul(self._a, self._a, out=self._out)
         if self._slow is not None:  # a slower device on purpose: the product takes longer
-            self._slow.after("F", time.thread_time() - t0)
+            self._slow.after("F", time.thread_time() - t0, time.thread_time)
         self._times[self.count % KEEP] = time.thread_time() - t0
         self.count += 1
         self._last = time.perf_counter()

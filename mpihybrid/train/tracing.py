@@ -136,16 +136,26 @@ def run_attrs(world, job: Job, hostnames: list[str]) -> dict:
 
 
 def end_attrs(
-    runtime_s: float, test_accuracy: float, peak_rss: list[int] | None, probes=None
+    runtime_s: float,
+    test_accuracy: float,
+    peak_rss: list[int] | None,
+    probes=None,
+    rows: list | None = None,
 ) -> dict:
     """The trace attributes known only at the end (this part's runtime after a resume; every
-    rank's peak resident set over the steps and its core's speed, train.probe, on rank 0, which
-    writes them)."""
+    rank's peak resident set over the steps and its core's speed, train.probe; the chunks'
+    passes at two row counts, train.row_probe, by rank: None where not timed), on rank 0,
+    which writes them."""
     attrs = {"runtime_s": runtime_s, "test_accuracy": test_accuracy}
     if peak_rss is not None:
         attrs["peak_rss_bytes"] = [int(b) for b in peak_rss]
     if probes is not None and all(math.isfinite(x) for x in probes):
         attrs["core_probe_s"] = [float(x) for x in probes]
+    timed = [r for r in rows or [] if r is not None]
+    chunks = {c: v for _, per in timed for c, v in per.items()}
+    if timed and sorted(chunks) == list(range(len(chunks))):
+        attrs["row_probe_rows"] = [int(r) for r in timed[0][0]]
+        attrs["row_probe_s"] = [float(x) for c in sorted(chunks) for x in chunks[c]]
     return attrs
 
 
