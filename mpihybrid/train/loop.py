@@ -410,7 +410,8 @@ def _finish(
     i = flight.begin("row probe")
     timed_rows = None  # how this host's passes scale with the rows (whatif's change of M)
     if record.probe is not None and run.trace.writing and run.grid.dp_rank == 0:
-        timed_rows = row_probe.time_rows(job.workload, sorted(run.stages))
+        work = job.workload  # the model's chunks; a vocab_parallel run's shares are not timed
+        timed_rows = row_probe.time_rows(work, [c for c in sorted(run.stages) if c < work.chunks])
     flight.end(i)
     ends = world.gather((record.peak_rss, probe, timed_rows), root=0)  # None but on rank 0
     peak_rss, probes, rows = ([end[i] for end in ends] for i in (0, 1, 2)) if ends else [None] * 3
