@@ -76,7 +76,7 @@ def vocab_parallel(work: Workload) -> bool:
     return bool(getattr(work.model, "vocab_parallel", False))
 
 
-def _loss(work: Workload):
+def chunk_loss(work: Workload):
     """The model kind's loss on the model's last block; None where the vocabulary shares
     compute it (model.vocab_parallel: no chunk does)."""
     return None if vocab_parallel(work) else model_kind(work.model.kind).loss()
@@ -115,7 +115,7 @@ def profile_chunk(work: Workload, chunk: int, repeats: int = 3, key=None) -> dic
     """profile_stage of model chunk `chunk`, on the job's own micro-batches."""
     stage = build_stage(work.model, *task_dims(work.data), chunk, work.chunks, seed=work.seed)
     inputs, targets = chunk_inputs(work, chunk)
-    loss = _loss(work) if chunk == work.chunks - 1 else None
+    loss = chunk_loss(work) if chunk == work.chunks - 1 else None
     return profile_stage(stage, inputs, targets, loss, chunk == 0, repeats=repeats, key=key)
 
 
@@ -130,7 +130,7 @@ def timed_block_costs(work: Workload, repeats: int = 3) -> list[float]:
             for sub in layer.branch if isinstance(layer, Residual) else [layer]:
                 owner[id(sub)] = g
     inputs, targets = chunk_inputs(work, 0)
-    loss = _loss(work)
+    loss = chunk_loss(work)
     per = profile_stage(
         stage, inputs, targets, loss, True, repeats=repeats, key=lambda l, m: owner[id(l)]
     )
@@ -153,7 +153,7 @@ def block_pass_costs(
             for sub in layer.branch if isinstance(layer, Residual) else [layer]:
                 owner[id(sub)] = g
     inputs, targets = chunk_inputs(work, 0)
-    loss = _loss(work)
+    loss = chunk_loss(work)
     per = profile_stage(
         stage, inputs, targets, loss, True, repeats=repeats, key=lambda l, m: (owner[id(l)], m)
     )

@@ -40,7 +40,7 @@ class CoreProbe:
         a = np.random.default_rng(0).standard_normal((SIZE, SIZE)).astype(np.float32)
         self._a, self._out = a, np.empty_like(a)
         self._times = np.empty(KEEP, np.float32)  # a ring: timing i at i % KEEP
-        self.count, self._last = 0, -math.inf
+        self._count, self._last = 0, -math.inf
         self._slow = slow if slow is not None and slow.device else None
 
     def tick(self) -> None:
@@ -51,11 +51,11 @@ class CoreProbe:
         np.matmul(self._a, self._a, out=self._out)
         if self._slow is not None:  # a slower device on purpose: the product takes longer
             self._slow.after("F", time.thread_time() - t0, time.thread_time)
-        self._times[self.count % KEEP] = time.thread_time() - t0
-        self.count += 1
+        self._times[self._count % KEEP] = time.thread_time() - t0
+        self._count += 1
         self._last = time.perf_counter()
 
     def median(self) -> float:
         """The median seconds of the timings kept (NaN before the first)."""
-        kept = self._times[: min(self.count, KEEP)]
+        kept = self._times[: min(self._count, KEEP)]
         return float(np.median(kept)) if len(kept) else math.nan

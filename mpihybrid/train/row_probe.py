@@ -25,7 +25,7 @@ import numpy as np
 from mpihybrid.nn.cost import Workload
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.model import build_stage
-from mpihybrid.nn.profile import _loss, chunk_inputs
+from mpihybrid.nn.profile import chunk_inputs, chunk_loss
 
 REPEATS = 4
 
@@ -61,7 +61,7 @@ class _Passes:
         self.stage = build_stage(work.model, *task_dims(work.data), chunk, work.chunks,
                                  seed=work.seed)  # fmt: skip
         (self.x,), (self.target,) = chunk_inputs(work, chunk)
-        self.loss = _loss(work) if chunk == work.chunks - 1 else None
+        self.loss = chunk_loss(work) if chunk == work.chunks - 1 else None
         self.first = chunk == 0
         self.times: list[tuple[float, float, float]] = []
 
