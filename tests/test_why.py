@@ -200,13 +200,15 @@ def test_a_rank_slow_on_the_clock_only_waited_for_a_core(wall, cpu, verdict):
 @pytest.mark.parametrize(
     "wall, probe, verdict",
     [(1.3, [1.0, 1.3], "device"), (1.3, [1.0, 1.0], "chronic"), (1.3, [1.3, 1.0], "chronic"),
-     (1.6, [1.0, 1.3], "chronic"), (1.3, None, "chronic"), (1.18, [1.0, 1.06], "healthy")],
+     (1.6, [1.0, 1.3], "chronic"), (1.3, None, "chronic"), (1.18, [1.0, 1.06], "healthy"),
+     (3.5, [1.0, 3.0], "device"), (4.5, [1.0, 3.0], "chronic")],
 )  # fmt: skip
 def test_a_rank_slow_by_its_cores_speed_alone_is_a_slower_device(wall, probe, verdict):
     """Slow in wall and CPU time by as much as its core is slower than its replica's (the trace's
     core probe): a slower device, reported with what it costs, never named; slow beyond its
     core's speed, or on the faster core, or with no probe: a straggler in its work; a little
-    slow on a core a little slower, neither beyond the other: healthy."""
+    slow on a core a little slower, neither beyond the other: healthy. On a 3x slower core a
+    1.17x beyond it is within what the probe tells (slowdown.PROBE_FIT), 1.5x is not."""
     from mpihybrid.analysis.stragglers import straggler_lines, stragglers
 
     found = stragglers(_replicas(wall, wall), list(range(6)), dp=2, probe=probe)
@@ -217,8 +219,8 @@ def test_a_rank_slow_by_its_cores_speed_alone_is_a_slower_device(wall, probe, ve
     text = "\n".join(straggler_lines(found))
     assert ("a slower device, not its work" in text) == (verdict == "device"), text
     if verdict == "device":
-        assert found["devices"][0]["core"] == pytest.approx(1.3)
-        assert found["devices"][0]["kinds"] == {"F": pytest.approx(1.3)}
+        assert found["devices"][0]["core"] == pytest.approx(probe[1])
+        assert found["devices"][0]["kinds"] == {"F": pytest.approx(wall)}
 
 
 class _Runtime:

@@ -17,7 +17,8 @@ as slow only when the CPU time is slow by the same rule: a rank whose wall time 
 whose CPU time is not waited for a core (another process, or more ranks than cores), which is
 the host's doing, not the rank's work; it is reported as such ("waited"), never named. Where
 the trace has every rank's core speed (`core_probe_s`, train.probe), a step counts as slow only
-when the rank is slow beyond its core's speed against its replicas' cores: a rank whose core is
+when the rank is slow beyond its core's speed against its replicas' cores (slowdown.beyond_core:
+THRESHOLD x its core's ratio to the power 1 + PROBE_FIT): a rank whose core is
 as much slower as its actions is a slower device ("device": reported with what it costs, never
 named as a straggler in its work) where its core is at least half of that slowness (in log:
 1.15x actions on a 1.07x core); a step slow by less than that beyond its core counts as healthy.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpihybrid.analysis.rows import groups
-from mpihybrid.pipeline.slowdown import CHRONIC, THRESHOLD
+from mpihybrid.pipeline.slowdown import CHRONIC, THRESHOLD, beyond_core
 from mpihybrid.trace.recorder import COMPUTE
 
 BEST = 10  # the individual reference: this percentile of its own steps
@@ -62,7 +63,7 @@ def stragglers(events: np.ndarray, steps: list[int], dp: int, probe=None) -> dic
             known = np.isfinite(cpu_relative)  # NaN: no CPU time (a GPU run, an older trace)
             on_cpu = ~known | (cpu_relative >= THRESHOLD)
             score = np.where(known, cpu_relative, relative)
-            work = score / core >= THRESHOLD
+            work = score >= beyond_core(core)
             # the core explains the step where it is at least half its slowness (in log)
             by_core = np.log(core) >= 0.5 * np.log(np.maximum(score, 1.0))
             late = relative >= THRESHOLD

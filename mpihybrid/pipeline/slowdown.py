@@ -24,6 +24,17 @@ _BLOCK = 64  # a product this size takes microseconds: the clock is read between
 # replica's; chronic: slow in at least this share of the steps (or step lines) seen
 THRESHOLD = 1.15
 CHRONIC = 0.5
+# beyond a slower core (its probe over its fastest replica's, train.probe), THRESHOLD x that
+# ratio to the power 1 + PROBE_FIT: the probe's product tells an action's speed on another core
+# to within its ratio to this power (on a 3x device an action's CPU time measured 0.91-1.17x
+# the probe's ratio: memory traffic and calls do not scale as a product does)
+PROBE_FIT = 0.2
+
+
+def beyond_core(core):
+    """The factor a rank's CPU time must pass, against its fastest replica's, to be slow in its
+    work on a core `core` x as slow as that replica's (1: as fast)."""
+    return THRESHOLD * core ** (1.0 + PROBE_FIT)
 
 
 @dataclass(frozen=True)

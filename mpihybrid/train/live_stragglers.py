@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from mpihybrid.pipeline.slowdown import CHRONIC, THRESHOLD
+from mpihybrid.pipeline.slowdown import CHRONIC, THRESHOLD, beyond_core
 from mpihybrid.sysinfo import hostname
 
 log = logging.getLogger("mpihybrid")
@@ -115,8 +115,8 @@ def _slow(means: np.ndarray, j: int, core: float = 1.0) -> bool:
     if not 0 < fastest < np.inf or not wall[j] >= THRESHOLD * fastest:
         return False
     if np.isnan(cpu).any():
-        return bool(wall[j] >= THRESHOLD * core * fastest)
-    return bool(cpu[j] >= THRESHOLD * core * np.min(cpu))
+        return bool(wall[j] >= beyond_core(core) * fastest)
+    return bool(cpu[j] >= beyond_core(core) * np.min(cpu))
 
 
 def _caveat(hosts: list[tuple[str, int]]) -> str:
