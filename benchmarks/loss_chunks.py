@@ -1,13 +1,16 @@
-"""What fusing the head's loss into cache-sized pieces could buy: the softmax cross-entropy of
-one micro-batch's logits (rows x vocab) whole, against the same rows in pieces of R rows, and
-against the head's three GEMMs of the same shape (forward, input gradient, weight gradient).
+"""The head's loss in cache-sized pieces: the softmax cross-entropy of one micro-batch's logits
+(rows x vocab) as forward, correct and backward over the whole matrix (the reference), against
+`SoftmaxCrossEntropy.step` (the three in one, each piece of rows through every pass while it
+is in cache: what training runs) at its default piece and others, and against the head's three
+GEMMs of the same shape (forward, input gradient, weight gradient).
 
     OMP_NUM_THREADS=1 python benchmarks/loss_chunks.py                 # gpt_bench: 128 x 10000
     OMP_NUM_THREADS=1 python benchmarks/loss_chunks.py --vocab 50257
 
-Each round copies the logits into the working array (the loss works in place), then runs
-forward, correct and backward; the copy's own time is printed and taken out. Printed: median ms
-of each, and the loss's share of the head and loss together.
+Before each timed loss the head's forward GEMM writes the logits afresh (untimed; the loss works
+in place), so every variant starts from the caches the head leaves it, as in training. The runs
+are interleaved round by round (a drifting machine moves them together). Printed: median ms of
+each, its speed-up over the reference, and the loss's share of the head and loss together.
 """
 
 from __future__ import annotations
@@ -18,16 +21,7 @@ import time
 
 import numpy as np
 
-from mpihybrid.nn.layers import SoftmaxCrossEntropy
-
-
-def _median_ms(fn, rounds: int) -> float:
-    times = []
-    for _ in range(rounds + 1):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[1:])
+from mpihybrid.nn.layers import PIECE_BYTES, SoftmaxCrossEntropy
 
 
 def main() -> None:
@@ -35,44 +29,51 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=10_000)
     parser.add_argument("--hidden", type=int, default=240)
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows, vocab, hidden = args.rows, args.vocab, args.hidden
-    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    x = (rng.standard_normal((rows, hidden)) / hidden**0.25).astype(np.float32)
+    w = (rng.standard_normal((hidden, vocab)) / hidden**0.25).astype(np.float32)
+    dw = np.zeros_like(w)
     targets = rng.integers(0, vocab, rows)
-    work = np.empty_like(logits)
+    work = np.empty((rows, vocab), dtype=np.float32)
     loss = SoftmaxCrossEntropy()
 
+    def reference():
+        _, cache = loss.forward(work, targets)
+        loss.correct(cache)
+        loss.backward(cache, 0.25)
+
     def pieces(size: int):
-        def run():
-            np.copyto(work, logits)
-            for i in range(0, rows, size):
-                _, cache = loss.forward(work[i : i + size], targets[i : i + size])
-                loss.correct(cache)
-                loss.backward(cache, 0.25)
-
-        return run
-
-    x = rng.standard_normal((rows, hidden)).astype(np.float32)
-    w = rng.standard_normal((hidden, vocab)).astype(np.float32)
-    dw = np.zeros_like(w)
+        return lambda: loss.step(work, targets, 0.25, size)
 
     def head_gemms():
         y = x @ w
         _ = y @ w.T
         dw[...] += x.T @ y
 
-    copy = _median_ms(lambda: np.copyto(work, logits), args.rounds)
-    gemms = _median_ms(head_gemms, args.rounds)
+    default = max(1, PIECE_BYTES // (vocab * 4))
+    runs = {"gemms": head_gemms, "reference": reference}
+    sizes = sorted({default, 1, 4, 16, 64, rows})
+    runs.update({f"step {n}": pieces(n) for n in sizes})
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.rounds + 1):
+        for name, fn in runs.items():
+            np.matmul(x, w, out=work)  # the head's logits, as the loss finds them in training
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    ms = {name: 1e3 * statistics.median(t[1:]) for name, t in times.items()}
+    gemms = ms.pop("gemms")
+    whole = ms.pop("reference")
     print(f"logits {rows} x {vocab}; the head's three GEMMs {gemms:.3f} ms")
-    whole = _median_ms(pieces(rows), args.rounds) - copy
-    print(
-        f"  loss whole            {whole:7.3f} ms  ({whole / (whole + gemms):.1%} of head + loss)"
-    )
-    for size in (64, 32, 16, 8):
-        t = _median_ms(pieces(size), args.rounds) - copy
-        print(f"  loss in {size:>3}-row pieces {t:7.3f} ms  ({whole / t:.2f}x the whole)")
+    share = whole / (whole + gemms)
+    print(f"  reference (whole)        {whole:7.3f} ms  ({share:.1%} of head + loss)")
+    for name, t in ms.items():
+        size = int(name.split()[1])
+        mark = "  (default: PIECE_BYTES)" if size == default else ""
+        print(f"  step, {size:>4}-row pieces  {t:7.3f} ms  ({whole / t:.2f}x the reference){mark}")
 
 
 if __name__ == "__main__":

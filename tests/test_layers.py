@@ -217,6 +217,30 @@ def test_cross_entropy_value_and_gradient():
     np.testing.assert_allclose(loss_fn.backward(cache, scale=0.25), 0.25 * grad, rtol=1e-12)
 
 
+@pytest.mark.parametrize("piece", [0, 1, 3, 64, 1000])
+@pytest.mark.parametrize(
+    "shape, classes, dtype",
+    [((128,), 10_000, np.float32), ((4, 7), 300, np.float32), ((5,), 3, np.float64)],
+)
+def test_the_loss_in_pieces_gives_the_wholes_bits(shape, classes, dtype, piece):
+    """step (forward, correct and backward in cache-sized pieces of rows, what training runs)
+    against the three over the whole matrix: the same loss, count and gradient, bit for bit."""
+    rng = np.random.default_rng(3)
+    logits = (4 * rng.standard_normal((*shape, classes))).astype(dtype)
+    logits[0, ..., :2] = logits.max()  # a tie for the largest: argmax takes the first alike
+    targets = rng.integers(0, classes, size=shape)
+    loss_fn = SoftmaxCrossEntropy()
+    loss, cache = loss_fn.forward(logits.copy(), targets)
+    right = loss_fn.correct(cache)
+    grad = loss_fn.backward(cache, scale=0.25)
+    work = logits.copy()
+    got = loss_fn.step(work, targets, 0.25, piece)
+    assert got[0] == loss and got[1] == right
+    assert got[2].shape == logits.shape and got[2].dtype == dtype
+    np.testing.assert_array_equal(got[2], grad)
+    assert np.shares_memory(got[2], work)  # in place, as forward and backward are
+
+
 def test_cross_entropy_is_stable_for_huge_logits():
     logits = np.array([[1e4, 0.0, -1e4], [0.0, 1e4, 1e4]], dtype=np.float32)
     loss_fn = SoftmaxCrossEntropy()

@@ -96,9 +96,7 @@ def profile_stage(stage, inputs, targets, loss_fn, first: bool, *, repeats: int,
         for (out, cache), t in zip(caches, targets, strict=True):
             if loss_fn is not None:
                 t0 = time.perf_counter()
-                _, lcache = loss_fn.forward(out, t)
-                loss_fn.correct(lcache)
-                dy = loss_fn.backward(lcache, 1.0 / len(inputs))
+                _, _, dy = loss_fn.step(out, t, 1.0 / len(inputs))  # as training runs it
                 totals[LOSS] += time.perf_counter() - t0
             else:
                 dy = np.full_like(out, 1e-3)

@@ -255,11 +255,12 @@ class PipelineRuntime:
         if s == self.num_stages - 1 and self.vocab is not None:
             self.vocab.head_input(mb, y, state)  # to every share's S
         elif s == self.num_stages - 1:
-            loss, lcache = self.loss_fn.forward(y, state.batches[mb][1])
-            state.loss_sum += loss
-            state.correct += self.loss_fn.correct(lcache)
             # each micro-batch's mean loss counts 1/M of the step's loss
-            state.inbox[("B", s, mb)] = self.loss_fn.backward(lcache, 1.0 / self.num_microbatches)
+            scale = 1.0 / self.num_microbatches
+            loss, right, dy = self.loss_fn.step(y, state.batches[mb][1], scale)
+            state.loss_sum += loss
+            state.correct += right
+            state.inbox[("B", s, mb)] = dy
         else:
             (state.inbox if self._is_local(s + 1) else state.outbox)[("F", s + 1, mb)] = y
         state.caches[(s, mb)] = cache
