@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
+from mpihybrid.analysis.messages import match_messages
 from mpihybrid.analysis.restage import BlockLayout
 from mpihybrid.nn.model import layer_counts
 from mpihybrid.trace.file import write_trace
@@ -98,12 +100,19 @@ def test_whatif_and_its_bad_input(slowed, tmp_path):
     assert doc["predicted"]["phase"] > 0 and doc["change"] == "schedule=zb-v"
     # messages that hold their link: each step's hold is the one under which the run replays
     # as without a link; a link 2000x slower queues them, one wire more than two
+    # (where no message found its receiver waiting, the hop reads 0 and whatif says there is
+    # nothing to scale: 1 run in 10 with 4 ranks and a CPU hog on 2 cores)
     slow = ("--scale", "hop=2000", "--json")
     plain = json.loads(cli_here("whatif", slowed, *slow).stdout)
     for link in ("duplex", "shared"):
         doc = json.loads(cli_here("whatif", slowed, "--set", f"link={link}", *slow).stdout)
-        assert doc["replayed"]["phase"] == pytest.approx(plain["replayed"]["phase"], rel=0.01)
-        assert doc["predicted"]["phase"] > plain["predicted"]["phase"]
+        # (within the jump the queue makes where the hold's bisection ends: up to 1.3 % seen)
+        assert doc["replayed"]["phase"] == pytest.approx(plain["replayed"]["phase"], rel=0.03)
+        if doc["hop"] > 0:
+            assert doc["predicted"]["phase"] > plain["predicted"]["phase"] and not doc["notes"]
+        else:
+            assert doc["predicted"]["phase"] == plain["predicted"]["phase"]
+            assert "hop reads 0" in doc["notes"][0], doc["notes"]
         assert doc["change"] == f"link={link}, hopx2000"
         plain = doc
     for args, needle in (
@@ -131,6 +140,20 @@ def test_whatif_and_its_bad_input(slowed, tmp_path):
                     attrs=attrs)  # fmt: skip
         assert failed(cli_here("whatif", tmp_path / name), needle), name
         assert failed(cli_here("analyze", tmp_path / name), said), name
+    # every receive posted after its send began: no hop measured, and whatif says so
+    events = trace.events.copy()
+    pairs = match_messages(events)
+    late = np.maximum(events["start"][pairs.recv], events["start"][pairs.send] + 1e-9)
+    events["start"][pairs.recv] = late
+    events["end"][pairs.recv] = np.maximum(events["end"][pairs.recv], late)
+    write_trace(tmp_path / "nohop.h5", events=events, steps=trace.steps, config=trace.config,
+                attrs=attrs)  # fmt: skip
+    doc = json.loads(cli_here("whatif", tmp_path / "nohop.h5", *slow).stdout)
+    assert doc["hop"] == 0 and "hop reads 0" in doc["notes"][0], doc
+    assert doc["predicted"]["phase"] == pytest.approx(doc["replayed"]["phase"], rel=1e-9)
+    text = cli_here("whatif", tmp_path / "nohop.h5", "--scale", "hop=3").stdout
+    assert "note            the trace's hop reads 0" in text, text
+    assert not json.loads(cli_here("whatif", tmp_path / "nohop.h5", "--json").stdout)["notes"]
     assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob("*.json"))
 
 

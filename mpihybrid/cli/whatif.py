@@ -124,9 +124,19 @@ def whatif(run, sets, scales, as_json) -> None:
         gains = gain_table(base)
     except (ReplayError, ScheduleError) as exc:
         _fail(str(exc))
+    hops = [c.send for per in base.costs for c in per]
+    hop = sum(hops) / len(hops)
+    notes = []
+    if hop == 0 and (change.link or "hop" in change.scales):
+        notes.append(
+            "the trace's hop reads 0: no message found its receiver already waiting, so the hop "
+            "itself was not measured, and a change of the hop or the link has nothing to scale"
+        )
     doc = {
         "run": run,
         "change": change.text(),
+        "hop": hop,
+        "notes": notes,
         "measured": measured_figures(base) | {"bubble": None},
         "replayed": own,
         "predicted": asked,
@@ -169,6 +179,7 @@ def whatif_lines(doc: dict) -> list[str]:
         f"in short        the step would take {ms(new['step'])} against {ms(m['step'])} measured "
         f"({new['step'] / m['step'] - 1:+.1%}); replaying the run unchanged gives "
         f"{ms(own['step'])} ({err:+.1%}, the replay's own error)",
+        *(f"note            {n}" for n in doc.get("notes", [])),
         "",
     ]
     rows = [

@@ -10,8 +10,12 @@ on one machine the GPT's passes at half their rows took 0.52-0.57 of them and th
 (docs/analysis.md). whatif's change of M scales each stage's measured F, B and W by the line
 through these two points (predict/rows.py); a trace without them falls back to the cost model.
 Each chunk is built afresh (its own weights) at both sizes; one micro-batch a pass, a warm-up and
-REPEATS rounds alternating the sizes, the median of each pass, timed in the thread's CPU time
-(the shape of the cost, not the waits for a core): about 5 micro-batches' work per chunk.
+rounds alternating the sizes (REPEATS of them, more where a round is short: until the rounds
+hold ENOUGH seconds, at most MOST rounds), the median of each pass, timed in the thread's CPU
+time (the shape of the cost, not the waits for a core): about 5 micro-batches' work per chunk
+of a GPT; a small MLP's passes of tens of microseconds take up to MOST rounds, where 4 rounds'
+medians let one interrupt turn the half-size passes dearer than the whole (1 test in 10 under
+load).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from mpihybrid.nn.model import build_stage
 from mpihybrid.nn.profile import chunk_inputs, chunk_loss
 
 REPEATS = 4
+ENOUGH = 0.05  # seconds of CPU time in a chunk's rounds (both sizes) before they may stop
+MOST = 64
 
 
 def other_size(size: int) -> int:
@@ -45,9 +51,14 @@ def time_rows(work: Workload, chunks: list[int]) -> tuple[list[int], dict[int, l
     out = {}
     for c in chunks:
         passes = [_Passes(w, c) for w in works]
-        for _ in range(REPEATS + 1):  # the first round warms up (and compiles)
+        for p in passes:  # the first round warms up (and compiles)
+            p.run()
+        start = time.thread_time()
+        for rounds in range(1, MOST + 1):
             for p in passes:
                 p.run()
+            if rounds >= REPEATS and time.thread_time() - start >= ENOUGH:
+                break
         full, other = (p.medians() for p in passes)
         out[c] = [x for pair in zip(full, other, strict=True) for x in pair]
     return [w.rows for w in works], out
@@ -55,7 +66,7 @@ def time_rows(work: Workload, chunks: list[int]) -> tuple[list[int], dict[int, l
 
 class _Passes:
     """One chunk at one micro-batch size: its F, B and W timed round after round (the loss with
-    the last chunk: its forward in F, its gradient in B)."""
+    the last chunk, in F: its value and gradient, as the runtime runs them)."""
 
     def __init__(self, work: Workload, chunk: int):
         self.stage = build_stage(work.model, *task_dims(work.data), chunk, work.chunks,
