@@ -21,8 +21,9 @@ import time
 import numpy as np
 
 from mpihybrid import _numba
-from mpihybrid.nn.layers import GELU, LayerNorm, Linear, SoftmaxCrossEntropy
+from mpihybrid.nn.layers import GELU, LayerNorm, Linear
 from mpihybrid.nn.llama import RMSNorm, RotaryAttention, SwiGLU
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 from mpihybrid.nn.optim import AdamW
 from mpihybrid.nn.transformer import CausalAttention, Embedding, Residual
 

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from mpihybrid.nn.layers import PIECE_BYTES, SoftmaxCrossEntropy
+from mpihybrid.nn.loss import PIECE_BYTES, SoftmaxCrossEntropy
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpihybrid.nn.data import build_task
-from mpihybrid.nn.layers import SoftmaxCrossEntropy
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
 from mpihybrid.nn.optim import build_optimizer, clip_coefficient, learning_rate
 from mpihybrid.train.state import decayed_ranges

@@ -22,7 +22,7 @@ import pytest
 from mpihybrid import _numba
 from mpihybrid.comm.codecs import CODECS
 from mpihybrid.config import ConfigError, load_job
-from mpihybrid.nn.layers import SoftmaxCrossEntropy
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
 from mpihybrid.nn.optim import build_optimizer
 from mpihybrid.train import checkpoint

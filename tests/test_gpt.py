@@ -15,7 +15,8 @@ import pytest
 
 from mpihybrid.config import ConfigError, DataConfig, build_job, load_job, parse_override, resolve
 from mpihybrid.nn.data import TokenTask, build_task, microbatches, task_dims
-from mpihybrid.nn.layers import GELU, LayerNorm, Linear, SoftmaxCrossEntropy
+from mpihybrid.nn.layers import GELU, LayerNorm, Linear
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 from mpihybrid.nn.model import (
     Stage,
     block_costs,

@@ -14,7 +14,8 @@ from mpihybrid.nn import kernels
 from mpihybrid.nn.cost import microbatch_rows, stage_work
 from mpihybrid.nn.data import task_dims
 from mpihybrid.nn.kinds import KINDS, ModelKind, model_kind
-from mpihybrid.nn.layers import Linear, SoftmaxCrossEntropy
+from mpihybrid.nn.layers import Linear
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 from mpihybrid.nn.model import boundary_shapes, build_blocks, build_stage, layer_counts
 from mpihybrid.nn.settings import Setting
 

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from mpihybrid.nn.layers import GELU, Layer, LayerNorm, Linear, ReLU, SoftmaxCrossEntropy
+from mpihybrid.nn.layers import GELU, Layer, LayerNorm, Linear, ReLU
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 
 # B = rows, C = features, K = classes
 B, C_IN, C_OUT = 4, 5, 3

@@ -17,8 +17,9 @@ import pytest
 from mpihybrid.config import ConfigError, load_job
 from mpihybrid.nn.cost import stage_work
 from mpihybrid.nn.kinds import model_kind
-from mpihybrid.nn.layers import Linear, SoftmaxCrossEntropy
+from mpihybrid.nn.layers import Linear
 from mpihybrid.nn.llama import RMSNorm, RotaryAttention, SwiGLU, TokenEmbedding
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 from mpihybrid.nn.model import boundary_shapes, build_blocks, build_stage
 from mpihybrid.nn.transformer import Residual
 from mpihybrid.train.tie import bind_local

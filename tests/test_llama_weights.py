@@ -15,7 +15,7 @@ import pytest
 from mpihybrid.config import ConfigError, build_job, resolve
 from mpihybrid.nn.data import build_task, task_dims
 from mpihybrid.nn.kinds import model_kind
-from mpihybrid.nn.layers import SoftmaxCrossEntropy
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
 from mpihybrid.nn.weights import write_pair
 from mpihybrid.train.tie import bind_local

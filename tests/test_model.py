@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mpihybrid.nn.layers import GELU, LayerNorm, Linear, ReLU, SoftmaxCrossEntropy
+from mpihybrid.nn.layers import GELU, LayerNorm, Linear, ReLU
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 from mpihybrid.nn.model import (
     Stage,
     block_num_params,

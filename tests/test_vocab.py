@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpihybrid.nn.layers import Linear, SoftmaxCrossEntropy
+from mpihybrid.nn.layers import Linear
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 from mpihybrid.nn.transformer import Embedding
 from mpihybrid.nn.vocab import VocabShard, combine, padding, shard_tensors, share_size
 

@@ -19,7 +19,7 @@ from mpihybrid.cli.text import checkpoint_stages, read_checkpoint
 from mpihybrid.config import ConfigError, load_job
 from mpihybrid.nn import weights as nw
 from mpihybrid.nn.data import build_task
-from mpihybrid.nn.layers import SoftmaxCrossEntropy
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 from mpihybrid.nn.model import build_stage
 from mpihybrid.trace.file import load
 from tests.helpers import ROOT, mpi_env, run_mpi

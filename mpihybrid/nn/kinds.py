@@ -25,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mpihybrid.nn.layers import Layer, SoftmaxCrossEntropy
+from mpihybrid.nn.layers import Layer
 from mpihybrid.nn.llama import LLAMA_SETTINGS, llama_blocks, llama_check
 from mpihybrid.nn.llama_weights import hf_check, hf_export, hf_load
+from mpihybrid.nn.loss import SoftmaxCrossEntropy
 from mpihybrid.nn.mlp import MLP_SETTINGS, mlp_blocks
 from mpihybrid.nn.settings import Setting, toml_text
 from mpihybrid.nn.transformer import GPT_SETTINGS, gpt_blocks
