@@ -3,11 +3,18 @@ interleaved in one process, on the weight-gradient shapes of jobs/gpt_bench.toml
 
     OMP_NUM_THREADS=1 python benchmarks/gemm_ab.py                 # 40 rounds
     OMP_NUM_THREADS=1 python benchmarks/gemm_ab.py --rows 512      # 4 micro-batches merged
+    OMP_NUM_THREADS=1 python benchmarks/gemm_ab.py --merge 4       # merged W, its gather counted
 
 Each round times Linear.backward_weight with the in-place call, then with numpy's expression,
 on the same inputs (the gradient zeroed before each), so a drifting machine hits both alike;
 printed: median ms of each, their ratio, and the rate against one sgemm of the same shape
 written to a fresh array (np.matmul with out=, as bench train's roofline measures it).
+
+--merge K: what merging a stage's deferred W passes into one GEMM per weight would buy. K
+micro-batches' weight gradients as K in-place GEMMs of --rows rows each (what the zero-bubble
+schedules run), against one GEMM of K x rows over the micro-batches' inputs and output gradients
+concatenated, the concatenation timed with it (each micro-batch's x and dy were made at its own
+F and B, so a merged W must gather them first).
 """
 
 from __future__ import annotations
@@ -29,25 +36,33 @@ def _median_ms(times: list[float]) -> float:
     return 1e3 * statistics.median(times[1:])  # the first round warms up
 
 
+def _linear(n_in: int, n_out: int) -> tuple[Linear, dict[str, np.ndarray]]:
+    """A Linear with zero weights and its gradients bound: (layer, grads)."""
+    layer = Linear(n_in, n_out)
+    params = {"weight": np.zeros((n_in, n_out), np.float32), "bias": np.zeros(n_out, np.float32)}
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    layer.bind(params, grads)
+    return layer, grads
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--rows", type=int, default=128, help="rows of x (2 x 64 tokens: 128)")
+    parser.add_argument("--merge", type=int, default=0, metavar="K",
+                        help="merged W over K micro-batches instead (gather counted)")  # fmt: skip
     args = parser.parse_args()
     if not gemm.available():
         raise SystemExit("nn/gemm: numpy's OpenBLAS sgemm is not found here; nothing to compare")
+    if args.merge:
+        merged(args.merge, args.rows, args.rounds)
+        return
     rng = np.random.default_rng(0)
     print(f"rows = {args.rows}; {'weight':<8} {'in-place ms':>11} {'numpy ms':>9} {'speed-up':>9}"
           f" {'roofline ms':>11} {'of roofline':>11}")  # fmt: skip
     totals = {True: 0.0, False: 0.0, "roof": 0.0}
     for name, (n_in, n_out) in SHAPES.items():
-        layer = Linear(n_in, n_out)
-        params = {
-            "weight": np.zeros((n_in, n_out), np.float32),
-            "bias": np.zeros(n_out, np.float32),
-        }
-        grads = {k: np.zeros_like(v) for k, v in params.items()}
-        layer.bind(params, grads)
+        layer, grads = _linear(n_in, n_out)
         x = rng.standard_normal((args.rows, n_in)).astype(np.float32)
         dy = rng.standard_normal((args.rows, n_out)).astype(np.float32)
         xt, out = np.ascontiguousarray(x.T), np.empty((n_in, n_out), np.float32)
@@ -71,6 +86,39 @@ def main() -> None:
     fast, ref, roof = totals[True], totals[False], totals["roof"]
     print(f"{'':>12}{'all':<8} {fast:11.3f} {ref:9.3f} {ref / fast:8.2f}x {roof:11.3f}"
           f" {roof / fast:11.2f}")  # fmt: skip
+
+
+def merged(k: int, rows: int, rounds: int) -> None:
+    """K separate in-place W GEMMs of `rows` rows against one of K x rows after the gather."""
+    rng = np.random.default_rng(0)
+    print(f"{k} x {rows} rows    separate ms  merged GEMM ms  gather ms  merged ms"
+          "  merged/separate")  # fmt: skip
+    totals = np.zeros(4)
+    for name, (n_in, n_out) in SHAPES.items():
+        layer, _ = _linear(n_in, n_out)
+        xs = [rng.standard_normal((rows, n_in)).astype(np.float32) for _ in range(k)]
+        dys = [rng.standard_normal((rows, n_out)).astype(np.float32) for _ in range(k)]
+        times: dict[str, list[float]] = {"separate": [], "gemm": [], "gather": []}
+        for _ in range(rounds + 1):
+            start = time.perf_counter()
+            for x, dy in zip(xs, dys, strict=True):
+                layer.backward_weight((x, dy))
+            times["separate"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            x, dy = np.concatenate(xs), np.concatenate(dys)
+            mid = time.perf_counter()
+            layer.backward_weight((x, dy))
+            times["gemm"].append(time.perf_counter() - mid)
+            times["gather"].append(mid - start)
+        separate, merged_gemm, gather = (
+            1e3 * statistics.median(times[key][1:]) for key in ("separate", "gemm", "gather")
+        )
+        row = np.array([separate, merged_gemm, gather, merged_gemm + gather])
+        totals += row
+        print(f"  {name:<12} {row[0]:11.3f} {row[1]:15.3f} {row[2]:10.3f} {row[3]:10.3f}"
+              f" {row[3] / row[0]:16.3f}")  # fmt: skip
+    print(f"  {'all':<12} {totals[0]:11.3f} {totals[1]:15.3f} {totals[2]:10.3f} {totals[3]:10.3f}"
+          f" {totals[3] / totals[0]:16.3f}  (GEMM alone {totals[1] / totals[0]:.3f})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpihybrid.analysis.rows import groups
-from mpihybrid.pipeline.slowdown import CHRONIC, THRESHOLD, beyond_core
+from mpihybrid.pipeline.slowdown import CHRONIC, THRESHOLD, beyond_core, core_ratios
 from mpihybrid.trace.recorder import COMPUTE
 
 BEST = 10  # the individual reference: this percentile of its own steps
@@ -127,11 +127,12 @@ def _cores(wall: dict, probe) -> dict[tuple[int, int], float]:
     ranks: dict[int, set[int]] = {}
     for rank, stage, _ in wall:
         ranks.setdefault(stage, set()).add(rank)
-    return {
-        (rank, stage): probe[rank] / min(probe[r] for r in peers)
-        for stage, peers in ranks.items()
-        for rank in peers
-    }
+    cores = {}
+    for stage, peers in ranks.items():
+        order = sorted(peers)
+        for rank, core in zip(order, core_ratios([probe[r] for r in order]), strict=True):
+            cores[(rank, stage)] = float(core)
+    return cores
 
 
 def _fastest(cells: dict) -> dict[tuple[int, int, int], float]:

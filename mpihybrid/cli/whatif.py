@@ -107,6 +107,7 @@ def whatif(run, sets, scales, as_json) -> None:
         Measured,
         ReplayError,
         gain_table,
+        mean_of,
         measured_figures,
         replay,
     )
@@ -124,8 +125,7 @@ def whatif(run, sets, scales, as_json) -> None:
         gains = gain_table(base)
     except (ReplayError, ScheduleError) as exc:
         _fail(str(exc))
-    hops = [c.send for per in base.costs for c in per]
-    hop = sum(hops) / len(hops)
+    hop = mean_of(base).send  # the steps' and replicas' mean hop, as the search reads it
     notes = []
     if hop == 0 and (change.link or "hop" in change.scales):
         notes.append(

@@ -31,6 +31,15 @@ CHRONIC = 0.5
 PROBE_FIT = 0.2
 
 
+def core_ratios(speeds: np.ndarray) -> np.ndarray:
+    """Each peer's core against its fastest peer's (train.probe seconds: a ratio of 1 is as fast
+    as the fastest); all 1 where any peer's speed is not known (NaN, or not positive)."""
+    speeds = np.asarray(speeds, dtype=float)
+    if not np.isfinite(speeds).all() or not (speeds > 0).all():
+        return np.ones_like(speeds)
+    return speeds / speeds.min()
+
+
 def beyond_core(core):
     """The factor a rank's CPU time must pass, against its fastest replica's, to be slow in its
     work on a core `core` x as slow as that replica's (1: as fast)."""

@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from mpihybrid.pipeline.slowdown import CHRONIC, THRESHOLD, beyond_core
+from mpihybrid.pipeline.slowdown import CHRONIC, THRESHOLD, beyond_core, core_ratios
 from mpihybrid.sysinfo import hostname
 
 log = logging.getLogger("mpihybrid")
@@ -70,7 +70,7 @@ class LiveStragglers:
                 continue  # one replica: nothing does the same work
             line = np.array([rows[i][1] for i in peers])  # [peer, wall|cpu, kind]
             best = overall[peers]
-            core = _core(speed[peers])
+            core = core_ratios(speed[peers])
             for j, rank in enumerate(peers):
                 for k, kind in enumerate(KINDS):
                     if _slow(line[:, :, k], j, core[j]):
@@ -97,13 +97,6 @@ def _means(totals: np.ndarray, empty: float = np.nan) -> np.ndarray:
     seconds, count, cpu = totals
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(count > 0, np.stack([seconds, cpu]) / np.maximum(count, 1), empty)
-
-
-def _core(speeds: np.ndarray) -> np.ndarray:
-    """Each peer's core against its fastest peer's (train.probe seconds), 1 where unknown."""
-    if not np.isfinite(speeds).all() or not (speeds > 0).all():
-        return np.ones_like(speeds)
-    return speeds / speeds.min()
 
 
 def _slow(means: np.ndarray, j: int, core: float = 1.0) -> bool:
