@@ -4,6 +4,7 @@ interleaved in one process, on the weight-gradient shapes of jobs/gpt_bench.toml
     OMP_NUM_THREADS=1 python benchmarks/gemm_ab.py                 # 40 rounds
     OMP_NUM_THREADS=1 python benchmarks/gemm_ab.py --rows 512      # 4 micro-batches merged
     OMP_NUM_THREADS=1 python benchmarks/gemm_ab.py --merge 4       # merged W, its gather counted
+    OMP_NUM_THREADS=1 python benchmarks/gemm_ab.py --input-grad    # dy @ W^T's forms
 
 Each round times Linear.backward_weight with the in-place call, then with numpy's expression,
 on the same inputs (the gradient zeroed before each), so a drifting machine hits both alike;
@@ -15,6 +16,12 @@ micro-batches' weight gradients as K in-place GEMMs of --rows rows each (what th
 schedules run), against one GEMM of K x rows over the micro-batches' inputs and output gradients
 concatenated, the concatenation timed with it (each micro-batch's x and dy were made at its own
 F and B, so a merged W must gather them first).
+
+--input-grad: the input gradient of the model's 17 weights (4 layers' qkv, proj, up, down and
+the head), each its own array as in a step, as the layers compute it (dy @ W^T, the transposed
+operand) against a contiguous copy of W^T kept beside W (dy @ W^T from it: the same bits),
+(W @ dy^T)^T as a view and made contiguous, and what refreshing every W^T after an update costs
+(numpy's transposing copy), interleaved round by round.
 """
 
 from __future__ import annotations
@@ -51,7 +58,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128, help="rows of x (2 x 64 tokens: 128)")
     parser.add_argument("--merge", type=int, default=0, metavar="K",
                         help="merged W over K micro-batches instead (gather counted)")  # fmt: skip
+    parser.add_argument("--input-grad", action="store_true",
+                        help="the input gradient's GEMM forms instead")  # fmt: skip
     args = parser.parse_args()
+    if args.merge < 0 or args.rows < 1 or args.rounds < 1:
+        parser.error("--merge is 0 (off) or more, --rows and --rounds at least 1")
+    if args.input_grad:
+        input_grad(args.rows, args.rounds)
+        return
     if not gemm.available():
         raise SystemExit("nn/gemm: numpy's OpenBLAS sgemm is not found here; nothing to compare")
     if args.merge:
@@ -119,6 +133,43 @@ def merged(k: int, rows: int, rounds: int) -> None:
               f" {row[3] / row[0]:16.3f}")  # fmt: skip
     print(f"  {'all':<12} {totals[0]:11.3f} {totals[1]:15.3f} {totals[2]:10.3f} {totals[3]:10.3f}"
           f" {totals[3] / totals[0]:16.3f}  (GEMM alone {totals[1] / totals[0]:.3f})")  # fmt: skip
+
+
+def input_grad(rows: int, rounds: int) -> None:
+    """dy @ W^T over the model's weights in each form, and W^T's refresh, median ms."""
+    rng = np.random.default_rng(0)
+    shapes = [SHAPES[n] for n in ("qkv", "proj", "up", "down")] * 4 + [SHAPES["head"]]
+    ws = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+    wts = [np.ascontiguousarray(w.T) for w in ws]
+    dys = [rng.standard_normal((rows, o)).astype(np.float32) for _, o in shapes]
+
+    def refresh() -> None:
+        for w, wt in zip(ws, wts, strict=True):
+            np.copyto(wt, w.T)
+
+    forms = {
+        "dy @ W^T (the layers')": lambda: [dy @ w.T for dy, w in zip(dys, ws, strict=True)],
+        "dy @ a contiguous W^T": lambda: [dy @ wt for dy, wt in zip(dys, wts, strict=True)],
+        "(W @ dy^T)^T, a view": lambda: [(w @ dy.T).T for dy, w in zip(dys, ws, strict=True)],
+        "(W @ dy^T)^T, contiguous": lambda: [
+            np.ascontiguousarray((w @ dy.T).T) for dy, w in zip(dys, ws, strict=True)
+        ],
+        "refresh every W^T": refresh,
+    }
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(rounds + 1):
+        for name, fn in forms.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    ref = _median_ms(times["dy @ W^T (the layers')"])
+    print(f"rows = {rows}; the input gradients of {len(shapes)} weights, median ms")
+    for name, t in times.items():
+        ms = _median_ms(t)
+        vs = f"  ({ref / ms:.3f}x the layers' form)" if name != "refresh every W^T" else ""
+        print(f"  {name:<26} {ms:8.3f}{vs}")
+    same = all(np.array_equal(dy @ w.T, dy @ wt) for dy, w, wt in zip(dys, ws, wts, strict=True))
+    print(f"  a contiguous W^T gives the same bits: {same}")
 
 
 if __name__ == "__main__":

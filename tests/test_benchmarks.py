@@ -23,3 +23,14 @@ def test_codec_convergence_refuses_an_unknown_codec_in_one_line():
     proc = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "gather-int4" in proc.stderr and "gather-int8" in proc.stderr
+
+
+def test_gemm_ab_merged_and_input_gradient_modes_run_and_refuse_a_negative_merge():
+    script = [sys.executable, "benchmarks/gemm_ab.py", "--rows", "8", "--rounds", "1"]
+    for mode, needle in ((["--merge", "2"], "merged/separate"), (["--input-grad"], "same bits")):
+        proc = subprocess.run([*script, *mode], capture_output=True, text=True, cwd=ROOT,
+                              timeout=120)  # fmt: skip
+        assert proc.returncode == 0 and needle in proc.stdout, proc.stderr[-2000:]
+    proc = subprocess.run([*script, "--merge", "-1"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "--merge is 0 (off) or more" in proc.stderr, proc.stderr
