@@ -98,7 +98,7 @@ def decide(
     sim = best.sim
     info = {
         "placement": best.placement.style,
-        "found_by": best.how,
+        "found_by": best.found_by,
         "status": result.status,
         "makespan": sim.makespan,
         "bubble": sim.bubble_fraction,

@@ -215,6 +215,7 @@ def _job_summary(job: Job, per_step: int) -> dict:
         "schedule": _schedule_name(job),
         "microbatches": job.train.microbatches,
         "early_grad_send": job.train.early_grad_send,
+        "merge_w": job.train.merge_w,
         "model": job.model.kind,
         "tokens_per_step": per_step,
     }
@@ -353,7 +354,8 @@ def format_bench(result: dict) -> str:
     lines = [
         f"== bench train: {j['model']}, pp={j['pp']} x dp={j['dp']}, {j['schedule']}, "
         f"M={j['microbatches']}, {j['tokens_per_step']} {unit}/step"
-        + (", gradients sent before W; " if j["early_grad_send"] else "; ")
+        + (", gradients sent before W" if j["early_grad_send"] else "")
+        + (f", W merged in {j['merge_w']}s; " if j.get("merge_w", 1) > 1 else "; ")
         + f"{result['repeats']} repeats of {result['warmup_steps']} warm-up + "
         f"{result['measured_steps']} measured steps",
         f"throughput     {result['throughput']:,.0f} {unit}/s (median; repeats: "

@@ -135,7 +135,8 @@ def schedule_search(
 ):
     """Search the split and order of a schedule for measured costs under a memory limit."""
     from mpihybrid.pipeline.actions import ScheduleError
-    from mpihybrid.pipeline.search import csv_of, format_result, search
+    from mpihybrid.pipeline.search import csv_of, search
+    from mpihybrid.pipeline.search_report import format_result
 
     if trace_path and job_file:
         _fail("--trace and --job both give costs: choose one")

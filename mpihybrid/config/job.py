@@ -117,6 +117,7 @@ class TrainConfig:
     # search solves (0: no exact search, the greedy and the built-ins alone)
     schedule_time: float = 4.0
     early_grad_send: bool = True  # a backward sends its input gradient before the weight gradient
+    merge_w: int = 1  # a stage's W passes merged into one GEMM per weight, up to this many (1: off)
     optimizer: str = "sgd"
     lr: float = 0.01  # the peak rate (lr_schedule: the rate after the warmup)
     lr_schedule: str = "constant"  # constant | cosine | linear: decay to min_lr at the last step
@@ -223,6 +224,7 @@ class Job:
             t.early_grad_send,
             csv=found.csv if found else None,
             search=found.record if found else None,
+            merge_w=t.merge_w,
         )
 
     @property

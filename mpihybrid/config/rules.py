@@ -120,6 +120,7 @@ def _check_ranges(job: Job) -> None:
         ("train.global_batch", t.global_batch, 1),
         ("train.microbatches", t.microbatches, 1),
         ("train.virtual_stages", t.virtual_stages, 1),
+        ("train.merge_w", t.merge_w, 1),
         ("train.eval_every", t.eval_every, 0),
         ("train.lr_decay_steps", t.lr_decay_steps, 0),
         ("train.log_every", t.log_every, 0),

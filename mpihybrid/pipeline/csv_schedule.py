@@ -7,9 +7,11 @@
 One row per pp rank, one cell per action as torch's `_dump_csv` writes them: `{stage}{kind}{mb}`
 with kinds F (forward), I (backward for inputs), W (backward for weights), B (full backward);
 an empty cell is idle; `(0F1;3B0)OVERLAP_F_B` is a forward overlapped with a backward, which runs
-here as its first action then its second. The placement comes from the rows (each stage on the
-rank whose row holds it); the messages come from our lowering (schedules.lower). torch's FSDP and
-gradient-reduction cells (UNSHARD, RESHARD, REDUCE_GRAD) have nothing to run here and are skipped.
+here as its first action then its second. `0W4+5+6` is ours, not torch's: a merged W, one weight-
+gradient pass over micro-batches 4, 5 and 6 (train.merge_w). The placement comes from the rows
+(each stage on the rank whose row holds it); the messages come from our lowering
+(schedules.lower). torch's FSDP and gradient-reduction cells (UNSHARD, RESHARD, REDUCE_GRAD) have
+nothing to run here and are skipped.
 Writing puts each action in the column of its step in a unit-cost simulation (F = B = W = 1).
 """
 
@@ -29,18 +31,19 @@ from mpihybrid.pipeline.spec import ScheduleSpec
 MAX_CSV_BYTES = 16 * MiB  # pp = 64 ranks of 3 * 1024 actions take under 2 MiB
 MAX_CELL_CHARS = 64  # the longest action, (65535F65535;65535B65535)OVERLAP_F_B, is 39
 MAX_INDEX = 65535  # a stage or micro-batch index (a trace holds at most 2^16 micro-batches)
-_CELL = re.compile(r"(\d+)([A-Z_]+?)(\d*)")
+_CELL = re.compile(r"(\d+)([A-Z_]+?)(\d*)((?:\+\d+)*)")
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
 _SKIPPED = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 _COMPUTE = {"F": "F", "I": "B", "B": "B", "W": "W"}  # torch's kind -> ours (I: a split B)
 
 
-def _parse_cell(text: str, where: str) -> list[tuple[int, str, int]]:
-    """(stage, torch kind, mb) of the actions one cell holds, in the order they run."""
+def _parse_cell(text: str, where: str) -> list[tuple[int, str, int, tuple[int, ...]]]:
+    """(stage, torch kind, mb, a merged W's further mbs) of the actions one cell holds, in the
+    order they run."""
     text = text.strip()
     if not text:
         return []
-    if len(text) > MAX_CELL_CHARS:
+    if len(text) > MAX_CELL_CHARS + 6 * text.count("+"):  # a merged W: +65535 a micro-batch
         raise ScheduleError(
             f"{where}: a cell of {len(text):,} characters (an action takes at most "
             f"{MAX_CELL_CHARS}): {text[:24]!r}..."
@@ -54,12 +57,18 @@ def _parse_cell(text: str, where: str) -> list[tuple[int, str, int]]:
     match = _CELL.fullmatch(text)
     if match is None:
         raise ScheduleError(
-            f"{where}: {text!r} is not an action like 0F0, 1I2, 1W2, 0B3 or (0F1;3B0)OVERLAP_F_B"
+            f"{where}: {text!r} is not an action like 0F0, 1I2, 1W2, 0B3, (0F1;3B0)OVERLAP_F_B "
+            "or 1W2+3"
         )
     stage, kind, mb = match.group(1), match.group(2), match.group(3)
+    more = match.group(4).split("+")[1:]
     if kind in _SKIPPED:
         return []
-    for index in (stage, mb):
+    if more and kind != "W":
+        raise ScheduleError(f"{where}: {text!r}: only a W merges micro-batches (1W2+3)")
+    if len(more) > MAX_INDEX:
+        raise ScheduleError(f"{where}: {text!r}: more micro-batches than {MAX_INDEX}")
+    for index in (stage, mb, *more):
         if len(index) > 5 or int(index or 0) > MAX_INDEX:  # int() of 10^5 digits: an error
             raise ScheduleError(f"{where}: {text!r}: an index above {MAX_INDEX}")
     if kind not in _COMPUTE or not mb:
@@ -67,7 +76,7 @@ def _parse_cell(text: str, where: str) -> list[tuple[int, str, int]]:
             f"{where}: {text!r}: a compute-only schedule holds F, I, W and B actions"
             + (" (messages come from our lowering)" if kind.startswith(("SEND", "RECV")) else "")
         )
-    return [(int(stage), kind, int(mb))]
+    return [(int(stage), kind, int(mb), tuple(int(m) for m in more))]
 
 
 def parse_csv(text: str, source: str) -> tuple[dict[int, list[Action]], Placement, int]:
@@ -88,8 +97,8 @@ def parse_csv(text: str, source: str) -> tuple[dict[int, list[Action]], Placemen
         actions[rank] = []
         for col, cell in enumerate(row):
             where = f"{source} row {rank + 1} (rank {rank}) cell {col + 1}"
-            for stage, kind, mb in _parse_cell(cell, where):
-                a = Action(stage, _COMPUTE[kind], mb)
+            for stage, kind, mb, more in _parse_cell(cell, where):
+                a = Action(stage, _COMPUTE[kind], mb, merged=more)
                 if kind in ("I", "B"):
                     kinds[(stage, mb)] = (kind, rank, col)
                 actions[rank].append(a)
@@ -193,6 +202,6 @@ def dump_csv(actions: dict[int, list[Action]], start: dict[Action, float]) -> st
             column = int(start[a])
             row += [""] * (column - len(row))
             kind = "I" if a.kind == "B" and (a.stage, a.microbatch) in split else a.kind
-            row.append(f"{a.stage}{kind}{a.microbatch}")
+            row.append(f"{a.stage}{kind}{a.microbatch}" + "".join(f"+{m}" for m in a.merged))
         writer.writerow(row)
     return out.getvalue()

@@ -3,7 +3,7 @@ until its last backward action there -- W when the backward is split (the schedu
 that stage and micro-batch), else B.
 
     live = Liveness(split=split_backwards(actions))  # actions.py: (stage, mb) with a W
-    for a in actions: live.step(a.kind, a.stage, a.microbatch, nbytes)
+    for a in actions: live.action(a, nbytes)
     live.peak_count[s], live.peak_bytes[s], live.peak_total_bytes
 
 Used by the simulator (peaks from action lists), the runtime (peaks as it runs) and the analysis
@@ -47,6 +47,11 @@ class Liveness:
             self.count[stage] -= 1
             self.bytes[stage] -= held
             self.total_bytes -= held
+
+    def action(self, a, nbytes: int = 0) -> None:
+        """Account Action `a`: a merged W is a W of each micro-batch it covers, all at once."""
+        for mb in a.microbatches:
+            self.step(a.kind, a.stage, mb, nbytes)
 
 
 def replay_rows(rows: np.ndarray) -> Liveness:

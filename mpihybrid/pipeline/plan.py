@@ -4,6 +4,7 @@ where a job is resolved (config.job.Job.schedule) or a trace is read (from_trace
 the memory check, tracing, predict and analysis read it instead of turning the name into lists:
 
     schedule = make_schedule("zb-v", pp=4, microbatches=8, virtual_stages=2, early_grad_send=True)
+    make_schedule("zb-h1", pp=2, microbatches=8, early_grad_send=True, merge_w=4)  # W in 4s
     schedule.placement, schedule.lists()[pp_rank], schedule.csv, schedule.search
 """
 
@@ -29,6 +30,7 @@ class Schedule:
     compute: dict[int, tuple[Action, ...]]  # pp rank -> its F, B, W in order
     csv: str | None = None  # a csv: schedule's text (the trace keeps it as schedule_csv)
     search: str | None = None  # a searched schedule's record, JSON (the trace's schedule_search)
+    merge_w: int = 1  # W passes merged in groups of up to this many (actions.merge_weights)
 
     @property
     def name(self) -> str:
@@ -62,15 +64,17 @@ def make_schedule(
     *,
     csv: str | None = None,
     search: str | None = None,
+    merge_w: int = 1,
 ) -> Schedule:
     """The schedule `name` at pp ranks, M micro-batches and v chunks per rank, checked
     (schedules.check_config) and dry-run (schedules.build_schedule): ScheduleError otherwise.
     csv: a csv: schedule's text (a search's or a trace's copy; None: its file's, read now);
-    search: the record of the search that found it."""
+    search: the record of the search that found it; merge_w: a stage's W passes merged in groups
+    of up to that many micro-batches (1: none)."""
     if csv is None and name.startswith("csv:"):
         csv = csv_text(name)  # read once: the lists and the trace's copy are of the same text
     spec = spec_of(name, csv)
-    lists = build_schedule(spec, pp, microbatches, virtual_stages, early_grad_send)
+    lists = build_schedule(spec, pp, microbatches, virtual_stages, early_grad_send, merge_w=merge_w)
     return Schedule(
         spec=spec,
         placement=spec.make_placement(pp, virtual_stages),
@@ -79,12 +83,14 @@ def make_schedule(
         compute={r: tuple(acts) for r, acts in lists.items()},
         csv=csv,
         search=search,
+        merge_w=merge_w,
     )
 
 
 def trace_schedule(attrs: dict) -> Schedule:
     """The schedule a trace ran, from its attributes (its name, pp, M, chunks, early sends and a
-    csv: schedule's copy of its CSV): analysed as it ran, whatever the file holds now."""
+    csv: schedule's copy of its CSV, its merged W): analysed as it ran, whatever the file holds
+    now."""
     name, text = from_trace(attrs)
     return make_schedule(
         name,
@@ -94,6 +100,7 @@ def trace_schedule(attrs: dict) -> Schedule:
         bool(attrs.get("early_grad_send", False)),
         csv=text,
         search=attrs.get("schedule_search"),
+        merge_w=int(attrs.get("merge_w", 1)),
     )
 
 

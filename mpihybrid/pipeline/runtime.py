@@ -2,7 +2,7 @@
 
     F s m       forward of stage s on micro-batch m (stage 0 reads data; the last adds the loss)
     B s m       backward (input gradient only when the schedule also has W s m)
-    W s m       weight gradient of a split backward (zero-bubble)
+    W s m       weight gradient of a split backward (zero-bubble); W s m+n+..: merged, one pass
     SEND_* s m  Isend (or Issend in sync mode) of the tensor F/B just produced, to the neighbour
     RECV_* s m  wait for a receive that was posted when the step began
 
@@ -239,12 +239,23 @@ class PipelineRuntime:
             self.slow.after(letter, Recorder.clock() - t0)
         t1 = Recorder.clock()  # one reading: the kind's total and the trace row agree
         cpu = self.cpu_clock() - self.cpu0 if self.cpu_clock is not None else float("nan")
+        k = len(a.microbatches)
         if self._grad_hook(letter, a.stage, a.microbatch) is None:
             total = self.kind_seconds[letter]
             total[0] += t1 - t0
-            total[1] += 1
+            total[1] += k
             total[2] += cpu
-        self.recorder.record(KIND[kind], state.step, a.stage, a.microbatch, t0, t1, nbytes, -1, cpu)
+        if k == 1:
+            self.recorder.record(
+                KIND[kind], state.step, a.stage, a.microbatch, t0, t1, nbytes, -1, cpu
+            )
+            return
+        # a merged W: a row per micro-batch, its time and CPU time split evenly (the trace's
+        # merge_w attribute says which W passes ran as one)
+        edges = np.linspace(t0, t1, k + 1).tolist()
+        for j, mb in enumerate(a.microbatches):
+            row = (KIND[kind], state.step, a.stage, mb, edges[j], edges[j + 1], 0, -1, cpu / k)
+            self.recorder.record(*row)
 
     def _forward(self, a: Action, state: _Step, t0: float) -> None:
         s, mb = a.stage, a.microbatch
@@ -297,9 +308,13 @@ class PipelineRuntime:
         return self.grads_final[s]
 
     def _weight(self, a: Action, state: _Step, t0: float) -> None:
-        wcache = state.wcaches.pop((a.stage, a.microbatch))
-        self.stages[a.stage].backward_weight(wcache, self._grad_hook("W", a.stage, a.microbatch))
-        state.live.step("W", a.stage, a.microbatch)
+        stage, hook = self.stages[a.stage], self._grad_hook("W", a.stage, a.microbatch)
+        wcaches = [state.wcaches.pop((a.stage, mb)) for mb in a.microbatches]
+        if a.merged:  # one GEMM per weight over every micro-batch's rows
+            stage.backward_weight_merged(wcaches, hook)
+        else:
+            stage.backward_weight(wcaches[0], hook)
+        state.live.action(a)
         self._done("weight", a, state, t0)
 
     def _send(self, a: Action, state: _Step, t0: float) -> None:

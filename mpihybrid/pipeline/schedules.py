@@ -25,6 +25,7 @@ from mpihybrid.pipeline.actions import (
     COMPUTE_KINDS,
     Action,
     ScheduleError,
+    merge_weights,
     message_key,
     send_grads_early,
 )
@@ -228,12 +229,15 @@ def build_schedule(
     num_microbatches: int,
     virtual_stages: int = 1,
     early_grad_send: bool = False,
+    *,
+    merge_w: int = 1,
 ) -> dict[int, list[Action]]:
     """The compute actions (F, B, W) of every pp rank, checked by validate() against the
     schedule's placement (placement_of).
 
     early_grad_send: split the backwards whose gradient crosses ranks (send_grads_early), as
-    training runs them by default; without it, the schedule as its paper draws it.
+    training runs them by default; without it, the schedule as its paper draws it. merge_w: a
+    stage's W passes merged in groups of up to that many micro-batches (merge_weights; 1: none).
     """
     spec = get_spec(name)
     check_config(spec, pp, num_microbatches, virtual_stages)
@@ -241,6 +245,8 @@ def build_schedule(
     actions = spec.build(pp, num_microbatches, virtual_stages)
     if early_grad_send:
         actions = send_grads_early(actions, placement)
+    if merge_w > 1:
+        actions = merge_weights(actions, merge_w)
     try:
         validate(actions, placement, num_microbatches)
     except ScheduleError as exc:
@@ -335,7 +341,7 @@ def _run(
         elif a.kind == "B":
             wanted = [("F", s, mb)] + ([("B", s + 1, mb)] if s < last else [])
         elif a.kind == "W":
-            wanted = [("B", s, mb)]
+            wanted = [("B", s, m) for m in a.microbatches]
         elif a.kind.startswith("SEND"):
             wanted = [message_key(a)]
         else:
@@ -351,7 +357,7 @@ def _run(
             stuck[r] = f"{a} waits for the {what} of stage {missing[1]} micro-batch {missing[2]}"
             return False
         if a.kind in COMPUTE_KINDS or a.kind in vp.VOCAB_KINDS:
-            made.add((a.kind, a.stage, a.microbatch))
+            made.update((a.kind, a.stage, m) for m in a.microbatches)
             if a.kind in ("F", "B"):
                 have[r].add((a.kind, a.stage, a.microbatch))
         elif a.kind.startswith("SEND") and not synchronous:
@@ -411,9 +417,11 @@ def validate(actions: dict[int, list[Action]], placement: Placement, num_microba
                 continue
             if a.kind not in COMPUTE_KINDS + COMM_KINDS:
                 raise _fail(actions, at, f"unknown action kind {a.kind!r}")
-            if not (0 <= s < num_stages and 0 <= mb < m):
+            if not (0 <= s < num_stages and all(0 <= b < m for b in a.microbatches)):
                 why = f"{a} is outside stages 0..{num_stages - 1} x micro-batches 0..{m - 1}"
                 raise _fail(actions, at, why)
+            if a.merged and a.kind != "W":
+                raise _fail(actions, at, f"{a}: only a W merges micro-batches")
             if placement.rank_of(s) != rank:
                 raise _fail(actions, at, f"stage {s} lives on rank {placement.rank_of(s)}")
             if a.kind in COMM_KINDS:
@@ -426,12 +434,14 @@ def validate(actions: dict[int, list[Action]], placement: Placement, num_microba
                     raise _fail(actions, at, f"second {a.kind} for the same message")
                 side[message_key(a)] = at
                 continue
-            if (a.kind, s, mb) in seen:
-                raise _fail(actions, at, f"second {a.kind} for stage {s} micro-batch {mb}")
-            before = {"B": "F", "W": "B"}.get(a.kind)
-            if before and (before, s, mb) not in seen:
-                raise _fail(actions, at, f"{a} runs before its {before}")
-            seen[(a.kind, s, mb)] = at
+            for mb in a.microbatches:  # a merged W: each micro-batch it covers
+                if (a.kind, s, mb) in seen:
+                    raise _fail(actions, at, f"second {a.kind} for stage {s} micro-batch {mb}")
+                before = {"B": "F", "W": "B"}.get(a.kind)
+                if before and (before, s, mb) not in seen:
+                    which = f" (micro-batch {mb})" if a.merged else ""
+                    raise _fail(actions, at, f"{a} runs before its {before}{which}")
+                seen[(a.kind, s, mb)] = at
     for s in range(num_stages):
         rank = placement.rank_of(s)
         for mb in range(m):

@@ -3,7 +3,7 @@ the order of every rank's F, B and W, and how far each built-in schedule is from
 
     result = search(costs, pp=2, m=4, max_inflight=2, placements=("loop", "v"))
     result.lists, result.placement, result.ranges, result.sim, result.status, result.bound
-    print(format_result(result))
+    print(format_result(result))  # search_report.py
 
 For each placement (loop: one chunk per rank; v: rank r holds stages r and 2p-1-r) the splits of
 the blocks that load the busiest rank least (nn.model's rule, the few best) are each ordered by
@@ -13,7 +13,10 @@ is small enough (EXACT_ACTIONS) and the solver is installed, seeded with the bes
 Every candidate is judged by simulate.simulate on the same costs (model.vocab_parallel: with its
 passes placed on the candidate's lists, vocab_passes.py): the order whose step ends first wins
 (then the lower peak). Memory: at most `max_inflight` micro-batches of a rank's share alive
-on any rank (simulate.peak_per_rank, the liveness rule).
+on any rank (simulate.peak_per_rank, the liveness rule). Where the costs say what a merged W
+pass costs (SearchCosts.weight_more), each placement and split's best order is tried with its W
+passes merged in groups of 2, 4, ... up to M (actions.merge_weights): one GEMM per weight over
+the group's rows, the earlier W caches kept until it runs (within the limit).
 """
 
 from __future__ import annotations
@@ -22,14 +25,13 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from mpihybrid.pipeline.actions import Action, ScheduleError
+from mpihybrid.pipeline.actions import Action, ScheduleError, merge_weights
 from mpihybrid.pipeline.placement import Placement
 from mpihybrid.pipeline.search_bounds import any_placement_bound, busiest_work, fill_bound
 from mpihybrid.pipeline.search_costs import CostsError, SearchCosts
 from mpihybrid.pipeline.search_greedy import CAPS, best_greedy
 from mpihybrid.pipeline.simulate import Costs, SimResult, simulate
 from mpihybrid.pipeline.vocab_passes import add_vocab_passes
-from mpihybrid.units import table
 
 EXACT_ACTIONS = 800  # the exact search runs where a step has at most this many F/B/W
 SPLITS = 3  # splits of the blocks tried per placement (the least-loaded first)
@@ -57,6 +59,12 @@ class Candidate:
     sim: SimResult
     how: str  # greedy | exact | a built-in's name
     sim_costs: Costs = field(default_factory=Costs, repr=False)  # the costs of this split
+    merged: int = 1  # its W passes merged in groups of up to this many (actions.merge_weights)
+
+    @property
+    def found_by(self) -> str:
+        """What found it, and its merged W: "zb-v", "greedy, W merged in 4s"."""
+        return self.how + (f", W merged in {self.merged}s" if self.merged > 1 else "")
 
     @property
     def key(self) -> tuple[float, float]:
@@ -226,6 +234,9 @@ def search(
         proved = _exact(per_split, found, m, limit, split, limits=limits, notes=notes,
                         solves=solves)  # fmt: skip
         tick()
+    if costs.weight_more and split:
+        found += _merged(per_split, found, m, limit)
+        tick()
     best = searched = min(found, key=lambda c: c.key)
     if ranges is None:
         best = _keep_builtin(searched, rows, costs, m, limit, placements=placements, notes=notes)
@@ -256,7 +267,8 @@ def _keep_builtin(best: Candidate, rows, costs, m, limit, *, placements, notes) 
     if not fits:
         return best
     row = min(fits, key=lambda r: (round(r["makespan"], 12), r["peak"]))
-    if best.how == row["schedule"] or best.sim.makespan < (1 - TIE_MARGIN) * row["makespan"]:
+    beats = best.sim.makespan < (1 - TIE_MARGIN) * row["makespan"]
+    if (best.how, best.merged) == (row["schedule"], 1) or beats:
         return best
     placement = placement_of(row["schedule"], pp, row["v"])
     ranges = splits(costs, placement, 1)[0]
@@ -264,11 +276,28 @@ def _keep_builtin(best: Candidate, rows, costs, m, limit, *, placements, notes) 
     sim_costs = costs.split(ranges)
     sim = judge(lists, placement, sim_costs, m)
     notes.append(
-        f"the best searched ({best.placement.style} {[len(r) for r in best.ranges]}, {best.how}) "
+        f"the best searched ({best.placement.style} {[len(r) for r in best.ranges]}, "
+        f"{best.found_by}) "
         f"simulates {_time(best.sim.makespan, costs.source == 'unit')}: not {TIE_MARGIN:.0%} "
         f"faster than {row['schedule']}, which is kept"
     )
     return Candidate(placement, ranges, lists, sim, row["schedule"], sim_costs)
+
+
+def _merged(per_split: dict, found: list[Candidate], m: int, limit: float) -> list[Candidate]:
+    """Each placement and split's best order so far with its W passes merged in groups of
+    2, 4, ... up to m (actions.merge_weights), where it holds within the limit."""
+    out = []
+    for seed in per_split.values():
+        same = [c for c in found if c.placement == seed.placement and c.ranges == seed.ranges]
+        base = min(same, key=lambda c: c.key)
+        for group in sorted({min(2**i, m) for i in range(1, m.bit_length() + 1)} - {1}):
+            lists = merge_weights(base.lists, group)
+            sim = judge(lists, base.placement, base.sim_costs, m)
+            if max(sim.peak_per_rank) <= limit + 1e-9:
+                out.append(Candidate(base.placement, base.ranges, lists, sim, base.how,
+                                     base.sim_costs, merged=group))  # fmt: skip
+    return out
 
 
 def _checked_limit(limit: float, m: int) -> float:
@@ -418,73 +447,3 @@ def csv_of(result: SearchResult) -> str:
 
     lists, placement = result.best.lists, result.best.placement
     return dump_csv(lists, simulate(lists, placement, unit_costs(lists)).start)
-
-
-def format_result(result: SearchResult, grid: bool = True) -> str:
-    """What `mpihybrid schedule search` prints."""
-    from mpihybrid.pipeline.simulate import render_grid
-
-    best, unit = result.best, result.costs.source == "unit"
-    pl = best.placement
-    where = " ".join(f"r{r}:{','.join(map(str, pl.stages_of(r)))}" for r in range(pl.pp))
-    how = {"exact": "the exact search (CP-SAT)", "greedy": "the greedy list scheduler"}.get(
-        best.how,
-        f"the built-in {best.how}'s order and split (nothing found beat its step by "
-        f"{TIE_MARGIN:.0%})",
-    )
-    # proved under the simulator's timing, the optimizer's tail aside (the exact model has none)
-    proof = {
-        "optimal": "optimal: proved"
-        + (" (as simulated, the optimizer's updates aside)" if any(result.costs.tail) else ""),
-        "feasible": f"best found, proven gap {result.gap:.1%}",
-        "heuristic": "no proven bound",
-    }.get(result.status, result.status)
-    lines = [
-        f"schedule search: pp={result.pp} M={result.m}, costs: {result.costs.source}; at most "
-        f"{result.max_inflight:g} micro-batches of a rank's share alive per rank"
-        + (" (all of them: no limit)" if result.max_inflight >= result.m else ""),
-        f"found: {pl.style} placement ({where}), {[len(r) for r in best.ranges]} "
-        f"{'(the trace' + chr(39) + 's stages)' if result.costs.fixed else 'blocks per stage'}, "
-        f"by {how}; {proof}",
-    ]
-    if grid:
-        lines.append(render_grid(best.lists, pl, 8, 64))
-    sim = best.sim
-    lines += [
-        f"simulated: step {_time(sim.makespan, unit)}, bubble {sim.bubble_fraction:.3f}, peak "
-        f"per rank {', '.join(f'{p:g}' for p in sim.peak_per_rank)} micro-batches of its share",
-        f"step-time bound (the busiest rank's own work at this split): "
-        f"{_time(result.step_bound, unit)} ({sim.makespan / result.step_bound - 1:+.1%} from it)",
-        f"with the pipe's fill (no rank's work starts before its first input can arrive), no "
-        f"order at this split beats {_time(result.fill_bound, unit)} "
-        f"({sim.makespan / result.fill_bound - 1:+.1%} from it)",
-    ]
-    anywhere = result.any_bound
-    if anywhere is not None:
-        lines.append(
-            f"no schedule of these whole blocks on {result.pp} ranks beats "
-            f"{_time(anywhere, unit)} ({sim.makespan / anywhere - 1:+.1%} from it), "
-            "whatever its placement, split, order or memory"
-        )
-    for style, status, seconds, work, found, bound in result.solver_seconds:
-        lines.append(
-            f"solver, {style}: {status} in {seconds:.2f} s, {work:.2f} deterministic (model step "
-            f"{_time(found, unit)}, proven bound {_time(bound, unit)})"
-        )
-    lines += result.notes
-    lines.append(
-        "built-in schedules on the same costs (each at the split that balances its "
-        "placement, as model.partition = 'timed'; gradients sent before W):"
-    )
-    rows = []
-    for row in result.table:
-        if "makespan" not in row:
-            rows.append([row["schedule"], row["v"], *[""] * 5, f"not legal: {row['note']}"])
-            continue
-        bound = f"{row['vs_bound']:+.1%}" if row["vs_bound"] is not None else "-"
-        rows.append([row["schedule"], row["v"], _time(row["makespan"], unit),
-                     f"{row['bubble']:.3f}", f"{row['peak']:g}", f"{row['vs_best']:+.1%}", bound,
-                     row["note"]])  # fmt: skip
-    header = ["schedule", "v", "step", "bubble", "rank peak", "vs best", "vs bound", "note"]
-    lines += table(header, rows, left=(7,))
-    return "\n".join(lines)

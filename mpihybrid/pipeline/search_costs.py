@@ -46,6 +46,9 @@ class SearchCosts:
     # model.vocab_parallel: a share's E, S, T, G seconds (a trace's: per share, and its last G's
     # tail, simulate.Costs.vocab)
     vocab: tuple = ()
+    # per unit: what each micro-batch beyond the first adds to a merged W (simulate.Costs's
+    # weight_more; empty: W itself, so merging buys nothing and the search does not merge)
+    weight_more: tuple[float, ...] = ()
 
     @property
     def units(self) -> int:
@@ -71,6 +74,7 @@ class SearchCosts:
             whole=whole,
             tail=tail,
             gap=self.gap,
+            weight_more=per(self.weight_more) if self.weight_more else None,
             vocab=dict(zip(("E", "S", "T", "G", "tail"), self.vocab, strict=False))
             if self.vocab
             else None,
@@ -102,6 +106,7 @@ def calibrated(blocks: SearchCosts, ranges: Sequence[range], run: SearchCosts) -
             f"{blocks.units} blocks"
         )
     out = {k: list(getattr(blocks, k)) for k in ("forward", "backward", "weight", "tail")}
+    more = list(blocks.weight_more)  # rescaled as W is: a merged W keeps its ratio to W
 
     def scale(names: tuple[str, ...], want: float, r: range) -> None:
         have = sum(out[k][i] for k in names for i in r)
@@ -114,17 +119,22 @@ def calibrated(blocks: SearchCosts, ranges: Sequence[range], run: SearchCosts) -
 
     for s, r in enumerate(ranges):
         scale(("forward",), run.forward[s], r)
+        timed_w = [out["weight"][i] for i in r]
         if run.can_split:
             scale(("backward",), run.backward[s], r)
             scale(("weight",), run.weight[s], r)
         else:  # the run's backwards ran whole: B and W keep their timed shares of it
             scale(("backward", "weight"), run.backward[s], r)
+        for i, w in zip(r, timed_w, strict=True):
+            if more and w > 0:
+                more[i] *= out["weight"][i] / w
         if blocks.tail and run.tail:
             scale(("tail",), run.tail[s], r)
     return check_values(
         dataclasses.replace(
             blocks,
             **{k: tuple(v) for k, v in out.items()},
+            weight_more=tuple(more),
             send=run.send,
             gap=run.gap,
             source=f"{blocks.source}, calibrated on {run.source}",
@@ -138,8 +148,11 @@ def check_values(costs: SearchCosts) -> SearchCosts:
     if not costs.units:
         raise CostsError(f"costs from {costs.source}: no {unit}s")
     n = costs.units
-    if len(costs.backward) != n or len(costs.weight) != n or len(costs.tail) not in (0, n):
-        raise CostsError(f"costs from {costs.source}: F, B, W and tail have different lengths")
+    lengths = (len(costs.tail), len(costs.weight_more))
+    if len(costs.backward) != n or len(costs.weight) != n or any(x not in (0, n) for x in lengths):
+        raise CostsError(
+            f"costs from {costs.source}: F, B, W, tail and merged W have different lengths"
+        )
     for i, x in enumerate(costs.forward):
         if not math.isfinite(x) or x <= 0:
             raise CostsError(
@@ -151,6 +164,7 @@ def check_values(costs: SearchCosts) -> SearchCosts:
         ("W", costs.weight),
         ("tail", costs.tail),
         ("whole", costs.whole),
+        ("merged W", costs.weight_more),
     ):
         for i, x in enumerate(values):
             if not math.isfinite(x) or x < 0:

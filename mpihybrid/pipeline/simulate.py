@@ -46,6 +46,9 @@ class Costs:
     forward: float | Sequence[float] = 1.0
     backward: float | Sequence[float] = 1.0  # input gradient; a B without W also pays `weight`
     weight: float | Sequence[float] = 0.0
+    # what each micro-batch beyond the first adds to a merged W (actions.merge_weights): under
+    # `weight` where one GEMM over the merged rows beats one per micro-batch; None: `weight`
+    weight_more: float | Sequence[float] | None = None
     send: float = 0.0  # latency of one point-to-point message
     # a whole backward (B and W in one action) where a schedule mixes whole and split ones on a
     # stage (dualpipev); None: backward + weight
@@ -79,7 +82,8 @@ class Costs:
         if a.kind == "F":
             return at(self.forward)
         if a.kind == "W":
-            return at(self.weight) + extra
+            more = at(self.weight if self.weight_more is None else self.weight_more)
+            return at(self.weight) + more * len(a.merged) + extra
         if split:
             return at(self.backward)
         if self.whole is not None:
@@ -106,7 +110,7 @@ def peak_inflight(actions: dict[int, list[Action]], placement: Placement) -> lis
     live = Liveness(split)
     for acts in actions.values():  # a stage lives on one rank: its own list orders it
         for a in acts:
-            live.step(a.kind, a.stage, a.microbatch)
+            live.action(a)
     return [live.peak_count[s] for s in range(placement.num_stages)]
 
 
@@ -119,7 +123,7 @@ def peak_per_rank(actions: dict[int, list[Action]], placement: Placement) -> lis
     for rank in sorted(actions):
         live = Liveness(split)
         for a in actions[rank]:
-            live.step(a.kind, a.stage, a.microbatch, 1)
+            live.action(a, 1)
         peaks.append(live.peak_total_bytes / placement.chunks)
     return peaks
 
@@ -203,7 +207,7 @@ def _timed(compute: dict, placement: Placement, costs: Costs, waits: dict) -> tu
             return ([("F", s - 1, mb)] if s > 0 else []) + extra
         if a.kind == "B":
             return [("F", s, mb)] + ([("B", s + 1, mb)] if s < last else []) + extra
-        return [("B", s, mb)] if a.kind == "W" else extra
+        return [("B", s, m) for m in a.microbatches] if a.kind == "W" else extra
 
     wired = costs.wire > 0
     progress = True
@@ -233,7 +237,7 @@ def _timed(compute: dict, placement: Placement, costs: Costs, waits: dict) -> tu
                 duration = costs.of(a, (a.stage, a.microbatch) in split, closes)
                 end[a] = clock[r] = start[a] + duration
                 busy[r] += duration
-                done[(a.kind, a.stage, a.microbatch)] = end[a]
+                done.update(((a.kind, a.stage, m), end[a]) for m in a.microbatches)
                 pc[r] += 1
                 progress = True
     if any(pc[r] < len(acts) for r, acts in compute.items()):

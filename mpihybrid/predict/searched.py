@@ -78,12 +78,12 @@ def predicted_auto(job: Job, cluster: Cluster, time_limit: float | None = None):
         "csv": csv_of(result),
         "partition": layer_counts(job.model, best.ranges),
         "chunks": best.placement.chunks,
-        "info": json.dumps({"placement": best.placement.style, "found_by": best.how}),
+        "info": json.dumps({"placement": best.placement.style, "found_by": best.found_by}),
     }
     resolved = apply(job, payload, job.grid.pp * job.grid.dp)
     line = (
         f"train.schedule = auto: {best.placement.style} placement, "
-        f"{[len(r) for r in best.ranges]} blocks per stage, by {best.how} ({result.status}), "
+        f"{[len(r) for r in best.ranges]} blocks per stage, by {best.found_by} ({result.status}), "
         f"at most {result.max_inflight:g} micro-batches of a rank's share per rank "
         f"(as {resolved.train.schedule})"
     )

@@ -199,12 +199,13 @@ def _live_activations(
     waiting, peak = {}, 0  # recompute: a split B's W caches until its W, and the peak with them
     for a in actions:
         held = work[a.stage].input_bytes if recompute else work[a.stage].activation_bytes
-        live.step(a.kind, a.stage, a.microbatch, held)
+        live.action(a, held)
         if recompute and (a.stage, a.microbatch) in split and a.kind in "BW":
             if a.kind == "B":  # what its W's GEMMs read: the Linear inputs, output gradients
                 waiting[a.stage, a.microbatch] = wcache_bytes(work[a.stage])
             else:
-                waiting.pop((a.stage, a.microbatch))
+                for mb in a.microbatches:
+                    waiting.pop((a.stage, mb))
         peak = max(peak, live.total_bytes + sum(waiting.values()))
     if recompute:  # and one micro-batch's forward cache lives again during its backward
         live.peak_total_bytes = peak + max(work[s].activation_bytes for s in mine)

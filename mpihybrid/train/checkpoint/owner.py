@@ -20,6 +20,7 @@ RESUMABLE = (
     "train.schedule",
     "train.microbatches",
     "train.early_grad_send",
+    "train.merge_w",
     "train.shard_optimizer",
     "train.recompute",
     "grid.dp",
