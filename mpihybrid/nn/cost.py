@@ -68,6 +68,11 @@ class ChunkWork:
     def calls(self, kind: str) -> int:
         return sum(layer.calls[kind] for layer in self.layers)
 
+    def merged_w_bytes(self, rows: int) -> int:
+        """Bytes a merged W over `rows` rows in all (k micro-batches of r rows: k r) keeps in nn/
+        gemm's gather scratch: one gather of the chunk's widest Linear (the scratch is shared)."""
+        return rows * max((layer.merge_row_bytes for layer in self.layers), default=0)
+
 
 def microbatch_rows(work: Workload) -> tuple[int, int]:
     """(samples, rows) of one micro-batch: rows are samples x tokens for a GPT."""

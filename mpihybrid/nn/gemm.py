@@ -1,6 +1,7 @@
 """The weight gradient's GEMM accumulated in place: g += x^T @ dy as one sgemm with beta = 1.
 
     accumulate_xt_dy(g, x, dy)      # g (in, out) += x (rows, in)^T @ dy (rows, out)
+    x, dy = gather(xs, dys)         # k micro-batches' rows, each list concatenated (merged W)
 
 numpy's `g += x.T @ dy` writes x^T dy to a fresh (in, out) array, then reads it and g again and
 writes g: a temporary as large as the weight and a pass over it after every GEMM. BLAS's sgemm
@@ -10,6 +11,12 @@ library or its sgemm is not found (numpy built on another BLAS), or an array is 
 host array with unit inner stride, the numpy expression runs instead (the tested reference). The
 sum is the same GEMM's, added once: bit-identical to the reference where one BLAS block covers
 the rows, within float32 rounding otherwise (docs/performance.md).
+
+A merged W (Stage.backward_weight_merged) gathers k micro-batches' x and dy rows into ONE
+process-wide float32 scratch that every Linear of every stage of the process shares (the compute
+runs on one thread): its size is the largest gather seen, one layer's, kept between steps so a
+step allocates nothing. Buffers per layer would keep one pair per Linear alive (17 on a GPT
+stage of 4 layers and the head), the shared one only the largest (scratch_bytes()).
 """
 
 from __future__ import annotations
@@ -95,3 +102,32 @@ def _xt_dy(sgemm, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     m, n, k = c.shape[0], c.shape[1], a.shape[0]
     sgemm(_ROW_MAJOR, _TRANS, _NO_TRANS, m, n, k, 1.0, _address(a), a.strides[0] // 4,
           _address(b), b.strides[0] // 4, 1.0, _address(c), n)  # fmt: skip
+
+
+_scratch = np.empty(0, np.float32)  # gather's, grown to the largest gather and kept
+
+
+def gatherable(a) -> bool:
+    """Whether gather takes the array: a float32 numpy array (any strides; it is copied)."""
+    return type(a) is np.ndarray and a.dtype == np.float32 and a.ndim == 2
+
+
+def gather(xs: list[np.ndarray], dys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(the xs' rows concatenated, the dys' rows concatenated), both contiguous views of the
+    process's scratch: valid until the next gather (the caller's GEMM uses them at once)."""
+    global _scratch
+    rows, n_in, n_out = sum(len(x) for x in xs), xs[0].shape[1], dys[0].shape[1]
+    need = rows * (n_in + n_out)
+    if _scratch.size < need:
+        _scratch = np.empty(0, np.float32)  # the old one freed before the new one is made
+        _scratch = np.empty(need, np.float32)
+    x = _scratch[: rows * n_in].reshape(rows, n_in)
+    dy = _scratch[rows * n_in : need].reshape(rows, n_out)
+    np.concatenate(xs, out=x)
+    np.concatenate(dys, out=dy)
+    return x, dy
+
+
+def scratch_bytes() -> int:
+    """Bytes the merged W's gather scratch holds now (0 before the first merged W)."""
+    return _scratch.nbytes

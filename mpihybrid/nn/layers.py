@@ -56,6 +56,9 @@ class Cost:
     kept_bytes      bytes of the arrays the forward's cache keeps alive until the backward (its
                     input among them when it keeps it; no layer keeps its output)
     temporary_bytes the largest array a pass allocates and drops
+    merge_row_bytes bytes a merged W gathers per row (Linear: its x and dy rows); the gather
+                    lands in nn/gemm's one scratch, so a merged W of R rows in all holds
+                    R x the largest layer's figure, kept between steps
     """
 
     params: int = 0
@@ -65,6 +68,7 @@ class Cost:
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PASSES, 0))
     kept_bytes: int = 0
     temporary_bytes: int = 0
+    merge_row_bytes: int = 0
 
     def flops(self, kind: str | None = None) -> int:
         """Matmul FLOPs of pass `kind`, or of all three."""
@@ -79,6 +83,7 @@ class Cost:
             self.calls[p] += other.calls[p]
         self.kept_bytes += other.kept_bytes
         self.temporary_bytes = max(self.temporary_bytes, other.temporary_bytes)
+        self.merge_row_bytes = max(self.merge_row_bytes, other.merge_row_bytes)
 
 
 def layer_costs(layers: list, rows: int, width: int, need_dx: bool = True) -> list[Cost]:
@@ -124,6 +129,12 @@ class Layer:
 
     def backward_weight(self, wcache: object) -> None:
         """Accumulate weight gradients; nothing to do without parameters."""
+
+    def backward_weight_merged(self, wcaches: list[object]) -> None:
+        """The weight gradients of several micro-batches (their wcaches) in one call: here each
+        in turn, the bits of as many backward_weight calls; Linear gathers them into one GEMM."""
+        for wc in wcaches:
+            self.backward_weight(wc)
 
     def backward(self, dy: np.ndarray, cache: object, need_dx: bool = True) -> np.ndarray | None:
         dx, wcache = self.backward_input(dy, cache, need_dx)
@@ -253,6 +264,26 @@ class Linear(Layer):
         if self.bias:
             self.grads["bias"] += dy2.sum(axis=0)
 
+    def backward_weight_merged(self, wcaches: list[object]) -> None:
+        """k micro-batches' weight gradient as ONE GEMM over their rows, gathered into nn/gemm's
+        scratch: dW += [x1; ..; xk]^T [dy1; ..; dyk]; the bias as serial, dy by dy. At
+        64 rows a micro-batch, 4 merged take 0.82 of the separate GEMMs' time, the gather
+        counted (benchmarks/gemm_ab.py --merge 4 --rows 64). The weight's sum runs in another
+        order than k backward_weight calls: within float32 rounding of theirs (worst |merged -
+        serial| on gpt_bench's stages, k = 2..8 of 64 or 128 rows: 8.6e-7 of the tensor's
+        largest |value|; against float64 7e-7, serial's 4e-7; tests/test_merged_w.py allows
+        4e-6). One micro-batch, or arrays other than float32 numpy ones (float64, a GPU's): the
+        loop, serial's bits."""
+        xs = [_rows(x) for x, _ in wcaches]
+        dys = [_rows(dy) for _, dy in wcaches]
+        if len(wcaches) == 1 or not all(gemm.gatherable(a) for a in (*xs, *dys)):
+            return super().backward_weight_merged(wcaches)
+        gemm.accumulate_xt_dy(self.grads["weight"], *gemm.gather(xs, dys))
+        # the bias dy by dy: serial's bits (one sum over all the rows adds them in a row: on
+        # gpt_bench 10x the weight's error, 8.6e-6 of the largest |value|)
+        for dy in dys if self.bias else ():
+            self.grads["bias"] += dy.sum(axis=0)
+
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
         # F: x @ W, y += b;  B: dy @ W^T (not the model's first layer);  W: x^T @ dy added to
         # the gradient inside the GEMM (nn/gemm; else a temporary, read and written), the bias's
@@ -268,6 +299,7 @@ class Linear(Layer):
         c.elem_bytes["W"] = 12 * temporary + (4 * rows * o if self.bias else 0)
         c.kept_bytes = FLOAT * rows * i
         c.temporary_bytes = FLOAT * max(temporary, rows * o, rows * i)
+        c.merge_row_bytes = FLOAT * (i + o)
         return c
 
     def flops(self, batch: int) -> int:
@@ -436,6 +468,8 @@ class LayerNorm(Layer):
             return
         self.grads["weight"] += np.einsum("bc,bc->c", dy2, _rows(xhat))
         self.grads["bias"] += dy2.sum(axis=0)
+        # a merged W keeps Layer's loop, serial's bits: gathering first for one kernel call is
+        # slower (240 wide, 4 micro-batches of 64 rows: 24 us against 20; of 128: 33 against 20)
 
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
         # F reads x, writes y and xhat (12);  B reads dy, xhat, writes dx (12);  W reads dy and

@@ -250,6 +250,20 @@ class Stage:
             if on_grad is not None:
                 on_grad(lo)
 
+    def backward_weight_merged(
+        self, wcaches: list[object], on_grad: GradHook | None = None
+    ) -> None:
+        """The weight gradients of k micro-batches (their backward_input wcaches) as one pass:
+        each layer takes all k at once (a Linear: one GEMM over their rows, Linear.
+        backward_weight_merged), from the last layer to the first, on_grad(lo) after each as
+        backward_weight calls it. Sums as k backward_weight calls do, within float32 rounding."""
+        if not wcaches:
+            raise ValueError("backward_weight_merged: no micro-batches to merge")
+        for i in reversed(range(len(self.layers))):
+            self.layers[i].backward_weight_merged([wc[i] for wc in wcaches])
+            if on_grad is not None:
+                on_grad(self.param_ranges[i][0])
+
     def zero_grad(self) -> None:
         self.flat_grads.fill(0)
 

@@ -82,6 +82,21 @@ def chunk_loss(work: Workload):
     return None if vocab_parallel(work) else model_kind(work.model.kind).loss()
 
 
+def stage_wcaches(stage, inputs, targets, loss_fn, first: bool) -> list:
+    """Each micro-batch's forward and input gradient through `stage` (the loss's gradient where
+    loss_fn is given, else a constant one): the wcaches its weight gradients take, one per
+    micro-batch (benchmarks/merged_w.py, tests/test_merged_w.py)."""
+    wcaches = []
+    for x, t in zip(inputs, targets, strict=True):
+        out, cache = stage.forward(x)
+        if loss_fn is None:
+            dy = np.full_like(out, 1e-3)
+        else:
+            dy = loss_fn.step(out, t, 1.0 / len(inputs))[2]  # as training runs it
+        wcaches.append(stage.backward_input(dy, cache, need_dx=not first)[1])
+    return wcaches
+
+
 def profile_stage(stage, inputs, targets, loss_fn, first: bool, *, repeats: int, key=None):
     """Seconds per micro-batch by category (or by `key(layer, method)`), glue included.
     loss_fn: the model kind's loss where the stage ends the model (None: it does not)."""

@@ -273,6 +273,11 @@ class Residual(Layer):
         for layer, wc in zip(self.branch, wcache, strict=True):
             layer.backward_weight(wc)
 
+    def backward_weight_merged(self, wcaches: list[object]) -> None:
+        """Each branch layer merges its own part of every micro-batch's wcache."""
+        for i, layer in enumerate(self.branch):
+            layer.backward_weight_merged([wc[i] for wc in wcaches])
+
     def cost(self, rows: int, width: int, need_dx: bool = True) -> Cost:
         # the branch's, and the skip: h += x (F), g += dy (B), 12 a value each
         c = self._base_cost(width)
