@@ -201,7 +201,8 @@ def schedule_of(base: Measured, change: Change, mean_costs=None):
     try:
         v = change.virtual_stages or (chunks_for(name, base.v) if change.schedule else base.v)
         csv = base.ran.csv if name == base.schedule else None  # the trace's copy of its CSV
-        ran = make_schedule(name, base.pp, m, v, base.early, csv=csv)
+        merge_w = base.ran.merge_w if base.ran is not None else 1  # as the run merged its W
+        ran = make_schedule(name, base.pp, m, v, base.early, csv=csv, merge_w=merge_w)
         actions, placement = ran.lists(), ran.placement
     except ScheduleError as exc:
         raise ReplayError(f"whatif: {exc}") from None

@@ -45,6 +45,14 @@ def schedule() -> None:
     "another rank is B, send, then W.",
 )
 @click.option(
+    "--merge-w",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="As train.merge_w: each stage's W passes merged in groups of up to this many "
+    "micro-batches (one GEMM per weight; 1: none).",
+)
+@click.option(
     "--grid",
     type=click.Choice(["auto", "full", "none"]),
     default="auto",
@@ -80,6 +88,7 @@ def schedule_show(
     virtual,
     show_all,
     early_grad_send,
+    merge_w,
     grid,
     csv_path,
     trace_path,
@@ -105,6 +114,7 @@ def schedule_show(
         microbatches = int(attrs["microbatches"])
         virtual = int(attrs.get("virtual_stages", 1))
         early_grad_send = bool(attrs.get("early_grad_send", False))
+        merge_w = int(attrs.get("merge_w", 1))
         vocab_parallel = bool(attrs.get("vocab_parallel", False))
     try:
         spec = spec_of(name, copy)  # a trace's csv: schedule: of its copy of the CSV
@@ -116,14 +126,19 @@ def schedule_show(
                 "without --vocab-parallel (a csv: schedule trained with model.vocab_parallel = "
                 "true gets its passes placed when the run starts)"
             )
+        if show_all and merge_w > 1:
+            _fail("--merge-w shows one schedule, not --all")
         if show_all:
             click.echo(compare(pp, microbatches, v, early_grad_send, vocab=vocab_parallel))
             return
         click.echo(
-            describe(spec, pp, microbatches, v, early_grad_send, grid=grid, vocab=vocab_parallel)
+            describe(spec, pp, microbatches, v, early_grad_send, grid=grid, vocab=vocab_parallel,
+                     merge_w=merge_w)  # fmt: skip
         )
         if csv_path:
-            shown = make_schedule(name, pp, microbatches, v, early_grad_send, csv=copy)
+            shown = make_schedule(
+                name, pp, microbatches, v, early_grad_send, csv=copy, merge_w=merge_w
+            )
             actions = shown.lists()
             unit = simulate(actions, shown.placement, unit_costs(actions))
             text = dump_csv(actions, unit.start)

@@ -360,12 +360,14 @@ def describe(
     *,
     grid: str = "auto",
     vocab: bool = False,
+    merge_w: int = 1,
 ) -> str:
     """Grid + predicted and simulated bubble + peak activations per stage, for one schedule.
     grid: "full", "auto" (summarised past GRID_RANKS ranks or GRID_ROWS rows) or "none".
-    vocab: with model.vocab_parallel's passes (vocab_passes.py). name: or its spec."""
+    vocab: with model.vocab_parallel's passes (vocab_passes.py). name: or its spec. merge_w:
+    its W passes merged in groups of up to that many (a merged W takes a step each)."""
     spec = get_spec(name)  # a spec made of a trace's CSV has no file to read again
-    actions = build_schedule(spec, pp, m, v, early_grad_send)
+    actions = build_schedule(spec, pp, m, v, early_grad_send, merge_w=merge_w)
     placement = placement_of(spec, pp, v)
     costs = unit_costs(actions)
     if vocab:
@@ -376,6 +378,7 @@ def describe(
         most = max(result.peak_inflight)
         peaks = f"at most {most} (stage {result.peak_inflight.index(most)})"
     early = ", gradients sent before W" if early_grad_send else ""
+    early += f", W merged in {merge_w}s" if merge_w > 1 else ""
     where = " ".join(f"r{r}:{','.join(map(str, placement.stages_of(r)))}" for r in range(pp))
     lines = [
         f"{spec.name}: pp={pp} num_microbatches={m} virtual_stages={v} (one step per action{early})"
