@@ -132,8 +132,16 @@ def schedule_show(
             click.echo(compare(pp, microbatches, v, early_grad_send, vocab=vocab_parallel))
             return
         click.echo(
-            describe(spec, pp, microbatches, v, early_grad_send, grid=grid, vocab=vocab_parallel,
-                     merge_w=merge_w)  # fmt: skip
+            describe(
+                spec,
+                pp,
+                microbatches,
+                v,
+                early_grad_send,
+                grid=grid,
+                vocab=vocab_parallel,
+                merge_w=merge_w,
+            )  # fmt: skip
         )
         if csv_path:
             shown = make_schedule(
