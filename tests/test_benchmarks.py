@@ -34,3 +34,14 @@ def test_gemm_ab_merged_and_input_gradient_modes_run_and_refuse_a_negative_merge
     proc = subprocess.run([*script, "--merge", "-1"], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "--merge is 0 (off) or more" in proc.stderr, proc.stderr
+
+
+def test_merged_w_runs_two_microbatches_and_refuses_a_merge_of_one_in_one_line():
+    script = [sys.executable, "benchmarks/merged_w.py", "--rows", "64", "--rounds", "1"]
+    proc = subprocess.run([*script, "--merge", "2"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "merged/separate" in proc.stdout, proc.stderr[-2000:]
+    proc = subprocess.run([*script, "--merge", "1"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--merge at least 2" in proc.stderr
