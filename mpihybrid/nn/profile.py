@@ -182,6 +182,40 @@ def block_pass_costs(
     return tuple([x + glue for x in p] for p in passes)
 
 
+def block_merge_ratios(work: Workload, repeats: int = 3) -> list[float]:
+    """What each micro-batch beyond the first adds to a merged W of each block of the whole
+    model, as a fraction of one W pass (job_costs makes SearchCosts.weight_more of it): the
+    job's M micro-batches' W passes as one (backward_weight_merged: a GEMM per weight over
+    their rows) against one at a time, block by block, the medians of `repeats` after a
+    warm-up; a block without weights 1.0. [] where M is 1 (nothing to merge)."""
+    import statistics
+
+    m = work.microbatches
+    if m < 2:
+        return []
+    stage = build_stage(work.model, *task_dims(work.data), 0, 1, seed=work.seed)
+    inputs, targets = chunk_inputs(work, 0)
+    wcaches = stage_wcaches(stage, inputs, targets, chunk_loss(work), True)
+    where = {id(layer): i for i, layer in enumerate(stage.layers)}
+    out = []
+    for block in stage.blocks:
+        index = [where[id(layer)] for layer in block]
+        times = {"one": [], "merged": []}
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for i in index:
+                for wc in wcaches:
+                    stage.layers[i].backward_weight(wc[i])
+            middle = time.perf_counter()
+            for i in index:
+                stage.layers[i].backward_weight_merged([wc[i] for wc in wcaches])
+            times["one"].append(middle - start)
+            times["merged"].append(time.perf_counter() - middle)
+        one, merged = (statistics.median(t[1:]) / m for t in times.values())  # a micro-batch's
+        out.append(max(0.0, (m * merged - one) / ((m - 1) * one)) if one > 0 else 1.0)
+    return out
+
+
 def block_update_costs(work: Workload, train, repeats: int = 3) -> list[float]:
     """Seconds of one optimizer update (train.optimizer) of each block's parameters: what a
     stage's last weight-gradient action carries besides its W on a CPU rank (the gradient

@@ -187,12 +187,19 @@ def unit_costs(pp: int, blocks: int | None = None) -> SearchCosts:
 def job_costs(job, repeats: int = 3, link: tuple[float, float] = (0.0, 0.0)) -> SearchCosts:
     """The job's blocks timed on this machine, F, B and W apart (nn.profile: the whole model as
     one stage on the job's own micro-batches; the loss rides with the head's F and B), each
-    block's optimizer update (the tail its stage's last W carries), model.vocab_parallel's share
+    block's optimizer update (the tail its stage's last W carries), what a merged W adds per
+    micro-batch (its M micro-batches' W as one: block_merge_ratios), model.vocab_parallel's share
     passes (nn.profile.share_pass_costs), and link = (send, gap) as
     cli.link_probe measured them (0: not measured, one process)."""
-    from mpihybrid.nn.profile import block_pass_costs, block_update_costs, share_pass_costs
+    from mpihybrid.nn.profile import (
+        block_merge_ratios,
+        block_pass_costs,
+        block_update_costs,
+        share_pass_costs,
+    )
 
     forward, backward, weight = block_pass_costs(job.workload, repeats)
+    ratios = block_merge_ratios(job.workload, repeats)  # []: M = 1, nothing to merge
     vocab = share_pass_costs(job, repeats) if job.model.vocab_parallel else ()
     send, gap = link
     return check_values(
@@ -203,6 +210,7 @@ def job_costs(job, repeats: int = 3, link: tuple[float, float] = (0.0, 0.0)) -> 
             send=float(send),
             gap=float(gap),
             tail=tuple(block_update_costs(job.workload, job.train, repeats)),
+            weight_more=tuple(w * r for w, r in zip(weight, ratios, strict=True)) if ratios else (),
             vocab=tuple(vocab),
             source="the job's timed blocks",
         )

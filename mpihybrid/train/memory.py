@@ -118,6 +118,7 @@ def rank_memory(
         "receive buffers": int(recv) + share["buffers"],
         "data": data_bytes(job),
         "temporaries": max(share["temporary"], *(work[s].largest_temporary for s in mine)),
+        "merged W scratch": _merged_w_bytes(job, work, actions),
         "runtime": int(base_bytes),
     }
     # the held-out evaluation runs its pieces (train.evaluate) where the step's activations are
@@ -142,6 +143,15 @@ def rank_memory(
         "total_bytes": total,
         "fits": bool(not memory_bytes or total <= memory_bytes),
     }
+
+
+def _merged_w_bytes(job: Job, work: list[ChunkWork], actions: list[Action]) -> int:
+    """train.merge_w: nn/gemm's gather scratch, one for the process and kept between steps, as
+    large as the rank's largest merged W gathers (its widest Linear's rows of every micro-batch
+    it merges); 0 where no W is merged."""
+    rows = job.workload.rows
+    sizes = [work[a.stage].merged_w_bytes(rows * len(a.microbatches)) for a in actions if a.merged]
+    return max(sizes, default=0)
 
 
 def _tie_bytes(job: Job, placement, mine: list[int], num_stages: int) -> int:
