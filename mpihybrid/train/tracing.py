@@ -111,7 +111,7 @@ def layout_attrs(job: Job, world_size: int) -> dict:
         "virtual_stages": t.virtual_stages,
         "stage_ranks": np.array(placement.stage_ranks, np.int64),  # pp rank of each stage
         "early_grad_send": t.early_grad_send,
-        **({"merge_w": t.merge_w} if t.merge_w > 1 else {}),
+        "merge_w": t.merge_w,
         "codec": job.comm.codec,
         "p2p_codec": job.comm.p2p_codec,
         "device": job.grid.device,
