@@ -239,7 +239,7 @@ class PipelineRuntime:
             self.slow.after(letter, Recorder.clock() - t0)
         t1 = Recorder.clock()  # one reading: the kind's total and the trace row agree
         cpu = self.cpu_clock() - self.cpu0 if self.cpu_clock is not None else float("nan")
-        k = len(a.microbatches)
+        k = 1 + len(a.merged)
         if self._grad_hook(letter, a.stage, a.microbatch) is None:
             total = self.kind_seconds[letter]
             total[0] += t1 - t0
@@ -309,12 +309,13 @@ class PipelineRuntime:
 
     def _weight(self, a: Action, state: _Step, t0: float) -> None:
         stage, hook = self.stages[a.stage], self._grad_hook("W", a.stage, a.microbatch)
-        wcaches = [state.wcaches.pop((a.stage, mb)) for mb in a.microbatches]
         if a.merged:  # one GEMM per weight over every micro-batch's rows
+            wcaches = [state.wcaches.pop((a.stage, mb)) for mb in a.microbatches]
             stage.backward_weight_merged(wcaches, hook)
+            state.live.action(a)
         else:
-            stage.backward_weight(wcaches[0], hook)
-        state.live.action(a)
+            stage.backward_weight(state.wcaches.pop((a.stage, a.microbatch)), hook)
+            state.live.step("W", a.stage, a.microbatch)
         self._done("weight", a, state, t0)
 
     def _send(self, a: Action, state: _Step, t0: float) -> None:
