@@ -160,3 +160,16 @@ def test_train_merge_w_below_one_is_refused():
         load_job(ROOT / "jobs" / "laptop.toml", ["train.merge_w=0"], 4)
     job = load_job(ROOT / "jobs" / "laptop.toml", ["train.merge_w=2", "train.schedule=zb-h1"], 4)
     assert job.schedule.merge_w == 2
+
+
+def test_merge_ratios_follow_the_row_probes_line():
+    from mpihybrid.predict.rows import merge_ratios
+
+    # W = 1 ms + 0.01 ms a row: at 100 rows 2 ms, at 50 rows 1.5; a merged W pays the 1 ms once
+    probe = ([100, 50], [1.0, 0.5, 1.0, 0.5, 2e-3, 1.5e-3] * 2)
+    assert merge_ratios(probe, 4, 4, 2) == pytest.approx([0.5, 0.5])
+    # at M = 8 (50 rows a micro-batch) the fixed part is more of a W: 0.5 / 1.5
+    assert merge_ratios(probe, 4, 8, 2) == pytest.approx([1 / 3, 1 / 3])
+    # a line that falls with the rows saves nothing; a probe of other chunks: None
+    assert merge_ratios(([100, 50], [1.0, 0.5, 1.0, 0.5, 1e-3, 2e-3]), 4, 4, 1) == [1.0]
+    assert merge_ratios(probe, 4, 4, 3) is None

@@ -3,6 +3,7 @@ a stage merged, and a traced run whose rows, attributes and analysis say what wa
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -67,6 +68,18 @@ def test_a_merged_run_traces_a_row_per_microbatch_and_analyzes(tmp_path):
         np.testing.assert_allclose(rows["start"][1:], rows["end"][:-1])
         np.testing.assert_allclose(np.diff(rows["end"] - rows["start"]), 0.0, atol=1e-9)
     for command in (["analyze", str(trace)], ["whatif", str(trace), "--set", "M=8"]):
-        proc = subprocess.run([sys.executable, "-m", "mpihybrid", *command], capture_output=True,
-                              text=True, timeout=120)  # fmt: skip
+        proc = _cli(*command)
         assert proc.returncode == 0, proc.stderr[-3000:]
+    # whatif's merged W: costed by the trace's row probe, a fraction of a W per micro-batch
+    proc = _cli("whatif", str(trace), "--set", "merge_w=2", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["change"] == "merge_w=2" and len(doc["merge_ratios"]) == 2
+    assert all(0 < r <= 1 for r in doc["merge_ratios"]) and doc["predicted"]["step"] > 0
+    proc = _cli("whatif", str(trace), "--set", "merge_w=0")
+    assert proc.returncode == 2 and "merge_w must be a whole number" in proc.stderr
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpihybrid", *argv], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip

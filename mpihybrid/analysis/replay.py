@@ -51,6 +51,10 @@ class Change:
     # "duplex" (a link each way between two ranks) or "shared" (one wire both ways); None: every
     # message in flight at once, each delayed by the run's mean hop
     link: str | None = None
+    merge_w: int | None = None  # each stage's W passes merged in groups of up to this (1: none)
+    # with merge_w: per stage, what each further micro-batch adds to a merged W as a fraction of
+    # one W (predict.rows.merge_ratios, from the row probe); None: 1 (merging saves nothing)
+    merge_ratios: list[float] | None = None
 
     def text(self) -> str:
         parts = [f"schedule={self.schedule}"] if self.schedule else []
@@ -59,6 +63,7 @@ class Change:
         if self.partition:
             parts.append("partition=" + ",".join(map(str, self.partition)))
         parts += [f"link={self.link}"] if self.link else []
+        parts += [f"merge_w={self.merge_w}"] if self.merge_w else []
         for key, f in self.scales.items():
             parts.append(f"{scale_name(key)}x{f:g}")
         return ", ".join(parts) or "none (the run itself)"
@@ -193,7 +198,7 @@ def schedule_of(base: Measured, change: Change, mean_costs=None):
     name = change.schedule or base.schedule
     m = change.microbatches or base.m
     mine = base.ran.placement
-    same = not (change.schedule or change.microbatches or change.virtual_stages)
+    same = not (change.schedule or change.microbatches or change.virtual_stages or change.merge_w)
     if base.lists and same and not change.partition:
         return (base.lists, mine), None
     if name == "auto":
@@ -201,7 +206,7 @@ def schedule_of(base: Measured, change: Change, mean_costs=None):
     try:
         v = change.virtual_stages or (chunks_for(name, base.v) if change.schedule else base.v)
         csv = base.ran.csv if name == base.schedule else None  # the trace's copy of its CSV
-        merge_w = base.ran.merge_w if base.ran is not None else 1  # as the run merged its W
+        merge_w = change.merge_w or (base.ran.merge_w if base.ran is not None else 1)
         ran = make_schedule(name, base.pp, m, v, base.early, csv=csv, merge_w=merge_w)
         actions, placement = ran.lists(), ran.placement
     except ScheduleError as exc:
@@ -379,10 +384,12 @@ def sim_costs(base: Measured, costs, change: Change, replica: int, m: int) -> Co
     for s in range(n):
         if unsplit[s]:  # its measured B was the whole backward: B x scales both halves
             new_w[s] = w[s] * fb[s]
+    ratios = change.merge_ratios
     return Costs(
         forward=[f[s] * ff[s] for s in range(n)],
         backward=new_b,
         weight=new_w,
+        weight_more=[new_w[s] * ratios[s] for s in range(n)] if ratios else None,
         send=costs.send * plain["hop"],
         whole=new_whole,
         tail=[x * plain["tail"] for x in costs.tail] if costs.tail else 0.0,

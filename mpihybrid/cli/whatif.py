@@ -21,6 +21,7 @@ KEYS = {
     "partition": "partition",
     "split": "partition",
     "link": "link",
+    "merge_w": "merge_w",
 }
 LINKS = ("duplex", "shared")
 KIND_NAMES = ("F", "B", "W")
@@ -34,8 +35,8 @@ def parse_set(items: tuple[str, ...]) -> dict:
         field = KEYS.get(key.strip().lower())
         if not sep or field is None:
             _fail(f"--set {item}: the keys are schedule, microbatches (M), virtual_stages (v), "
-                  "partition (split), link")  # fmt: skip
-        if field in ("microbatches", "virtual_stages"):
+                  "partition (split), link, merge_w")  # fmt: skip
+        if field in ("microbatches", "virtual_stages", "merge_w"):
             try:
                 m = int(value)
             except ValueError:
@@ -92,7 +93,8 @@ def _scale_key(what: str, item: str):
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="schedule=NAME|csv:PATH|auto, microbatches=M, virtual_stages=V, "
                    "partition=3,1 (layers per stage), link=duplex|shared (messages queue on "
-                   "their link) (repeatable).")  # fmt: skip
+                   "their link), merge_w=4 (W passes merged, costed by the row probe) "
+                   "(repeatable).")  # fmt: skip
 @click.option("--scale", "scales", multiple=True, metavar="WHAT=FACTOR",
               help="hop=2, F=0.5, stage1.B=0.8, rank3=1.3 ... (repeatable).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON instead.")
@@ -132,10 +134,16 @@ def whatif(run, sets, scales, as_json) -> None:
             "the trace's hop reads 0: no message found its receiver already waiting, so the hop "
             "itself was not measured, and a change of the hop or the link has nothing to scale"
         )
+    if change.merge_w and change.merge_w > 1 and change.merge_ratios is None:
+        notes.append(
+            "the trace has no row probe (train.row_probe): a merged W is costed as the W passes "
+            "it merges, so merge_w moves only the order and the memory"
+        )
     doc = {
         "run": run,
         "change": change.text(),
         "hop": hop,
+        "merge_ratios": change.merge_ratios,
         "notes": notes,
         "measured": measured_figures(base) | {"bubble": None},
         "replayed": own,

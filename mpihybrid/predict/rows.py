@@ -70,10 +70,35 @@ def probed_factors(probe, m_run: int, m_new: int, units: int) -> dict[str, list[
     return out
 
 
+def merge_ratios(probe, m_run: int, m_new: int, units: int) -> list[float] | None:
+    """Per chunk, what each further micro-batch adds to a merged W (train.merge_w) as a fraction
+    of one W, at M = m_new: on the line through the probe's two W timings a pass costs fixed +
+    slope x rows, and a merged one pays `fixed` once (the gather of the rows not counted); None
+    where the probe is not of these chunks. A line that falls with the rows (noise) or costs
+    less than nothing at no rows saves nothing: 1."""
+    (rows, other), seconds = probe
+    if len(seconds) != 6 * units or rows == other:
+        return None
+    new_rows = rows * m_run / m_new
+    out = []
+    for unit in range(units):
+        at_rows, at_other = seconds[6 * unit + 4], seconds[6 * unit + 5]
+        slope = (at_rows - at_other) / (rows - other)
+        fixed = at_rows - slope * rows
+        ok = at_rows > 0 and slope > 0 and fixed >= 0
+        out.append(slope * new_rows / (fixed + slope * new_rows) if ok else 1.0)
+    return out
+
+
 def costed(base, change):
     """`change` (analysis.replay.Change) on `base` (its Measured) with a change of M costed by
-    the trace's row probe, else row_factors, as the whatif command replays it; unchanged
-    without a change of M."""
+    the trace's row probe, else row_factors, and a merged W's by the probe (merge_ratios), as
+    the whatif command replays it; unchanged without a change of M or of merge_w."""
+    if change.merge_w and change.merge_w > 1 and base.row_probe is not None:
+        units, m = base.costs[0][0].units, change.microbatches or base.m
+        change = dataclasses.replace(
+            change, merge_ratios=merge_ratios(base.row_probe, base.m, m, units)
+        )
     if not change.microbatches:
         return change
     units = base.costs[0][0].units
