@@ -7,7 +7,8 @@ and peak memory per rank.
 Per chunk and micro-batch (nn.cost: what each layer declares beside its forward and backward):
     F, B, W   every GEMM (b, m, k, n): 2bmkn / gemm_flops + 4b(mk + kn + mn) / gemm_bandwidth
               + b gemm_call_s; every elementwise pass: its bytes / mem_bandwidth; every layer
-              call: op_overhead_s
+              call: op_overhead_s. A merged W (train.merge_w): each Linear's GEMM once over its
+              micro-batches' rows, after their gather (merged_weight_seconds)
     messages  alpha + bytes / bandwidth of the link between the two ranks (same node or not,
               from grid.order and ranks_per_node); where comm.p2p_codec encodes the link (one
               across nodes, or every link with p2p_codec_scope = "all") the codec's bytes (int8:
@@ -76,6 +77,43 @@ def layer_seconds(layer: Cost, kind: str, d: Device) -> float:
 
 def action_seconds(work: ChunkWork, kind: str, cluster: Cluster) -> float:
     return sum(layer_seconds(layer, kind, cluster.device) for layer in work.layers)
+
+
+def merged_weight_seconds(work: ChunkWork, k: int, cluster: Cluster) -> float:
+    """One merged W over k micro-batches (train.merge_w; nn/layers.Linear.backward_weight_merged):
+    each Linear's x and dy rows gathered into nn/gemm's scratch (read and written, at
+    mem_bandwidth), then its weight's GEMM once over the k micro-batches' rows: the gradient's
+    traffic, the GEMM's call and the Linear's call paid once; the elementwise work (a bias, a
+    norm) and the other layers' calls once per micro-batch, as the layers run them. k = 1: a W,
+    which runs without a gather."""
+    if k <= 1:
+        return action_seconds(work, "W", cluster)
+    d = cluster.device
+    total = 0.0
+    for layer in work.layers:
+        calls = k * layer.calls["W"]
+        total += k * layer.elem_bytes["W"] / d.mem_bandwidth
+        for b, m, rows, n in layer.gemms["W"]:
+            if not layer.merge_row_bytes:  # no gather: the GEMMs one by one
+                total += k * gemm_seconds((b, m, rows, n), d)
+                continue
+            gather = 2 * FLOAT * b * k * rows * (m + n) / d.mem_bandwidth
+            total += gemm_seconds((b, m, k * rows, n), d) + gather
+            calls -= k - 1  # the Linear that runs this GEMM: one call for its k micro-batches
+        total += calls * d.op_overhead_s
+    return total
+
+
+def merged_weight_more(job: Job, work: list[ChunkWork], cluster: Cluster) -> list[float] | None:
+    """Costs.weight_more of the job's merge: per chunk, what each micro-batch beyond the first
+    adds to a merged W of min(train.merge_w, M) members (None: nothing merges)."""
+    k = min(job.train.merge_w, job.train.microbatches)
+    if k <= 1:
+        return None
+    return [
+        (merged_weight_seconds(w, k, cluster) - action_seconds(w, "W", cluster)) / (k - 1)
+        for w in work
+    ]
 
 
 def optimizer_bytes(job: Job) -> int:
@@ -220,6 +258,7 @@ def pipeline(job: Job, cluster: Cluster) -> tuple:
             for w in work
         ],
         weight=[action_seconds(w, "W", cluster) for w in work],
+        weight_more=merged_weight_more(job, work, cluster),
         send=message_seconds(job, work, cluster),
     )
     if job.model.vocab_parallel:  # every rank's share passes, placed as training places them
