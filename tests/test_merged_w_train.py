@@ -70,6 +70,9 @@ def test_a_merged_run_traces_a_row_per_microbatch_and_analyzes(tmp_path):
     for command in (["analyze", str(trace)], ["whatif", str(trace), "--set", "M=8"]):
         proc = _cli(*command)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        if command[0] == "analyze":  # its run line says how the W passes ran
+            run = next(line for line in proc.stdout.splitlines() if line.startswith("== "))
+            assert ", W merged in 4s," in run
     # whatif's merged W: costed by the trace's row probe, a fraction of a W per micro-batch
     proc = _cli("whatif", str(trace), "--set", "merge_w=2", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]

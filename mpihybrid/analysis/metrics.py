@@ -298,6 +298,7 @@ def _run_info(attrs: dict, config: dict) -> dict:
         "virtual_stages": int(attrs.get("virtual_stages", 1)),
         # traces from before the option: off
         "early_grad_send": bool(attrs.get("early_grad_send", False)),
+        "merge_w": int(attrs.get("merge_w", 1)),  # W passes merged in groups of up to it
         "codec": attrs.get("codec", config.get("comm.codec")),
         # the pipeline wire (traces from before it: fp32) and the gradient ring across nodes
         "p2p_codec": str(attrs.get("p2p_codec", config.get("comm.p2p_codec", "fp32"))),

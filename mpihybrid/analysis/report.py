@@ -41,6 +41,7 @@ def format_analysis(result: dict) -> str:
 def _run_line(run: dict) -> str:
     v = f", v={run['virtual_stages']}" if run["virtual_stages"] > 1 else ""
     v += ", gradients sent before W" if run.get("early_grad_send") else ""
+    v += f", W merged in {run['merge_w']}s" if run.get("merge_w", 1) > 1 else ""
     wire = ""
     if run.get("p2p_codec", "fp32") != "fp32":
         wire = f", pipeline wire {run['p2p_codec']} ({run.get('p2p_scope', 'inter-node')} links)"
